@@ -1,0 +1,31 @@
+# Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
+#
+# torch is installed first and explicitly: on a machine without a GPU, an unpinned `torch`
+# requirement would pull several GB of CUDA wheels. TORCH_SPEC picks the build; the default is
+# the CPU wheel this project is developed against. On a CUDA machine that already has torch,
+# `make test TORCH_SPEC=` skips the step and uses the installed one (with --system-site-packages).
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+VENV_FLAGS := $(if $(TORCH_SPEC),,--system-site-packages)
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m memfit.demo
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
