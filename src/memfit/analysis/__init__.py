@@ -1,0 +1,1 @@
+"""Analysis: facts about a joint graph (sizes, storages, FLOPs) and memory simulation."""

@@ -1,0 +1,89 @@
+"""What recomputing a node costs, in FLOPs, and which nodes are expensive enough to keep.
+
+FLOPs of matrix products, convolutions and attention come from PyTorch's own formulas
+(``torch.utils.flop_counter``), applied to the fake tensors tracing left on each node, so the
+numbers agree with ``FlopCounterMode``. Everything else (elementwise ops, norms, reductions) is
+charged one FLOP per output element: it is memory-bound, and its cost grows with what it writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from memfit.analysis.graph import node_tensors
+
+__all__ = ["node_flops", "is_compute_heavy"]
+
+aten = torch.ops.aten
+
+_HEAVY_PACKETS = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear,
+    aten.convolution, aten._convolution, aten.conv2d, aten.conv1d, aten.conv3d,
+    aten.scaled_dot_product_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+}
+for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+              "_efficient_attention_forward", "_native_multi_head_attention"):
+    if hasattr(aten, _name):
+        _HEAVY_PACKETS.add(getattr(aten, _name))
+
+
+def _packet(node: fx.Node) -> Any:
+    return getattr(node.target, "overloadpacket", None)
+
+
+def is_compute_heavy(node: fx.Node) -> bool:
+    """Matrix products, convolutions and attention: the ops ``"speed"`` mode never recomputes."""
+    return node.op == "call_function" and _packet(node) in _HEAVY_PACKETS
+
+
+def _attention_flops(node: fx.Node) -> int:
+    q, k, v = (a.meta.get("val") for a in node.args[:3])  # type: ignore[union-attr]
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return 0
+    *batch, lq, e = q.shape
+    ls = k.shape[-2]
+    ev = v.shape[-1]
+    b = 1
+    for d in batch:
+        b *= int(d)
+    return 2 * b * int(lq) * int(ls) * (int(e) + int(ev))
+
+
+def node_flops(node: fx.Node) -> int:
+    """Estimated FLOPs of running ``node`` once (0 for views, getitems and placeholders)."""
+    if node.op != "call_function":
+        return 0
+    packet = _packet(node)
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        return _attention_flops(node)
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        def unwrap(a: Any) -> Any:
+            return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+        try:
+            args = tree_map(unwrap, node.args)
+            kwargs = tree_map(unwrap, dict(node.kwargs))
+            return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # a formula that does not fit this overload: fall through
+            pass
+    outs = node_tensors(node)
+    if not outs or _is_view(node):
+        return 0
+    return int(sum(t.numel() for t in outs))
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True  # getitem and other Python-level glue
+    return any(r.alias_info is not None for r in schema.returns)

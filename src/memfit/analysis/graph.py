@@ -1,0 +1,199 @@
+"""A read-only view of an AOTAutograd joint graph: which nodes are forward, which are backward,
+which storage each value lives in, how many bytes and FLOPs each node costs.
+
+Why a view of our own: everything memfit decides (keep, recompute, predicted peak) is a question
+about forward values and the backward nodes that read them. AOTAutograd hands the partition
+function one joint graph with primals, tangents and both passes in it; the partition tags it
+carries (``partitioner_tag``) differ across torch releases, so forward and backward are told apart
+here by dataflow alone: a node is backward exactly when it depends on a tangent.
+
+Memory is counted per *storage*, not per node: views (``t``, ``view``, ``expand``, ``getitem`` of a
+multi-output op) share their base's storage, cost no bytes, and keep the base alive. The fake
+tensors that tracing leaves in ``node.meta["val"]`` share fake storages exactly as real views
+would, so the storage identity is read from them rather than from a table of view ops.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["JointGraph", "is_random", "node_tensors"]
+
+
+def node_tensors(node: fx.Node) -> list[torch.Tensor]:
+    """The tensors a node produces, from the fake values tracing recorded."""
+    val = node.meta.get("val")
+    if val is None:
+        return []
+    flat, _ = tree_flatten(val)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def is_random(node: fx.Node) -> bool:
+    """Random ops are never recomputed: a second draw would not give the same mask."""
+    target = node.target
+    tags = getattr(target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
+def _is_impure(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    try:
+        return node.is_impure()
+    except Exception:  # older fx versions raise on some targets; be conservative
+        return True
+
+
+@dataclass
+class JointGraph:
+    """Forward/backward structure of one joint graph, computed once and shared by all planners."""
+
+    module: fx.GraphModule
+    num_fwd_outputs: int
+    nodes: list[fx.Node] = field(init=False)
+    index: dict[fx.Node, int] = field(init=False)
+    primals: list[fx.Node] = field(init=False)
+    tangents: list[fx.Node] = field(init=False)
+    forward: list[fx.Node] = field(init=False)
+    backward: list[fx.Node] = field(init=False)
+    fwd_outputs: list[fx.Node] = field(init=False)
+    bwd_outputs: list[fx.Node] = field(init=False)
+    storages: dict[fx.Node, list[Any]] = field(init=False)
+    storage_bytes: dict[Any, int] = field(init=False)
+    _forward_set: set[fx.Node] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        graph = self.module.graph
+        self.nodes = list(graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.tangents = [n for n in placeholders if "tangents" in n.name]
+        self.primals = [n for n in placeholders if n not in set(self.tangents)]
+        output = next(n for n in reversed(self.nodes) if n.op == "output")
+        outs, _ = tree_flatten(output.args[0])
+        outs_nodes = [o if isinstance(o, fx.Node) else None for o in outs]
+        self.fwd_outputs = [o for o in outs_nodes[: self.num_fwd_outputs] if o is not None]
+        self.bwd_outputs = [o for o in outs_nodes[self.num_fwd_outputs :] if o is not None]
+
+        backward: set[fx.Node] = set(self.tangents)
+        for n in self.nodes:
+            if n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
+                backward.add(n)
+        self.backward = [n for n in self.nodes if n in backward and n.op == "call_function"]
+        # Forward proper: what the forward outputs need. Nodes that read only forward values but
+        # feed only the backward (``t(weight)`` for a linear's input gradient, ``detach`` of a
+        # saved value) stay out: autograd computes them in backward, and so does memfit.
+        required: set[fx.Node] = set()
+        stack = list(self.fwd_outputs)
+        while stack:
+            n = stack.pop()
+            if n in required or n.op == "placeholder":
+                continue
+            required.add(n)
+            stack.extend(n.all_input_nodes)
+        self.forward = [n for n in self.nodes if n in required]
+        self._forward_set = required
+
+        self.storages = {}
+        self.storage_bytes = {}
+        for n in self.nodes:
+            keys = []
+            for t in node_tensors(n):
+                try:
+                    storage = t.untyped_storage()
+                    key = StorageWeakRef(storage)
+                    nbytes = int(storage.nbytes())
+                except (NotImplementedError, RuntimeError):
+                    key = (n, len(keys))
+                    nbytes = t.numel() * t.element_size()
+                if key not in self.storage_bytes:
+                    self.storage_bytes[key] = nbytes
+                keys.append(key)
+            self.storages[n] = keys
+
+    # ---- facts about single nodes -------------------------------------------------------------
+
+    def is_backward(self, node: fx.Node) -> bool:
+        return node in self._backward_set
+
+    @property
+    def _backward_set(self) -> set[fx.Node]:
+        cached = self.__dict__.get("_bwset")
+        if cached is None:
+            cached = set(self.backward) | set(self.tangents)
+            self.__dict__["_bwset"] = cached
+        return cached
+
+    def must_save(self, node: fx.Node) -> bool:
+        """Forward nodes whose value must be kept rather than recomputed, whatever the policy."""
+        return is_random(node) or _is_impure(node)
+
+    def never_recompute(self, node: fx.Node) -> bool:
+        """Values that are kept whatever a policy says: random and impure ops and their items."""
+        if self.is_getitem(node) and isinstance(node.args[0], fx.Node):
+            return self.must_save(node.args[0])
+        return self.is_tensor_value(node) and self.must_save(node)
+
+    def is_tensor_value(self, node: fx.Node) -> bool:
+        """A node whose own value is one tensor (multi-output nodes are saved through getitems)."""
+        return isinstance(node.meta.get("val"), torch.Tensor)
+
+    def allocated_by(self, node: fx.Node, seen: set[Any]) -> int:
+        """Bytes of the storages ``node`` creates that are not in ``seen`` (which it updates)."""
+        total = 0
+        for key in self.storages.get(node, ()):
+            if key not in seen:
+                seen.add(key)
+                total += self.storage_bytes[key]
+        return total
+
+    def own_bytes(self) -> dict[fx.Node, int]:
+        """Bytes each forward node allocates when run in joint order (views and getitems: 0)."""
+        seen: set[Any] = set()
+        for p in self.primals:
+            for key in self.storages.get(p, ()):
+                seen.add(key)
+        return {n: self.allocated_by(n, seen) for n in self.forward}
+
+    def saved_needed(self, saved: Iterable[fx.Node]) -> set[fx.Node]:
+        """The subset of ``saved`` the backward actually reads, directly or to recompute from.
+
+        Walks up from every backward node through forward nodes that are not saved (they will be
+        recomputed) and stops at saved nodes and primals; the primals it reaches are included,
+        and so are random and impure values (``never_recompute``), whatever ``saved`` says.
+        """
+        saved_set = set(saved)
+        needed: set[fx.Node] = set()
+        visited: set[fx.Node] = set()
+        stack = [a for n in self.backward for a in n.all_input_nodes if a not in self._backward_set]
+        while stack:
+            n = stack.pop()
+            if n in visited:
+                continue
+            visited.add(n)
+            if n in saved_set or n.op == "placeholder" or self.never_recompute(n):
+                needed.add(n)  # primals are handed to backward like saved values, at no cost
+                continue
+            stack.extend(n.all_input_nodes)
+        return needed
+
+    def bytes_of(self, nodes: Iterable[fx.Node]) -> int:
+        """Bytes of the distinct storages behind ``nodes``, primals' storages excluded."""
+        primal_keys = {k for p in self.primals for k in self.storages.get(p, ())}
+        keys = {k for n in nodes for k in self.storages.get(n, ()) if k not in primal_keys}
+        return sum(self.storage_bytes[k] for k in keys)
+
+    def users_in_forward(self, node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if u in self._forward_set]
+
+    @staticmethod
+    def is_getitem(node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,200 @@
+"""Memory simulation of one training step: the bytes live after every op, forward then backward.
+
+Why simulate instead of a formula: with recomputation, peak memory depends on *when* each value
+is born and dies, not only on which values are kept. The simulator replays the exact orders the
+executor will run (forward graph in joint order; backward graph in the autograd-like order of
+``order_backward``) and frees each storage right after its last reader, as FX-generated code does
+(``x = None`` after last use) and as AOTAutograd does for saved tensors once the backward graph
+has consumed them. The same walker serves the planner's search (on the joint graph) and the final
+prediction (on the very forward/backward graphs that run), so the two cannot drift apart.
+
+Bytes are per storage (see ``analysis.graph``); storages of primals (parameters, buffers, user
+inputs) existed before the step and are never counted, which makes the result directly comparable
+with ``memfit.measure``'s "peak above entry".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch.fx as fx
+
+from memfit.analysis.graph import JointGraph
+
+__all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
+
+StorageFn = Callable[[fx.Node], Sequence[Any]]
+
+
+@dataclass
+class Walk:
+    """Result of replaying one ordered list of nodes."""
+
+    peak_bytes: int
+    end_live: set[Any]
+    end_bytes: int
+    curve: list[int] = field(default_factory=list)
+
+
+def walk(
+    order: Sequence[fx.Node],
+    storages: StorageFn,
+    storage_bytes: dict[Any, int],
+    *,
+    start_live: Iterable[Any] = (),
+    keep: Iterable[Any] = (),
+    uncounted: Iterable[Any] = (),
+    record_curve: bool = False,
+) -> Walk:
+    """Replay ``order``: allocate each node's new storages, free storages after their last use.
+
+    ``start_live`` storages are alive at the start; ``keep`` storages are never freed during the
+    walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing.
+    """
+    uncounted_set = set(uncounted)
+    keep_set = set(keep)
+    last_use: dict[Any, int] = {}
+    for i, n in enumerate(order):
+        for key in storages(n):
+            last_use[key] = i
+        for a in n.all_input_nodes:
+            for key in storages(a):
+                last_use[key] = i
+    frees: dict[int, list[Any]] = {}
+    for key, i in last_use.items():
+        if key not in keep_set and key not in uncounted_set:
+            frees.setdefault(i, []).append(key)
+
+    live = {k for k in start_live if k not in uncounted_set}
+    current = sum(storage_bytes[k] for k in live)
+    # Values alive at the start that nothing in this walk reads, and that nobody keeps, are gone
+    # before the first op runs (AOTAutograd only hands over what the graph reads).
+    for k in list(live):
+        if k not in last_use and k not in keep_set:
+            live.discard(k)
+            current -= storage_bytes[k]
+    peak = current
+    curve: list[int] = []
+    for i, n in enumerate(order):
+        for key in storages(n):
+            if key not in live and key not in uncounted_set:
+                live.add(key)
+                current += storage_bytes[key]
+        if current > peak:
+            peak = current
+        for key in frees.get(i, ()):
+            if key in live:
+                live.discard(key)
+                current -= storage_bytes[key]
+        if record_curve:
+            curve.append(current)
+    return Walk(peak_bytes=peak, end_live=live, end_bytes=current, curve=curve)
+
+
+def forward_order(jg: JointGraph, saved: Iterable[fx.Node]) -> list[fx.Node]:
+    """Forward nodes that run: ancestors of the forward outputs and of the saved values."""
+    needed: set[fx.Node] = set()
+    stack = list(jg.fwd_outputs) + list(saved)
+    while stack:
+        n = stack.pop()
+        if n in needed or n.op == "placeholder":
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in jg.forward if n in needed]
+
+
+def order_backward(
+    nodes: Sequence[fx.Node],
+    is_backward: Callable[[fx.Node], bool],
+    available: set[fx.Node],
+    outputs: Sequence[fx.Node],
+) -> list[fx.Node]:
+    """Autograd-engine order: each backward node runs right after the recomputation it needs.
+
+    ``nodes`` is the backward graph in its given (joint) order, where recomputed forward nodes
+    all come first. Run naively, every recomputed value would be born at the start of backward
+    and the recomputation would save nothing. Instead, walk the true backward nodes in order and
+    pull in each one's missing ancestors just before it (in their original order), so a segment
+    is recomputed when its gradients are about to be computed and freed right after.
+    """
+    position = {n: i for i, n in enumerate(nodes)}
+    placed: set[fx.Node] = set(available)
+    order: list[fx.Node] = []
+
+    def place(target: fx.Node) -> None:
+        pending: list[fx.Node] = []
+        stack = [target]
+        seen: set[fx.Node] = set()
+        while stack:
+            n = stack.pop()
+            if n in placed or n in seen or n.op == "placeholder":
+                continue
+            seen.add(n)
+            pending.append(n)
+            stack.extend(n.all_input_nodes)
+        pending.sort(key=lambda n: position.get(n, -1))
+        for n in pending:
+            placed.add(n)
+            order.append(n)
+
+    for n in nodes:
+        if is_backward(n):
+            place(n)
+    for n in outputs:  # whatever feeds the outputs without touching a tangent
+        place(n)
+    return order
+
+
+@dataclass
+class StepSimulation:
+    """Predicted memory of one forward+backward, bytes above what was live before the step."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    saved_bytes: int
+    forward: list[fx.Node]
+    backward: list[fx.Node]
+    curve: list[int]
+
+
+def simulate_step(
+    jg: JointGraph, saved: Iterable[fx.Node], *, record_curve: bool = False
+) -> StepSimulation:
+    """Simulate the step that keeps ``saved`` and recomputes everything else the backward needs."""
+    saved_needed = jg.saved_needed(saved)
+    fwd = forward_order(jg, saved_needed)
+    available = set(saved_needed) | set(jg.primals) | set(jg.tangents)
+    bwd = order_backward(
+        [n for n in jg.nodes if n.op != "placeholder" and n.op != "output"
+         and (jg.is_backward(n) or n not in available)],
+        jg.is_backward,
+        available,
+        jg.bwd_outputs,
+    )
+    storages = jg.storages.__getitem__
+    primal_keys = {k for p in jg.primals for k in jg.storages[p]}
+    out_keys = {k for n in jg.fwd_outputs for k in jg.storages[n]}
+    saved_keys = {k for n in saved_needed for k in jg.storages[n]}
+    fw = walk(
+        fwd, storages, jg.storage_bytes,
+        keep=saved_keys | out_keys, uncounted=primal_keys, record_curve=record_curve,
+    )
+    tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
+    grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
+    bw = walk(
+        bwd, storages, jg.storage_bytes,
+        start_live=fw.end_live | tangent_keys,
+        keep=out_keys | grad_keys, uncounted=primal_keys, record_curve=record_curve,
+    )
+    return StepSimulation(
+        peak_bytes=max(fw.peak_bytes, bw.peak_bytes),
+        forward_peak_bytes=fw.peak_bytes,
+        backward_peak_bytes=bw.peak_bytes,
+        saved_bytes=jg.bytes_of(saved_needed),
+        forward=fwd,
+        backward=bwd,
+        curve=fw.curve + bw.curve,
+    )

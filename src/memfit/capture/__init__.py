@@ -1,0 +1,1 @@
+"""Capture: get graphs out of a model (Dynamo + AOTAutograd), marks, graph-break reports."""

@@ -1,0 +1,82 @@
+"""Report, once per wrapped model, where Dynamo could not capture the model as one graph.
+
+A graph break is not an error for memfit: each piece is planned and checkpointed on its own, and
+values crossing a break are simply kept. But a user should know that savings stop at the break
+and where it is, so the first call that breaks warns with Dynamo's reason and the user's source
+line. Dynamo records reasons in its global counters (``graph_break`` in older releases,
+``unimplemented`` in newer ones); the watcher compares them before and after a call.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from torch._dynamo.utils import counters
+
+__all__ = ["GraphBreakWatcher", "GraphBreakReport"]
+
+_COUNTER_KEYS = ("graph_break", "unimplemented")
+_LOCATION = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\w+))?')
+
+
+def _snapshot() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key in _COUNTER_KEYS:
+        for reason, count in counters.get(key, {}).items():
+            out[reason] = out.get(reason, 0) + count
+    return out
+
+
+def summarize_reason(reason: str) -> str:
+    """First line of Dynamo's reason, plus the user's source location when it names one."""
+    first = reason.strip().splitlines()[0] if reason.strip() else "unknown reason"
+    found = _LOCATION.findall(reason)
+    if found:
+        path, line, func = found[-1]
+        where = f"{path}:{line}" + (f" in {func}" if func else "")
+        return f"{first} at {where}"
+    return first
+
+
+@dataclass
+class GraphBreakReport:
+    model_name: str
+    watcher: "GraphBreakWatcher"
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def broke(self) -> bool:
+        return bool(self.reasons)
+
+    def warn_once(self) -> None:
+        if self.watcher.warned:
+            return
+        self.watcher.warned = True
+        where = "; ".join(dict.fromkeys(summarize_reason(r) for r in self.reasons))
+        warnings.warn(
+            f"memfit could not capture {self.model_name} as one graph (graph break: {where}). "
+            "It still trains correctly: each piece is checkpointed on its own and values that "
+            "cross a break are kept. Remove the break (e.g. torch.where or torch.cond instead of "
+            "a Python `if` on a tensor) to save more.",
+            stacklevel=4,
+        )
+
+
+class GraphBreakWatcher:
+    """Watches calls of one wrapped model for new graph-break reasons."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.warned = False
+
+    @contextmanager
+    def watch(self) -> Iterator[GraphBreakReport]:
+        before = _snapshot()
+        report = GraphBreakReport(self.model_name, self)
+        yield report
+        after = _snapshot()
+        report.reasons = [r for r, c in after.items() if c > before.get(r, 0)]

@@ -1,0 +1,1 @@
+"""Execution: apply a plan (partitioned graphs, the torch.compile backend, the wrapper)."""

@@ -1,0 +1,53 @@
+"""The ``torch.compile`` backend that applies memfit plans.
+
+Dynamo captures each graph-break-free piece of the model; AOTAutograd traces its joint
+forward/backward graph and hands it to ``partition``, where memfit plans and splits it. The
+compiled graphs run as plain FX code (no Inductor), op for op the kernels eager PyTorch would
+call, which is what keeps losses and gradients equal to plain PyTorch. Compilers are "boxed" so
+the backward graph receives its saved tensors in a list it may clear: a saved value is freed
+after its last use in backward instead of living until the whole backward ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from memfit.analysis.graph import JointGraph
+from memfit.analysis.simulate import simulate_step
+from memfit.capture.mark import strip_marks
+from memfit.execution.batchnorm import is_training_batchnorm, split_recomputed_batchnorm
+from memfit.execution.partition import split_joint_graph
+from memfit.planning.plan import GraphPlan
+from memfit.planning.planner import plan_graph
+
+__all__ = ["make_backend"]
+
+
+def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
+    return make_boxed_func(gm.forward)
+
+
+def make_backend(policy: str, on_plan: Callable[[GraphPlan], None]) -> Callable[..., Any]:
+    """A Dynamo backend planning every joint graph with ``policy``; reports each plan."""
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        strip_marks(joint)
+        jg = JointGraph(joint, kwargs["num_fwd_outputs"])
+        kept, recomputed, graph_plan = plan_graph(jg, policy)
+        if any(is_training_batchnorm(n) for n in recomputed):
+            kept = split_recomputed_batchnorm(jg, kept, recomputed)
+            jg = JointGraph(joint, kwargs["num_fwd_outputs"])
+            sim = simulate_step(jg, kept)
+            graph_plan = dataclasses.replace(
+                graph_plan, predicted_peak_bytes=sim.peak_bytes, kept_bytes=sim.saved_bytes
+            )
+        on_plan(graph_plan)
+        return split_joint_graph(jg, kept, **kwargs)
+
+    return aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)

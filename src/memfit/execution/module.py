@@ -1,0 +1,162 @@
+"""``memfit.checkpoint(model, checkpoints=...)``: the model, trained with fewer activations kept.
+
+The wrapper is a view of the user's model, not a copy: it shares the model's parameter, buffer and
+submodule dictionaries, so its ``state_dict`` has the same keys and tensors, an optimizer built on
+either sees the same parameters, and ``.to()`` moves both. Its forward runs the model through
+``torch.compile`` with memfit's backend (static shapes, so a new input shape or dtype is captured
+and planned again). Module names in ``checkpoints=[...]`` are turned into marks by forward hooks
+that act only while memfit captures, so the user's own eager calls are untouched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from memfit.capture.graph_breaks import GraphBreakWatcher
+from memfit.capture.mark import mark
+from memfit.execution.backend import make_backend
+from memfit.planning.plan import GraphPlan, Plan
+
+__all__ = ["checkpoint", "CheckpointedModule", "MODES"]
+
+MODES = ("memory", "speed", "collection", "none")
+
+_capturing = 0  # >0 while a memfit wrapper runs: module-name hooks mark only then
+
+
+def _mark_tree(out: Any) -> Any:
+    return tree_map(lambda t: mark(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
+    if _capturing and torch.compiler.is_compiling():
+        return _mark_tree(out)
+    return None
+
+
+class CheckpointedModule(nn.Module):
+    """``model`` with memfit's checkpointing applied; see ``memfit.checkpoint``."""
+
+    def __init__(self, model: nn.Module, policy: str, mark_modules: Sequence[str] = ()) -> None:
+        super().__init__()
+        # Share, do not copy: same Parameter objects under the same state_dict keys.
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.__dict__["_model"] = model
+        self.__dict__["_policy"] = policy
+        self.__dict__["_plan"] = None
+        self.__dict__["_pending"] = []
+        self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
+        self.__dict__["_compiled"] = torch.compile(
+            model, backend=make_backend(policy, self._pending.append), dynamic=False
+        )
+        named = dict(model.named_modules())
+        self.__dict__["_hooks"] = [
+            named[name].register_forward_hook(_mark_output_hook) for name in mark_modules
+        ]
+        self.training = model.training
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model (shared, not copied)."""
+        return self._model
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @property
+    def plan(self) -> Plan:
+        """What the last capture keeps and recomputes; available after the first training call."""
+        if self._plan is None:
+            raise RuntimeError(
+                "memfit has not planned this model yet: the plan is made when the model is first "
+                "called with inputs that require a backward (a training step); call it once first"
+            )
+        return self._plan
+
+    def train(self, mode: bool = True) -> "CheckpointedModule":
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        global _capturing
+        _capturing += 1
+        try:
+            with self._watcher.watch() as report:
+                out = self._compiled(*args, **kwargs)
+        finally:
+            _capturing -= 1
+        if self._pending:
+            graphs: list[GraphPlan] = list(self._pending)
+            self._pending.clear()
+            self.__dict__["_plan"] = Plan(policy=self._policy, graphs=tuple(graphs))
+        if report.broke:
+            report.warn_once()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"policy={self._policy!r}, model={type(self._model).__name__}"
+
+
+def _validate_names(model: nn.Module, names: Sequence[Any]) -> list[str]:
+    known = [name for name, _ in model.named_modules() if name]
+    out = []
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"checkpoints list entries must be submodule names (str), got {name!r} of type "
+                f"{type(name).__name__}"
+            )
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=5, cutoff=0.0)
+            hint = f"; closest existing names: {', '.join(map(repr, close))}" if close else ""
+            raise ValueError(
+                f"{name!r} is not a submodule of {type(model).__name__} "
+                f"(names as in model.named_modules()){hint}"
+            )
+        out.append(name)
+    return out
+
+
+def checkpoint(model: nn.Module, checkpoints: str | Sequence[str] = "memory") -> CheckpointedModule:
+    """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
+
+    ``checkpoints`` is ``"memory"`` (automatic: the least activation memory with at most one
+    recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
+    recompute cheap ops), ``"collection"`` (keep the tensors marked with ``memfit.mark``),
+    ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
+    kept. The returned module shares the model's parameters and buffers; its ``plan`` describes
+    the choice after the first training call.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, CheckpointedModule):
+        raise TypeError("this model is already wrapped by memfit.checkpoint; wrap the original")
+    if isinstance(checkpoints, str):
+        if checkpoints not in MODES:
+            close = difflib.get_close_matches(checkpoints, MODES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"checkpoints={checkpoints!r} is not a mode{hint}; accepted: "
+                f"{', '.join(map(repr, MODES))}, or a list of submodule names"
+            )
+        return CheckpointedModule(model, checkpoints)
+    if isinstance(checkpoints, (list, tuple)):
+        names = _validate_names(model, checkpoints)
+        if not names:
+            warnings.warn("checkpoints=[] marks nothing: every activation will be recomputed",
+                          stacklevel=2)
+        return CheckpointedModule(model, "collection", names)
+    raise TypeError(
+        f"checkpoints must be a mode string or a list of submodule names, got "
+        f"{type(checkpoints).__name__}"
+    )

@@ -1,0 +1,112 @@
+"""The plan: plain data between planning and execution, and what a user reads after a step.
+
+A model captured with graph breaks has one joint graph per piece; each gets a ``GraphPlan`` and the
+``Plan`` sums them. Everything here is numbers and names, so a plan can be printed, compared,
+serialised or asserted on without touching a graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["GraphPlan", "Plan", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, the way allocator statistics are usually read."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What one captured graph keeps and recomputes, and its predicted memory."""
+
+    policy: str
+    kept: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    kept_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    baseline_kept_bytes: int
+    recompute_flops: int
+    forward_flops: int
+    num_nodes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of a whole model: one ``GraphPlan`` per captured graph.
+
+    ``predicted_peak_bytes`` is the predicted peak of activation memory of one training step
+    (forward + backward) above what was live before it, the quantity ``memfit.measure`` reports.
+    With several graphs (graph breaks), earlier graphs' kept values stay alive while later graphs
+    run, so the prediction is the sum of what every graph keeps plus the largest transient on top.
+    """
+
+    policy: str
+    graphs: tuple[GraphPlan, ...] = field(default_factory=tuple)
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        return tuple(name for g in self.graphs for name in g.kept)
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(name for g in self.graphs for name in g.recomputed)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(g.kept_bytes for g in self.graphs)
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(g.recompute_flops for g in self.graphs)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(g.forward_flops for g in self.graphs)
+
+    @staticmethod
+    def _combine(peaks: list[int], kept: list[int]) -> int:
+        if not peaks:
+            return 0
+        return sum(kept) + max(p - k for p, k in zip(peaks, kept))
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self._combine(
+            [g.predicted_peak_bytes for g in self.graphs], [g.kept_bytes for g in self.graphs]
+        )
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        """The predicted peak of the same capture with nothing recomputed (``"none"``)."""
+        return self._combine(
+            [g.baseline_peak_bytes for g in self.graphs],
+            [g.baseline_kept_bytes for g in self.graphs],
+        )
+
+    def __str__(self) -> str:
+        base = self.baseline_peak_bytes
+        ratio = self.predicted_peak_bytes / base if base else 1.0
+        extra = self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+        lines = [
+            f"memfit plan ({self.policy!r}, {len(self.graphs)} graph"
+            f"{'s' if len(self.graphs) != 1 else ''})",
+            f"  predicted peak    {format_bytes(self.predicted_peak_bytes)}"
+            f"  ({ratio:.0%} of {format_bytes(base)} without checkpointing)",
+            f"  kept for backward {format_bytes(self.kept_bytes)} in {len(self.kept)} tensors",
+            f"  recomputed        {len(self.recomputed)} ops, {self.recompute_flops:.3g} FLOPs"
+            f" ({extra:.0%} of one forward)",
+        ]
+        for i, g in enumerate(self.graphs):
+            if g.note:
+                lines.append(f"  graph {i}: {g.note}")
+        return "\n".join(lines)

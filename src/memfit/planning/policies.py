@@ -1,0 +1,175 @@
+"""Which forward values to keep for backward, per policy. Everything not kept is recomputed.
+
+All policies answer the same question over one ``JointGraph`` and differ only in the objective:
+
+* ``keep_all``      — ``"none"``: keep whatever backward reads (plain autograd).
+* ``keep_heavy``    — ``"speed"``: keep outputs of matmul/conv/attention; recompute cheap ops.
+* ``keep_marked``   — ``"collection"`` and module names: keep exactly what the user marked.
+* ``keep_min_peak`` — ``"memory"``: the smallest simulated peak with one recomputation at most.
+
+Every policy also keeps random ops' outputs (a second draw would differ) and the forward outputs
+(alive anyway). In this design each forward op appears at most once in the backward graph, so any
+kept set recomputes each op at most once: at most one extra forward pass, by construction.
+
+How ``"memory"`` works on any graph. OpenAI's tool looked for single-node separators and failed
+on U-Nets, RNNs and DenseNets, which have none. Here a *cut* is a position in the topological
+order of the forward graph, and what must be kept at a cut is its whole frontier: every value
+produced before it and read after it (a long skip crosses many cuts and is one of many frontier
+values; nothing requires a single node). For a target segment size L, cuts are placed greedily
+where the frontier is smallest among the last ~L/2 bytes of forward; each L gives one candidate,
+the memory simulator scores it, and the best wins. The plain plan is always a candidate, so the
+result never keeps more than no checkpointing. On a chain of n equal layers the best L is about
+√n layers, which gives the O(√n) of Chen et al.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Callable
+
+import torch.fx as fx
+
+from memfit.analysis.cost import is_compute_heavy
+from memfit.analysis.graph import JointGraph
+from memfit.analysis.simulate import simulate_step
+from memfit.capture.mark import MARK_META
+
+__all__ = ["keep_all", "keep_heavy", "keep_marked", "keep_min_peak", "POLICIES"]
+
+
+def _always_kept(jg: JointGraph) -> set[fx.Node]:
+    kept = {n for n in jg.forward if jg.must_save(n)}
+    kept |= set(jg.fwd_outputs)
+    # multi-output random ops (native_dropout) are kept through their getitems
+    for n in list(kept):
+        if not jg.is_tensor_value(n):
+            kept |= {u for u in n.users if jg.is_getitem(u)}
+    return {n for n in kept if jg.is_tensor_value(n)}
+
+
+def _candidates(jg: JointGraph) -> list[fx.Node]:
+    return [n for n in jg.forward if jg.is_tensor_value(n)]
+
+
+def keep_all(jg: JointGraph) -> set[fx.Node]:
+    """Keep every forward value backward reads: the baseline without checkpointing."""
+    return jg.saved_needed(_candidates(jg))
+
+
+def keep_heavy(jg: JointGraph, *, small_fraction: float = 0.01) -> set[fx.Node]:
+    """Keep outputs of compute-heavy ops, and tensors too small to be worth recomputing.
+
+    "Small" is relative (under ``small_fraction`` of the largest forward value), so BatchNorm's
+    per-channel statistics are kept on any model size while activations are not.
+    """
+    cands = _candidates(jg)
+    largest = max((jg.bytes_of([n]) for n in cands), default=0)
+    kept = _always_kept(jg)
+    for n in cands:
+        src = n.args[0] if jg.is_getitem(n) and isinstance(n.args[0], fx.Node) else n
+        if is_compute_heavy(src) or jg.bytes_of([n]) <= small_fraction * largest:
+            kept.add(n)
+    return jg.saved_needed(kept)
+
+
+def keep_marked(jg: JointGraph) -> set[fx.Node]:
+    """Keep exactly the values marked with ``memfit.mark`` (plus random ops and outputs)."""
+    kept = _always_kept(jg) | {n for n in jg.forward if n.meta.get(MARK_META)}
+    return jg.saved_needed(kept)
+
+
+def keep_min_peak(jg: JointGraph, *, grid: int = 24) -> set[fx.Node]:
+    """Least simulated peak over cut plans of every segment size (see module docstring)."""
+    fwd = [n for n in jg.forward]
+    if not fwd:
+        return keep_all(jg)
+    pos = {n: i for i, n in enumerate(fwd)}
+    own = jg.own_bytes()
+    primal_keys = {k for p in jg.primals for k in jg.storages[p]}
+
+    # A value crosses position p when it is produced at or before p and read in forward after p.
+    crossing: list[tuple[int, int, fx.Node]] = []
+    for n in _candidates(jg):
+        readers = [pos[u] for u in jg.users_in_forward(n) if u in pos]
+        if readers and max(readers) > pos[n]:
+            crossing.append((pos[n], max(readers), n))
+    # Frontier bytes per position, counting each storage once over its whole crossing span.
+    span: dict[object, tuple[int, int]] = {}
+    for start, end, n in crossing:
+        for key in jg.storages[n]:
+            if key in primal_keys:
+                continue
+            lo, hi = span.get(key, (start, end))
+            span[key] = (min(lo, start), max(hi, end))
+    diff = [0] * (len(fwd) + 1)
+    for key, (lo, hi) in span.items():
+        diff[lo] += jg.storage_bytes[key]
+        diff[hi] -= jg.storage_bytes[key]
+    frontier = []
+    acc = 0
+    for d in diff[:-1]:
+        acc += d
+        frontier.append(acc)
+
+    base = _always_kept(jg)
+
+    def kept_for(cuts: list[int]) -> set[fx.Node]:
+        kept = set(base)
+        for start, end, n in crossing:
+            i = bisect.bisect_left(cuts, start)
+            if i < len(cuts) and cuts[i] < end:
+                kept.add(n)
+        return kept
+
+    prefix: list[int] = []
+    running = 0
+    for n in fwd:
+        running += own.get(n, 0)
+        prefix.append(running)
+
+    def cuts_for(segment: float) -> list[int]:
+        cuts: list[int] = []
+        last, base_bytes = -1, 0
+        while True:
+            end = bisect.bisect_left(prefix, base_bytes + segment, lo=last + 1)
+            if end >= len(fwd) - 1:
+                return cuts
+            lo = bisect.bisect_left(prefix, base_bytes + segment / 2, lo=last + 1)
+            best = min(range(lo, end + 1), key=lambda p: (frontier[p], -p))
+            cuts.append(best)
+            last, base_bytes = best, prefix[best]
+
+    total = sum(own.values())
+    smallest = max(1, min((b for b in own.values() if b > 0), default=1))
+    candidates: list[set[fx.Node]] = [keep_all(jg), jg.saved_needed(base)]
+    if total > smallest:
+        steps = max(2, grid)
+        ratio = (total / smallest) ** (1 / (steps - 1))
+        sizes = sorted({smallest * ratio**k for k in range(steps)} | {math.sqrt(total * smallest)})
+        for size in sizes:
+            candidates.append(jg.saved_needed(kept_for(cuts_for(size))))
+    return _best(jg, candidates)
+
+
+def _best(jg: JointGraph, candidates: list[set[fx.Node]]) -> set[fx.Node]:
+    """The candidate with the least simulated peak; ties go to the one keeping more (faster)."""
+    scored = []
+    seen: set[frozenset[fx.Node]] = set()
+    for kept in candidates:
+        key = frozenset(kept)
+        if key in seen:
+            continue
+        seen.add(key)
+        sim = simulate_step(jg, kept)
+        scored.append((sim.peak_bytes, -sim.saved_bytes, len(scored), kept))
+    scored.sort(key=lambda t: t[:3])
+    return scored[0][3]
+
+
+POLICIES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
+    "none": keep_all,
+    "speed": keep_heavy,
+    "memory": keep_min_peak,
+    "collection": keep_marked,
+}

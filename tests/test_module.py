@@ -1,0 +1,174 @@
+"""memfit.checkpoint against plain PyTorch, the oracle, on every zoo model and every mode.
+
+For each (model, mode): the loss and every parameter gradient of one step equal plain PyTorch's;
+dropout draws the same masks (same loss under the same seed, and the global RNG ends in the same
+state); BatchNorm running statistics are updated exactly once; 20 SGD steps give the same
+parameters. The wrapper shares the model's parameters rather than copying them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memfit
+from zoo import ZOO, ZooCase
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 20
+
+
+def _names_for(model: nn.Module) -> list[str]:
+    """A few real submodule names to keep in the list mode: every other top-level child."""
+    children = [name for name, _ in model.named_children()]
+    return children[::2] or children
+
+
+MODES: list[Any] = ["none", "memory", "speed", "collection", "names"]
+
+
+def _run_steps(case: ZooCase, model: nn.Module, steps: int) -> dict[str, Any]:
+    """Train ``steps`` SGD steps, recording what the first step produced."""
+    args, kwargs = case.make_inputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    record: dict[str, Any] = {}
+    torch.manual_seed(1234)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model(*args, **kwargs))
+        loss.backward()
+        if step == 0:
+            record["loss"] = loss.detach().clone()
+            record["grads"] = {
+                n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+            record["buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
+            record["rng"] = torch.get_rng_state()
+        opt.step()
+    record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return record
+
+
+_reference_cache: dict[str, dict[str, Any]] = {}
+
+
+def _reference(case: ZooCase) -> dict[str, Any]:
+    if case.name not in _reference_cache:
+        _reference_cache[case.name] = _run_steps(case, case.make_model(), STEPS)
+    return _reference_cache[case.name]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ZOO, ids=[c.name for c in ZOO])
+def test_matches_plain_pytorch(case: ZooCase, mode: str) -> None:
+    ref = _reference(case)
+    model = case.make_model()
+    checkpoints = _names_for(model) if mode == "names" else mode
+    wrapped = memfit.checkpoint(model, checkpoints=checkpoints)
+    got = _run_steps(case, wrapped, STEPS)
+
+    _close(got["loss"], ref["loss"], "loss")
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name in ref["grads"]:
+        _close(got["grads"][name], ref["grads"][name], f"grad of {name}")
+    for name in ref["buffers"]:  # BatchNorm running stats and num_batches_tracked: updated once
+        _close(got["buffers"][name], ref["buffers"][name], f"buffer {name}")
+    assert torch.equal(got["rng"], ref["rng"]), "the global RNG stream diverged from plain PyTorch"
+    for name in ref["params"]:
+        _close(got["params"][name], ref["params"][name], f"parameter {name} after {STEPS} steps")
+    plan = wrapped.plan
+    assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes or mode in ("collection", "names")
+
+
+def test_shares_parameters_and_state_dict_keys() -> None:
+    case = ZOO[1]
+    model = case.make_model()
+    wrapped = memfit.checkpoint(model)
+    assert list(wrapped.state_dict().keys()) == list(model.state_dict().keys())
+    for (n1, p1), (n2, p2) in zip(wrapped.named_parameters(), model.named_parameters()):
+        assert n1 == n2 and p1 is p2
+    for (n1, b1), (n2, b2) in zip(wrapped.named_buffers(), model.named_buffers()):
+        assert n1 == n2 and b1 is b2
+    wrapped.eval()
+    assert not model.training and all(not m.training for m in model.modules())
+    wrapped.train()
+    assert model.training
+
+
+def test_same_outputs_and_eval_mode() -> None:
+    case = next(c for c in ZOO if c.name == "structured")
+    model = case.make_model()
+    args, kwargs = case.make_inputs()
+    expected = model(*args, **kwargs)
+    got = memfit.checkpoint(copy.deepcopy(model))(*args, **kwargs)
+    assert expected.keys() == got.keys()
+    _close(got["logits"], expected["logits"], "logits")
+    for a, b in zip(got["aux"], expected["aux"]):
+        _close(a, b, "aux")
+    model.eval()
+    wrapped = memfit.checkpoint(model)
+    with torch.no_grad():
+        _close(wrapped(*args, **kwargs)["logits"], model(*args, **kwargs)["logits"], "eval logits")
+
+
+def test_recaptures_on_new_shape_and_dtype() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    wrapped = memfit.checkpoint(model, "memory")
+    for shape, dtype in [((4, 8), torch.float32), ((9, 8), torch.float32), ((4, 8), torch.float64)]:
+        model.to(dtype)
+        x = torch.randn(*shape, dtype=dtype)
+        wrapped(x).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).sum().backward()
+        for g, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+        model.zero_grad()
+        assert wrapped.plan.graphs[0].num_nodes > 0
+
+
+def test_plan_before_first_call_explains() -> None:
+    wrapped = memfit.checkpoint(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="called"):
+        _ = wrapped.plan
+
+
+def test_plan_prints_summary() -> None:
+    case = ZOO[0]
+    wrapped = memfit.checkpoint(case.make_model(), "memory")
+    args, kwargs = case.make_inputs()
+    case.loss(wrapped(*args, **kwargs)).backward()
+    text = str(wrapped.plan)
+    assert "predicted peak" in text and "recomputed" in text and "'memory'" in text
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        ("fast", ValueError, ["'fast'", "'memory'", "'speed'"]),
+        ("memroy", ValueError, ["did you mean 'memory'"]),
+        (3, TypeError, ["int"]),
+        (["0", 5], TypeError, ["5"]),
+        (["layers.0"], ValueError, ["'layers.0'", "closest"]),
+    ],
+)
+def test_invalid_checkpoints_argument(bad: Any, error: type, words: list[str]) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(error) as info:
+        memfit.checkpoint(model, checkpoints=bad)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        memfit.checkpoint(lambda x: x)  # type: ignore[arg-type]
