@@ -228,29 +228,29 @@ class Encoder(nn.Module):
 # 4. unet: long skip connections
 
 
-def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(c_out, c_out, 3, padding=1), nn.ReLU(),
-    )
+def _conv_block(c_in: int, c_out: int, convs: int = 2) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+    for _ in range(convs - 1):
+        layers += [nn.Conv2d(c_out, c_out, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers)
 
 
 class UNet(nn.Module):
     def __init__(self, depth: int, width: int, in_channels: int = 1,
-                 out_channels: int = 1) -> None:
+                 out_channels: int = 1, convs_per_block: int = 2) -> None:
         super().__init__()
         chans = [width * 2**i for i in range(depth + 1)]
         self.down = nn.ModuleList()
         c = in_channels
         for i in range(depth):
-            self.down.append(_conv_block(c, chans[i]))
+            self.down.append(_conv_block(c, chans[i], convs_per_block))
             c = chans[i]
-        self.bottleneck = _conv_block(chans[depth - 1], chans[depth])
+        self.bottleneck = _conv_block(chans[depth - 1], chans[depth], convs_per_block)
         self.up = nn.ModuleList()
         self.dec = nn.ModuleList()
         for i in reversed(range(depth)):
             self.up.append(nn.ConvTranspose2d(chans[i + 1], chans[i], 2, stride=2))
-            self.dec.append(_conv_block(2 * chans[i], chans[i]))
+            self.dec.append(_conv_block(2 * chans[i], chans[i], convs_per_block))
         self.head = nn.Conv2d(chans[0], out_channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,13 +265,14 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def unet(depth: int = 3, width: int = 8, in_channels: int = 1, out_channels: int = 1) -> nn.Module:
+def unet(depth: int = 3, width: int = 8, in_channels: int = 1, out_channels: int = 1,
+         convs_per_block: int = 2) -> nn.Module:
     """U-Net with ``depth`` down/up levels, ``width * 2**i`` channels at level ``i``.
 
     Input height and width must be divisible by ``2**depth``. Encoder features are
     concatenated into the decoder (long skips), so nothing separates the network in two.
     """
-    return UNet(depth, width, in_channels, out_channels)
+    return UNet(depth, width, in_channels, out_channels, convs_per_block)
 
 
 # --------------------------------------------------------------------------------------

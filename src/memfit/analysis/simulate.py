@@ -45,13 +45,16 @@ def walk(
     start_live: Iterable[Any] = (),
     keep: Iterable[Any] = (),
     uncounted: Iterable[Any] = (),
+    workspace: dict[fx.Node, int] | None = None,
     record_curve: bool = False,
 ) -> Walk:
     """Replay ``order``: allocate each node's new storages, free storages after their last use.
 
     ``start_live`` storages are alive at the start; ``keep`` storages are never freed during the
-    walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing.
+    walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing; ``workspace`` is the
+    scratch memory a node holds while it runs, on top of its inputs and outputs.
     """
+    scratch = workspace or {}
     uncounted_set = set(uncounted)
     keep_set = set(keep)
     last_use: dict[Any, int] = {}
@@ -81,8 +84,8 @@ def walk(
             if key not in live and key not in uncounted_set:
                 live.add(key)
                 current += storage_bytes[key]
-        if current > peak:
-            peak = current
+        if current + scratch.get(n, 0) > peak:
+            peak = current + scratch.get(n, 0)
         for key in frees.get(i, ()):
             if key in live:
                 live.discard(key)
@@ -180,14 +183,16 @@ def simulate_step(
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
     fw = walk(
         fwd, storages, jg.storage_bytes,
-        keep=saved_keys | out_keys, uncounted=primal_keys, record_curve=record_curve,
+        keep=saved_keys | out_keys, uncounted=primal_keys, workspace=jg.workspace,
+        record_curve=record_curve,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
     grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
     bw = walk(
         bwd, storages, jg.storage_bytes,
         start_live=fw.end_live | tangent_keys,
-        keep=out_keys | grad_keys, uncounted=primal_keys, record_curve=record_curve,
+        keep=out_keys | grad_keys, uncounted=primal_keys, workspace=jg.workspace,
+        record_curve=record_curve,
     )
     return StepSimulation(
         peak_bytes=max(fw.peak_bytes, bw.peak_bytes),

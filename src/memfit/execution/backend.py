@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import simulate_step
+from memfit.analysis.workspace import measure_workspace
 from memfit.capture.mark import strip_marks
 from memfit.execution.batchnorm import is_training_batchnorm, split_recomputed_batchnorm
 from memfit.execution.partition import split_joint_graph
@@ -33,20 +34,23 @@ def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
     return make_boxed_func(gm.forward)
 
 
+def _largest_value(jg: JointGraph) -> int:
+    return max(jg.storage_bytes.values(), default=0)
+
+
 def make_backend(policy: str, on_plan: Callable[[GraphPlan], None]) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         strip_marks(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
+        jg.workspace = measure_workspace(jg.nodes, min_bytes=_largest_value(jg) // 64)
         kept, recomputed, graph_plan = plan_graph(jg, policy)
         if any(is_training_batchnorm(n) for n in recomputed):
             kept = split_recomputed_batchnorm(jg, kept, recomputed)
-            jg = JointGraph(joint, kwargs["num_fwd_outputs"])
+            jg = JointGraph(joint, kwargs["num_fwd_outputs"], workspace=jg.workspace)
             sim = simulate_step(jg, kept)
-            graph_plan = dataclasses.replace(
-                graph_plan, predicted_peak_bytes=sim.peak_bytes, kept_bytes=sim.saved_bytes
-            )
+            graph_plan = dataclasses.replace(graph_plan, predicted_peak_bytes=sim.peak_bytes)
         on_plan(graph_plan)
         return split_joint_graph(jg, kept, **kwargs)
 

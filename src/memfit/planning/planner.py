@@ -36,14 +36,19 @@ def plan_graph(jg: JointGraph, policy: str) -> tuple[set[fx.Node], set[fx.Node],
         kept, sim = baseline, base_sim
     forward_set = set(jg.forward)
     recomputed = [n for n in sim.backward if n in forward_set]
+    # What the plan reports as kept: activations held for backward beyond what the step returns
+    # anyway (its outputs) and what existed before it (parameters, inputs).
+    outputs = set(jg.fwd_outputs)
+    reported = [n for n in jg.nodes if n in kept and n.op != "placeholder" and n not in outputs]
+    base_reported = [n for n in baseline if n.op != "placeholder" and n not in outputs]
     return kept, set(recomputed), GraphPlan(
         policy=policy,
-        kept=tuple(n.name for n in jg.nodes if n in kept),
+        kept=tuple(n.name for n in reported),
         recomputed=tuple(n.name for n in recomputed),
-        kept_bytes=sim.saved_bytes,
+        kept_bytes=jg.bytes_of(reported),
         predicted_peak_bytes=sim.peak_bytes,
         baseline_peak_bytes=base_sim.peak_bytes,
-        baseline_kept_bytes=base_sim.saved_bytes,
+        baseline_kept_bytes=jg.bytes_of(base_reported),
         recompute_flops=sum(node_flops(n) for n in recomputed),
         forward_flops=sum(node_flops(n) for n in jg.forward),
         num_nodes=len(jg.nodes),

@@ -25,7 +25,6 @@ result never keeps more than no checkpointing. On a chain of n equal layers the 
 from __future__ import annotations
 
 import bisect
-import math
 from typing import Callable
 
 import torch.fx as fx
@@ -141,15 +140,28 @@ def keep_min_peak(jg: JointGraph, *, grid: int = 24) -> set[fx.Node]:
             last, base_bytes = best, prefix[best]
 
     total = sum(own.values())
-    smallest = max(1, min((b for b in own.values() if b > 0), default=1))
+    largest = max(own.values(), default=0)
     candidates: list[set[fx.Node]] = [keep_all(jg), jg.saved_needed(base)]
-    if total > smallest:
-        steps = max(2, grid)
-        ratio = (total / smallest) ** (1 / (steps - 1))
-        sizes = sorted({smallest * ratio**k for k in range(steps)} | {math.sqrt(total * smallest)})
-        for size in sizes:
-            candidates.append(jg.saved_needed(kept_for(cuts_for(size))))
-    return _best(jg, candidates)
+    if total <= largest or largest <= 0:
+        return _best(jg, candidates)
+    # Segment sizes on a geometric grid from one op's output to the whole forward, then a finer
+    # grid around the best of them: the peak is far from convex in the segment size.
+    sizes = _geometric(largest, total, grid)
+    coarse = [jg.saved_needed(kept_for(cuts_for(size))) for size in sizes]
+    best = _best(jg, candidates + coarse)
+    i = next((k for k, c in enumerate(coarse) if c == best), None)
+    if i is None:
+        return best
+    lo, hi = sizes[max(i - 1, 0)], sizes[min(i + 1, len(sizes) - 1)]
+    fine = [jg.saved_needed(kept_for(cuts_for(size))) for size in _geometric(lo, hi, grid // 2)]
+    return _best(jg, [best] + fine)
+
+
+def _geometric(lo: float, hi: float, steps: int) -> list[float]:
+    if hi <= lo or steps < 2:
+        return [lo]
+    ratio = (hi / lo) ** (1 / (steps - 1))
+    return [lo * ratio**k for k in range(steps)]
 
 
 def _best(jg: JointGraph, candidates: list[set[fx.Node]]) -> set[fx.Node]:
