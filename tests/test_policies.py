@@ -110,7 +110,7 @@ def test_memory_mode_ratio(name: str, make: Callable[[], nn.Module], shape: tupl
     ratio = saved / plain
     assert ratio <= max_ratio, f"{name}: memory mode peak {saved / MB:.1f} MB is {ratio:.3f} of none"
     # the prediction is about the same quantity the measurement reports
-    assert abs(wrapped.plan.predicted_peak_bytes - saved) <= 0.25 * saved
+    assert abs(wrapped.plan.predicted_peak_bytes - saved) <= 0.1 * saved
 
 
 def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:

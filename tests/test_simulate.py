@@ -52,4 +52,4 @@ def test_predicted_peak_matches_measured_chain() -> None:
     wrapped(x).sum().backward()
     measured = memfit.measure(lambda: wrapped(x).sum().backward()).peak_bytes
     assert measured is not None
-    assert abs(predicted - measured) <= 0.1 * measured
+    assert abs(predicted - measured) <= 0.05 * measured

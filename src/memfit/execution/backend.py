@@ -26,12 +26,33 @@ from memfit.execution.partition import split_joint_graph
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 
+try:
+    from torch.fx.graph import _BoxedCodeGen
+except ImportError:  # pragma: no cover - torch < 2.1
+    _BoxedCodeGen = None
+
 __all__ = ["make_backend"]
 
 
 def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
+
+    ``make_boxed_func`` alone keeps the argument list alive for the whole call, so every saved
+    tensor would live until the backward graph ends. FX's boxed code generator emits code that
+    unpacks and clears the list first; then a saved value dies right after its last reader, as
+    the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
+    """
     strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
-    return make_boxed_func(gm.forward)
+    if _BoxedCodeGen is None:  # very old torch: correct, but inputs live until the end
+        return make_boxed_func(gm.forward)
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _largest_value(jg: JointGraph) -> int:
