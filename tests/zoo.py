@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.demo import CifarResNet, PreActBlock, cifar_resnet  # noqa: F401  (re-exported)
+
 __all__ = [
     "SEED",
     "ZOO",
@@ -154,59 +156,9 @@ class MLP(nn.Module):
 # 2. resnet: CIFAR ResNet v2 (pre-activation, He et al. 2016, "Identity Mappings")
 
 
-class PreActBlock(nn.Module):
-    """BN-ReLU-conv3x3, BN-ReLU-conv3x3, plus identity or 1x1-projection shortcut."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.bn1 = nn.BatchNorm2d(c_in)
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=1, padding=1, bias=False)
-        self.shortcut: nn.Module | None = None
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(x))
-        # the projection sees the pre-activated input, as in the reference implementation
-        skip = x if self.shortcut is None else self.shortcut(out)
-        out = self.conv1(out)
-        out = self.conv2(F.relu(self.bn2(out)))
-        return out + skip
-
-
-class CifarResNet(nn.Module):
-    def __init__(self, blocks_per_stage: int, width: int = 16, num_classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, width, 3, padding=1, bias=False)
-        blocks: list[nn.Module] = []
-        c_in = width
-        for stage in range(3):
-            c_out = width * 2**stage
-            for b in range(blocks_per_stage):
-                stride = 2 if (stage > 0 and b == 0) else 1
-                blocks.append(PreActBlock(c_in, c_out, stride))
-                c_in = c_out
-        self.blocks = nn.Sequential(*blocks)
-        self.bn = nn.BatchNorm2d(c_in)
-        self.fc = nn.Linear(c_in, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.blocks(self.stem(x))
-        out = F.relu(self.bn(out))
-        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
-        return self.fc(out)
-
-
-def cifar_resnet(blocks_per_stage: int, width: int = 16, num_classes: int = 10) -> nn.Module:
-    """Pre-activation CIFAR ResNet with ``6 * blocks_per_stage + 2`` layers.
-
-    Stages have ``width``, ``2 * width`` and ``4 * width`` channels at 32x32, 16x16 and 8x8
-    for a 3x32x32 input. ``cifar_resnet(18)`` is ResNet-110, ``cifar_resnet(3)`` ResNet-20.
-    The weights are whatever the global RNG gives; seed it first for reproducibility.
-    """
-    return CifarResNet(blocks_per_stage, width, num_classes)
+# ``cifar_resnet``, ``CifarResNet`` and ``PreActBlock`` come from ``memfit.demo``: the same model
+# the demo and the depth sweep train, so the README's figures and the tests describe one
+# architecture (``cifar_resnet(18)`` is ResNet-110).
 
 
 # --------------------------------------------------------------------------------------
