@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["JointGraph", "is_random", "node_tensors"]
+__all__ = ["JointGraph", "ancestors", "is_random", "node_tensors"]
 
 
 def node_tensors(node: fx.Node) -> list[torch.Tensor]:
@@ -50,6 +50,19 @@ def _is_impure(node: fx.Node) -> bool:
         return node.is_impure()
     except Exception:  # older fx versions raise on some targets; be conservative
         return True
+
+
+def ancestors(starts: Iterable[fx.Node]) -> set[fx.Node]:
+    """``starts`` and every non-placeholder node they depend on."""
+    found: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n in found or n.op == "placeholder":
+            continue
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
 
 
 @dataclass
@@ -93,14 +106,7 @@ class JointGraph:
         # Forward proper: what the forward outputs need. Nodes that read only forward values but
         # feed only the backward (``t(weight)`` for a linear's input gradient, ``detach`` of a
         # saved value) stay out: autograd computes them in backward, and so does memfit.
-        required: set[fx.Node] = set()
-        stack = list(self.fwd_outputs)
-        while stack:
-            n = stack.pop()
-            if n in required or n.op == "placeholder":
-                continue
-            required.add(n)
-            stack.extend(n.all_input_nodes)
+        required = ancestors(self.fwd_outputs)
         self.forward = [n for n in self.nodes if n in required]
         self._forward_set = required
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch.fx as fx
 
-from memfit.analysis.graph import JointGraph
+from memfit.analysis.graph import JointGraph, ancestors
 
 __all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
 
@@ -97,15 +97,8 @@ def walk(
 
 def forward_order(jg: JointGraph, saved: Iterable[fx.Node]) -> list[fx.Node]:
     """Forward nodes that run: ancestors of the forward outputs and of the saved values."""
-    needed: set[fx.Node] = set()
-    stack = list(jg.fwd_outputs) + list(saved)
-    while stack:
-        n = stack.pop()
-        if n in needed or n.op == "placeholder":
-            continue
-        needed.add(n)
-        stack.extend(n.all_input_nodes)
-    return [n for n in jg.forward if n in needed]
+    needed = ancestors(list(jg.fwd_outputs) + list(saved))
+    return [n for n in jg.nodes if n in needed]
 
 
 def order_backward(
