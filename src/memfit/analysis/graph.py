@@ -84,6 +84,7 @@ class JointGraph:
     storages: dict[fx.Node, list[Any]] = field(init=False)
     storage_bytes: dict[Any, int] = field(init=False)
     _forward_set: set[fx.Node] = field(init=False, repr=False)
+    _backward_set: set[fx.Node] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         graph = self.module.graph
@@ -103,6 +104,7 @@ class JointGraph:
             if n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
                 backward.add(n)
         self.backward = [n for n in self.nodes if n in backward and n.op == "call_function"]
+        self._backward_set = backward
         # Forward proper: what the forward outputs need. Nodes that read only forward values but
         # feed only the backward (``t(weight)`` for a linear's input gradient, ``detach`` of a
         # saved value) stay out: autograd computes them in backward, and so does memfit.
@@ -131,14 +133,6 @@ class JointGraph:
 
     def is_backward(self, node: fx.Node) -> bool:
         return node in self._backward_set
-
-    @property
-    def _backward_set(self) -> set[fx.Node]:
-        cached = self.__dict__.get("_bwset")
-        if cached is None:
-            cached = set(self.backward) | set(self.tangents)
-            self.__dict__["_bwset"] = cached
-        return cached
 
     def must_save(self, node: fx.Node) -> bool:
         """Forward nodes whose value must be kept rather than recomputed, whatever the policy."""

@@ -34,11 +34,8 @@ def split_joint_graph(
     if "static_lifetime_input_nodes" in params and "static_lifetime_input_indices" in partition_kwargs:
         indices = partition_kwargs["static_lifetime_input_indices"] or []
         placeholders = [n for n in jg.nodes if n.op == "placeholder"]
-        kwargs["static_lifetime_input_nodes"] = {placeholders[i] for i in indices}
-        if hasattr(partitioners, "OrderedSet"):
-            kwargs["static_lifetime_input_nodes"] = partitioners.OrderedSet(
-                placeholders[i] for i in indices
-            )
+        ordered_set = getattr(partitioners, "OrderedSet", set)
+        kwargs["static_lifetime_input_nodes"] = ordered_set(placeholders[i] for i in indices)
     fw, bw = extract(jg.module, saved_values, saved_sym_nodes=[], **kwargs)
     fw.graph.eliminate_dead_code()
     fw.recompile()
