@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.demo import CifarResNet, PreActBlock, cifar_resnet  # noqa: F401  (re-exported)
+from memfit.bench.resnet import CifarResNet, PreActBlock, cifar_resnet  # noqa: F401  (re-exported)
 
 __all__ = [
     "SEED",
@@ -156,7 +156,7 @@ class MLP(nn.Module):
 # 2. resnet: CIFAR ResNet v2 (pre-activation, He et al. 2016, "Identity Mappings")
 
 
-# ``cifar_resnet``, ``CifarResNet`` and ``PreActBlock`` come from ``memfit.demo``: the same model
+# ``cifar_resnet``, ``CifarResNet`` and ``PreActBlock`` come from ``memfit.bench.resnet``: the model
 # the demo and the depth sweep train, so the README's figures and the tests describe one
 # architecture (``cifar_resnet(18)`` is ResNet-110).
 
