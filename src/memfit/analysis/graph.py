@@ -52,8 +52,9 @@ def _is_impure(node: fx.Node) -> bool:
         return True
 
 
-def ancestors(starts: Iterable[fx.Node]) -> set[fx.Node]:
-    """``starts`` and every non-placeholder node they depend on."""
+def ancestors(starts: Iterable[fx.Node],
+              inputs: dict[fx.Node, list[fx.Node]] | None = None) -> set[fx.Node]:
+    """``starts`` and every non-placeholder node they depend on (``inputs``: a cache of edges)."""
     found: set[fx.Node] = set()
     stack = list(starts)
     while stack:
@@ -61,7 +62,7 @@ def ancestors(starts: Iterable[fx.Node]) -> set[fx.Node]:
         if n in found or n.op == "placeholder":
             continue
         found.add(n)
-        stack.extend(n.all_input_nodes)
+        stack.extend(inputs[n] if inputs is not None else n.all_input_nodes)
     return found
 
 
@@ -83,8 +84,14 @@ class JointGraph:
     bwd_outputs: list[fx.Node] = field(init=False)
     storages: dict[fx.Node, list[Any]] = field(init=False)
     storage_bytes: dict[Any, int] = field(init=False)
+    #: each node's input nodes (``all_input_nodes`` is rebuilt on every access)
+    inputs: dict[fx.Node, list[fx.Node]] = field(init=False)
+    primal_keys: frozenset[Any] = field(init=False)
     _forward_set: set[fx.Node] = field(init=False, repr=False)
     _backward_set: set[fx.Node] = field(init=False, repr=False)
+    _must: set[fx.Node] = field(init=False, repr=False)
+    _never: set[fx.Node] = field(init=False, repr=False)
+    _backward_reads: list[fx.Node] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         graph = self.module.graph
@@ -108,26 +115,40 @@ class JointGraph:
         # Forward proper: what the forward outputs need. Nodes that read only forward values but
         # feed only the backward (``t(weight)`` for a linear's input gradient, ``detach`` of a
         # saved value) stay out: autograd computes them in backward, and so does memfit.
+        # The one exception: items of a forward multi-output op (BatchNorm's saved mean and
+        # inverse std) are part of that op's result, so they are forward values that can be kept;
+        # leaving them out would make every plan re-run BatchNorm in backward to get them.
         required = ancestors(self.fwd_outputs)
+        required |= {n for n in self.nodes if self.is_getitem(n) and n.args[0] in required}
         self.forward = [n for n in self.nodes if n in required]
         self._forward_set = required
 
+        # Storages are numbered once: every planner and simulator step hashes them, and an int
+        # hashes far faster than a StorageWeakRef.
         self.storages = {}
         self.storage_bytes = {}
+        ids: dict[Any, int] = {}
         for n in self.nodes:
             keys = []
             for t in node_tensors(n):
                 try:
                     storage = t.untyped_storage()
-                    key = StorageWeakRef(storage)
+                    ref: Any = StorageWeakRef(storage)
                     nbytes = int(storage.nbytes())
                 except (NotImplementedError, RuntimeError):
-                    key = (n, len(keys))
+                    ref = (n, len(keys))
                     nbytes = t.numel() * t.element_size()
+                key = ids.setdefault(ref, len(ids))
                 if key not in self.storage_bytes:
                     self.storage_bytes[key] = nbytes
                 keys.append(key)
             self.storages[n] = keys
+        self.inputs = {n: n.all_input_nodes for n in self.nodes}
+        self.primal_keys = frozenset(k for p in self.primals for k in self.storages[p])
+        self._must = {n for n in self.nodes if is_random(n) or _is_impure(n)}
+        self._never = {n for n in self.nodes if self._never_recompute(n)}
+        self._backward_reads = [a for n in self.backward for a in self.inputs[n]
+                                if a not in self._backward_set]
 
     # ---- facts about single nodes -------------------------------------------------------------
 
@@ -136,10 +157,13 @@ class JointGraph:
 
     def must_save(self, node: fx.Node) -> bool:
         """Forward nodes whose value must be kept rather than recomputed, whatever the policy."""
-        return is_random(node) or _is_impure(node)
+        return node in self._must
 
     def never_recompute(self, node: fx.Node) -> bool:
         """Values that are kept whatever a policy says: random and impure ops and their items."""
+        return node in self._never
+
+    def _never_recompute(self, node: fx.Node) -> bool:
         if self.is_getitem(node) and isinstance(node.args[0], fx.Node):
             return self.must_save(node.args[0])
         return self.is_tensor_value(node) and self.must_save(node)
@@ -175,21 +199,23 @@ class JointGraph:
         saved_set = set(saved)
         needed: set[fx.Node] = set()
         visited: set[fx.Node] = set()
-        stack = [a for n in self.backward for a in n.all_input_nodes if a not in self._backward_set]
+        stack = list(self._backward_reads)
+        never = self._never
+        inputs = self.inputs
         while stack:
             n = stack.pop()
             if n in visited:
                 continue
             visited.add(n)
-            if n in saved_set or n.op == "placeholder" or self.never_recompute(n):
+            if n in saved_set or n.op == "placeholder" or n in never:
                 needed.add(n)  # primals are handed to backward like saved values, at no cost
                 continue
-            stack.extend(n.all_input_nodes)
+            stack.extend(inputs[n])
         return needed
 
     def bytes_of(self, nodes: Iterable[fx.Node]) -> int:
         """Bytes of the distinct storages behind ``nodes``, primals' storages excluded."""
-        primal_keys = {k for p in self.primals for k in self.storages.get(p, ())}
+        primal_keys = self.primal_keys
         keys = {k for n in nodes for k in self.storages.get(n, ()) if k not in primal_keys}
         return sum(self.storage_bytes[k] for k in keys)
 

@@ -47,6 +47,7 @@ def walk(
     uncounted: Iterable[Any] = (),
     workspace: dict[fx.Node, int] | None = None,
     record_curve: bool = False,
+    inputs: Callable[[fx.Node], Sequence[fx.Node]] | None = None,
 ) -> Walk:
     """Replay ``order``: allocate each node's new storages, free storages after their last use.
 
@@ -57,11 +58,12 @@ def walk(
     scratch = workspace or {}
     uncounted_set = set(uncounted)
     keep_set = set(keep)
+    inputs_of = inputs or (lambda n: n.all_input_nodes)
     last_use: dict[Any, int] = {}
     for i, n in enumerate(order):
         for key in storages(n):
             last_use[key] = i
-        for a in n.all_input_nodes:
+        for a in inputs_of(n):
             for key in storages(a):
                 last_use[key] = i
     frees: dict[int, list[Any]] = {}
@@ -97,7 +99,7 @@ def walk(
 
 def forward_order(jg: JointGraph, saved: Iterable[fx.Node]) -> list[fx.Node]:
     """Forward nodes that run: ancestors of the forward outputs and of the saved values."""
-    needed = ancestors(list(jg.fwd_outputs) + list(saved))
+    needed = ancestors(list(jg.fwd_outputs) + list(saved), jg.inputs)
     return [n for n in jg.nodes if n in needed]
 
 
@@ -106,6 +108,7 @@ def order_backward(
     is_backward: Callable[[fx.Node], bool],
     available: set[fx.Node],
     outputs: Sequence[fx.Node],
+    inputs: Callable[[fx.Node], Sequence[fx.Node]] | None = None,
 ) -> list[fx.Node]:
     """Autograd-engine order: each backward node runs right after the recomputation it needs.
 
@@ -115,6 +118,7 @@ def order_backward(
     pull in each one's missing ancestors just before it (in their original order), so a segment
     is recomputed when its gradients are about to be computed and freed right after.
     """
+    inputs_of = inputs or (lambda n: n.all_input_nodes)
     position = {n: i for i, n in enumerate(nodes)}
     placed: set[fx.Node] = set(available)
     order: list[fx.Node] = []
@@ -129,7 +133,7 @@ def order_backward(
                 continue
             seen.add(n)
             pending.append(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend(inputs_of(n))
         pending.sort(key=lambda n: position.get(n, -1))
         for n in pending:
             placed.add(n)
@@ -169,15 +173,16 @@ def simulate_step(
         jg.is_backward,
         available,
         jg.bwd_outputs,
+        jg.inputs.__getitem__,
     )
     storages = jg.storages.__getitem__
-    primal_keys = {k for p in jg.primals for k in jg.storages[p]}
+    primal_keys = jg.primal_keys
     out_keys = {k for n in jg.fwd_outputs for k in jg.storages[n]}
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
     fw = walk(
         fwd, storages, jg.storage_bytes,
         keep=saved_keys | out_keys, uncounted=primal_keys, workspace=jg.workspace,
-        record_curve=record_curve,
+        record_curve=record_curve, inputs=jg.inputs.__getitem__,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
     grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
@@ -185,7 +190,7 @@ def simulate_step(
         bwd, storages, jg.storage_bytes,
         start_live=fw.end_live | tangent_keys,
         keep=out_keys | grad_keys, uncounted=primal_keys, workspace=jg.workspace,
-        record_curve=record_curve,
+        record_curve=record_curve, inputs=jg.inputs.__getitem__,
     )
     return StepSimulation(
         peak_bytes=max(fw.peak_bytes, bw.peak_bytes),
