@@ -4,6 +4,11 @@ FLOPs of matrix products, convolutions and attention come from PyTorch's own for
 (``torch.utils.flop_counter``), applied to the fake tensors tracing left on each node, so the
 numbers agree with ``FlopCounterMode``. Everything else (elementwise ops, norms, reductions) is
 charged one FLOP per output element: it is memory-bound, and its cost grows with what it writes.
+
+``node_seconds`` turns FLOPs and bytes moved into an estimated time (a roofline: the slower of
+compute and memory traffic). The budget planner minimises this rather than FLOPs because on every
+device we measured, elementwise ops (BatchNorm, ReLU, adds) cost far more time than their FLOPs
+suggest: recomputing them is not free, and a FLOP count alone would call it free.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.analysis.graph import node_tensors
 
-__all__ = ["node_flops", "is_compute_heavy"]
+__all__ = ["node_flops", "node_seconds", "is_compute_heavy", "DEVICE_SPEED"]
 
 aten = torch.ops.aten
 
@@ -87,3 +92,33 @@ def _is_view(node: fx.Node) -> bool:
     if schema is None:
         return True  # getitem and other Python-level glue
     return any(r.alias_info is not None for r in schema.returns)
+
+
+#: Rough sustained (FLOP/s, bytes/s) per device type for the roofline estimate. Only the ratio of
+#: the two steers the planner (which of two plans recomputes less time); absolute values set the
+#: unit of ``recompute_seconds``. CPU: a few cores of AVX2/AVX-512; CUDA: a current data-center GPU
+#: in fp32/tf32 with HBM.
+DEVICE_SPEED: dict[str, tuple[float, float]] = {
+    "cpu": (1e11, 2e10),
+    "cuda": (5e13, 2e12),
+}
+
+
+def _bytes_moved(node: fx.Node) -> int:
+    total = sum(t.numel() * t.element_size() for t in node_tensors(node))
+    for a in node.all_input_nodes:
+        total += sum(t.numel() * t.element_size() for t in node_tensors(a))
+    return total
+
+
+def node_seconds(node: fx.Node) -> float:
+    """Estimated time of running ``node`` once: max(FLOPs / peak FLOP/s, bytes moved / bandwidth).
+
+    Views, getitems and placeholders cost nothing.
+    """
+    if node.op != "call_function" or _is_view(node):
+        return 0.0
+    outs = node_tensors(node)
+    device = outs[0].device.type if outs else "cpu"
+    flops_rate, bandwidth = DEVICE_SPEED.get(device, DEVICE_SPEED["cuda"])
+    return max(node_flops(node) / flops_rate, _bytes_moved(node) / bandwidth)

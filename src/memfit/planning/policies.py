@@ -34,10 +34,11 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import simulate_step
 from memfit.capture.mark import MARK_META
 
-__all__ = ["keep_all", "keep_heavy", "keep_marked", "keep_min_peak", "POLICIES"]
+__all__ = ["always_kept", "keep_all", "keep_heavy", "keep_marked", "keep_min_peak", "POLICIES"]
 
 
-def _always_kept(jg: JointGraph) -> set[fx.Node]:
+def always_kept(jg: JointGraph) -> set[fx.Node]:
+    """Values every plan keeps: random and impure ops' outputs, and the forward outputs."""
     kept = {n for n in jg.forward if jg.must_save(n)}
     kept |= set(jg.fwd_outputs)
     # multi-output random ops (native_dropout) are kept through their getitems
@@ -64,7 +65,7 @@ def keep_heavy(jg: JointGraph, *, small_fraction: float = 0.01) -> set[fx.Node]:
     """
     cands = _candidates(jg)
     largest = max((jg.bytes_of([n]) for n in cands), default=0)
-    kept = _always_kept(jg)
+    kept = always_kept(jg)
     for n in cands:
         src = n.args[0] if jg.is_getitem(n) and isinstance(n.args[0], fx.Node) else n
         if is_compute_heavy(src) or jg.bytes_of([n]) <= small_fraction * largest:
@@ -74,7 +75,7 @@ def keep_heavy(jg: JointGraph, *, small_fraction: float = 0.01) -> set[fx.Node]:
 
 def keep_marked(jg: JointGraph) -> set[fx.Node]:
     """Keep exactly the values marked with ``memfit.mark`` (plus random ops and outputs)."""
-    kept = _always_kept(jg) | {n for n in jg.forward if n.meta.get(MARK_META)}
+    kept = always_kept(jg) | {n for n in jg.forward if n.meta.get(MARK_META)}
     return jg.saved_needed(kept)
 
 
@@ -111,7 +112,7 @@ def keep_min_peak(jg: JointGraph, *, grid: int = 24) -> set[fx.Node]:
         acc += d
         frontier.append(acc)
 
-    base = _always_kept(jg)
+    base = always_kept(jg)
 
     def kept_for(cuts: list[int]) -> set[fx.Node]:
         kept = set(base)

@@ -1,0 +1,120 @@
+"""The (peak memory, recompute time) Pareto frontier of one joint graph, and choosing from it.
+
+Why a frontier rather than one solve per budget: the answer to "the cheapest plan within B" must
+be *monotonic* — a smaller budget must never give a larger peak — and its peak must be the one the
+simulator predicts, not the segment model's estimate. Both follow if every budget is answered from
+one set of simulated plans: the frontier, sorted by peak, has decreasing cost; the cheapest point
+within B is the one with the largest peak ≤ B, and it moves down as B does.
+
+The frontier's points come from plain autograd, ``"speed"``, ``"memory"`` and the segment
+programme of ``planning.segments`` solved at a grid of modelled budgets between the two (each solve
+is a few milliseconds; the simulator replays every distinct plan). Points closer than
+``min_gap`` of the baseline peak to a cheaper point are dropped, so two plans the measurement
+could not tell apart never both appear.
+
+Time limit and fallback: solving stops when ``time_limit_s`` is spent; the frontier then holds
+the points found so far, which always include plain autograd and ``"memory"`` (the least peak the
+at-most-one-recompute family reaches), so every budget that ``"memory"`` meets is still met.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx as fx
+
+from memfit.analysis.cost import node_flops, node_seconds
+from memfit.analysis.graph import JointGraph
+from memfit.analysis.simulate import StepSimulation, simulate_step
+from memfit.planning.budget import BudgetError
+from memfit.planning.plan import format_bytes
+from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
+from memfit.planning.segments import SegmentModel
+
+__all__ = ["FrontierPoint", "pareto_frontier", "choose"]
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One simulated plan: what it keeps, its predicted peak and what it recomputes."""
+
+    kept: frozenset[fx.Node]
+    peak_bytes: int
+    recompute_seconds: float
+    recompute_flops: int
+    source: str
+    simulation: StepSimulation
+
+
+def _point(jg: JointGraph, kept: set[fx.Node], source: str,
+           costs: dict[fx.Node, tuple[float, int]]) -> FrontierPoint:
+    sim = simulate_step(jg, kept)
+    recomputed = [costs[n] for n in sim.backward if n in costs]
+    return FrontierPoint(
+        kept=frozenset(kept),
+        peak_bytes=sim.peak_bytes,
+        recompute_seconds=float(sum(c[0] for c in recomputed)),
+        recompute_flops=int(sum(c[1] for c in recomputed)),
+        source=source,
+        simulation=sim,
+    )
+
+
+def pareto_frontier(jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.0,
+                    min_gap: float = 0.01) -> list[FrontierPoint]:
+    """Simulated Pareto-optimal plans of ``jg``, sorted by increasing peak (decreasing cost)."""
+    started = time.perf_counter()
+    costs = {n: (node_seconds(n), node_flops(n)) for n in jg.forward}
+    baseline = keep_all(jg)
+    points = [_point(jg, baseline, "none", costs), _point(jg, keep_heavy(jg), "speed", costs),
+              _point(jg, keep_min_peak(jg), "memory", costs)]
+    seen = {p.kept for p in points}
+    base = points[0]
+    bw_read = {n for n in baseline if n.op != "placeholder"}
+    always = always_kept(jg)
+    model = SegmentModel(jg, always, bw_read, seconds={n: c[0] for n, c in costs.items()})
+    store_all, _ = model.model_peak_range()
+    # Gradient temporaries and op scratch on top of what is kept: calibrated on plain autograd
+    # and on the least-memory plan, the larger of the two (the model must not under-estimate).
+    grad_extra = max(base.peak_bytes - store_all, 0.0)
+    lowest = min(points, key=lambda p: p.peak_bytes)
+    lo = max(lowest.peak_bytes - grad_extra, 1.0) * 0.7
+    hi = max(store_all, lo * 1.01)
+    for budget in np.geomspace(lo, hi, grid):
+        if time.perf_counter() - started > time_limit_s:
+            break
+        segments = model.solve(float(budget))
+        if segments is None:
+            continue
+        kept = jg.saved_needed(model.kept_nodes(segments) | always)
+        key = frozenset(kept)
+        if key in seen:
+            continue
+        seen.add(key)
+        points.append(_point(jg, kept, "budget", costs))
+    return _pareto(points, min_gap * base.peak_bytes)
+
+
+def _pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
+    """Points no other point beats in both peak and cost, at least ``gap`` bytes apart."""
+    by_cost = sorted(points, key=lambda p: (p.recompute_seconds, p.peak_bytes))
+    kept: list[FrontierPoint] = []
+    for p in by_cost:
+        if not kept or p.peak_bytes < kept[-1].peak_bytes - gap:
+            kept.append(p)
+    return sorted(kept, key=lambda p: p.peak_bytes)
+
+
+def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
+    """The cheapest point whose predicted peak is within ``budget_bytes``; BudgetError if none."""
+    fits = [p for p in frontier if p.peak_bytes <= budget_bytes]
+    if not fits:
+        smallest = min(p.peak_bytes for p in frontier)
+        raise BudgetError(
+            f"no plan fits a budget of {format_bytes(budget_bytes)}: the smallest peak memfit can "
+            f"reach for this graph is {format_bytes(smallest)} ({smallest} bytes)",
+            budget_bytes=budget_bytes, smallest_bytes=smallest,
+        )
+    return min(fits, key=lambda p: (p.recompute_seconds, p.peak_bytes))

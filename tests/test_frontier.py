@@ -1,0 +1,83 @@
+"""The Pareto frontier: ordered, anchored at plain autograd, and answering budgets monotonically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphs import joint_graphs
+from memfit.analysis.simulate import simulate_step
+from memfit.planning.budget import BudgetError
+from memfit.planning.frontier import choose, pareto_frontier
+from memfit.planning.policies import keep_all, keep_min_peak
+from zoo import cifar_resnet, tanh_chain, unet
+
+
+@pytest.fixture(scope="module", params=["tanh", "resnet", "unet"])
+def graph(request):
+    torch._dynamo.reset()
+    if request.param == "tanh":
+        return joint_graphs(tanh_chain(40, width=64), torch.randn(64, 64, requires_grad=True))[0]
+    if request.param == "resnet":
+        return joint_graphs(cifar_resnet(3), torch.randn(4, 3, 32, 32))[0]
+    return joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32))[0]
+
+
+def test_frontier_is_pareto_ordered(graph) -> None:
+    points = pareto_frontier(graph)
+    peaks = [p.peak_bytes for p in points]
+    costs = [p.recompute_seconds for p in points]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+    assert all(a > b for a, b in zip(costs, costs[1:])), "more memory must buy less recompute"
+    for p in points:  # every point's peak is the simulator's, for the very set it keeps
+        assert simulate_step(graph, p.kept).peak_bytes == p.peak_bytes
+
+
+def test_frontier_spans_plain_autograd_to_memory_mode(graph) -> None:
+    points = pareto_frontier(graph)
+    assert points[-1].peak_bytes == simulate_step(graph, keep_all(graph)).peak_bytes
+    assert points[-1].recompute_seconds == 0
+    assert points[0].peak_bytes <= simulate_step(graph, keep_min_peak(graph)).peak_bytes
+
+
+def test_choose_is_cheapest_within_budget_and_monotonic(graph) -> None:
+    points = pareto_frontier(graph)
+    lo, hi = points[0].peak_bytes, points[-1].peak_bytes
+    previous = None
+    for budget in torch.linspace(hi, lo, 25).tolist():
+        chosen = choose(points, int(budget))
+        assert chosen.peak_bytes <= int(budget)
+        fits = [p for p in points if p.peak_bytes <= int(budget)]
+        assert chosen.recompute_seconds == min(p.recompute_seconds for p in fits)
+        if previous is not None:
+            assert chosen.peak_bytes <= previous.peak_bytes
+        previous = chosen
+
+
+def test_too_small_budget_names_the_smallest(graph) -> None:
+    points = pareto_frontier(graph)
+    with pytest.raises(BudgetError) as info:
+        choose(points, points[0].peak_bytes - 1)
+    assert info.value.smallest_bytes == points[0].peak_bytes
+    assert str(points[0].peak_bytes) in str(info.value)
+
+
+def test_time_limit_keeps_the_anchors(graph) -> None:
+    """With no time to solve, the fallback still has plain autograd and "memory"."""
+    points = pareto_frontier(graph, time_limit_s=0.0)
+    assert points[-1].peak_bytes == simulate_step(graph, keep_all(graph)).peak_bytes
+    assert points[0].peak_bytes <= simulate_step(graph, keep_min_peak(graph)).peak_bytes
+
+
+def test_budget_at_memory_modes_peak_is_memory_mode_or_cheaper(graph) -> None:
+    """"memory" is one point of the frontier's family; the budget plan at its peak never costs
+    more, and differs from it only by recomputing less (see ``planning.frontier``)."""
+    points = pareto_frontier(graph)
+    memory = simulate_step(graph, keep_min_peak(graph))
+    chosen = choose(points, memory.peak_bytes)
+    forward = set(graph.forward)
+    from memfit.analysis.cost import node_seconds
+
+    memory_cost = sum(node_seconds(n) for n in memory.backward if n in forward)
+    assert chosen.peak_bytes <= memory.peak_bytes
+    assert chosen.recompute_seconds <= memory_cost + 1e-12
