@@ -1,4 +1,5 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
+# `make demo` runs `memfit demo`, the command line pip installs with the package.
 #
 # torch is installed first and explicitly: on a machine without a GPU, an unpinned `torch`
 # requirement would pull several GB of CUDA wheels. TORCH_SPEC picks the build; the default is
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m memfit.demo
+	$(VENV)/bin/memfit demo
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,84 @@
+"""``memfit``: the command line. ``memfit demo``, ``memfit profile TARGET``, ``memfit bench``.
+
+One module per command (``demo``, ``profile``, ``bench``), each with ``add_parser`` and ``run``;
+the measuring they share is in ``steps`` (a training step per mode), ``activations`` (saved
+tensors by submodule), ``batch_search`` (largest batch within a budget), ``figures``, ``tables``
+and ``report`` (the JSON report and its schema). Input checks raise ``errors.CliError``, which
+:func:`main` prints as one line ``memfit: error: ...`` with exit status 2; ``--debug`` adds the
+traceback. argparse (standard library) parses, rich prints tables and progress, matplotlib draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+import memfit
+from memfit.cli.errors import EXIT_USAGE, CliError, first_line
+
+__all__ = ["main", "build_parser", "CliError"]
+
+EXAMPLES = """\
+examples:
+  memfit demo                                   # what memfit does, on a ResNet, in ~20 s
+  memfit profile model.py:make --budget 2GiB    # your model: memory by layer, largest batch
+  memfit bench depth-sweep --quick              # the depth benchmark, small
+
+Run `memfit COMMAND --help` for each command's options and examples.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit.cli import bench, demo, profile
+
+    # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the full traceback")
+    parser = argparse.ArgumentParser(
+        prog="memfit", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train PyTorch models and batches that do not fit in memory: measure what "
+                    "memfit's checkpointing saves on a demo model or on yours.")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback")
+    parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo.add_parser(sub, [common])
+    profile.add_parser(sub, [common])
+    bench.add_parser(sub, [common])
+    return parser
+
+
+def _console():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    # A pipe or a test's capture reports 80 columns, too narrow for the tables.
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, or argparse's own usage errors
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    args.argv = argv
+    debug = getattr(args, "debug", False)
+    try:
+        return int(args.run(args, _console()))
+    except CliError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"memfit: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - reported in one line; --debug shows the rest
+        if debug:
+            traceback.print_exc()
+        print(f"memfit: error: {first_line(err)} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1

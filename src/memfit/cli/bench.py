@@ -1,0 +1,66 @@
+"""``memfit bench depth-sweep``: the depth benchmark (``memfit.bench.depth_sweep``) from the CLI.
+
+It writes ``depth_sweep.{json,md,png}`` under ``--out`` (default ``benchmarks/results``) and
+rewrites the README's table between its ``<!-- depth-sweep:begin/end -->`` markers (default
+``README.md`` for a full sweep). Because OpenMP reads ``OMP_WAIT_POLICY`` only when torch loads,
+and the sweep's timings on a shared CPU need ``PASSIVE`` (see the benchmark's docstring), the
+command restarts itself once with it set when the environment does not set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from memfit.cli.errors import CliError
+from memfit.cli.options import parse_device
+
+__all__ = ["add_parser", "run_depth_sweep"]
+
+EXAMPLES = """\
+examples:
+  memfit bench depth-sweep                 # 9 to 129 blocks, ~4 min on 2 CPU cores
+  memfit bench depth-sweep --quick         # 6, 12, 24 blocks; writes depth_sweep_quick.*
+  memfit bench depth-sweep --device cuda --out results/gpu
+"""
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    from memfit.bench import depth_sweep
+
+    p = sub.add_parser("bench", parents=parents, help="run memfit's benchmarks",
+                       description="Run one of memfit's benchmarks and write its results.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    d = benches.add_parser(
+        "depth-sweep", parents=parents,
+        help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
+        description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
+                    "129 residual blocks: plain PyTorch, memfit's modes, checkpoint_sequential. "
+                    "Writes JSON, Markdown and PNG, and the README's table.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    depth_sweep.add_arguments(d)
+    d.set_defaults(run=run_depth_sweep)
+    return p
+
+
+def run_depth_sweep(args: argparse.Namespace, console: Any) -> int:
+    from memfit.bench import depth_sweep
+
+    device = parse_device(args.device)
+    for flag, values in (("--depths", args.depths or [1]), ("--batch", [args.batch]),
+                         ("--width", [args.width]), ("--repeats", [args.repeats])):
+        if min(values) < 1:
+            raise CliError(f"{flag} {' '.join(map(str, values))}: must be at least 1")
+    if args.readme is not None and not args.readme.is_file():
+        raise CliError(f"--readme {args.readme}: no such file")
+    if "OMP_WAIT_POLICY" not in os.environ and device.type == "cpu":
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        console.print("Restarting with OMP_WAIT_POLICY=PASSIVE (timings on a shared CPU need it; "
+                      "set it yourself to choose).")
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "memfit", *args.argv], env)
+    depth_sweep.run(args, device)
+    return 0

@@ -1,0 +1,123 @@
+"""``memfit demo`` (what ``make demo`` runs): what memfit does, shown on one model in under a minute.
+
+Why this exists: a new user's first question is "how much memory does this save, and what does it
+cost?". The honest answer is a measurement, not a prediction, so the demo trains one step of a
+CIFAR-shaped ResNet (``memfit.bench.resnet``: pre-activation ResNet v2 with BatchNorm, the kind
+of model gradient checkpointing is usually sold on) under each mode (``none``, ``speed``,
+``memory``, and a budget of half of plain autograd's activation memory) and reports side by side:
+
+* the **measured** peak tensor memory of one training step (``memfit.measure``: exact allocator
+  accounting on CPU, allocator statistics on CUDA), and its ratio to ``"none"`` (keep everything);
+* memfit's **predicted** peak for the same step (``wrapped.plan.predicted_peak_bytes``), so the
+  planner's model can be checked against reality;
+* the step time (median of 3, measured without the memory profiler, which inflates CPU time), its
+  ratio to ``"none"``, and the FLOPs memfit recomputes, as a fraction of one forward.
+
+It writes one figure: live tensor memory over one step per mode (forward/backward boundary
+marked), and peak memory per mode. It runs on CUDA if available, else on CPU; the measuring is
+``memfit.cli.steps``, the figure ``memfit.cli.figures``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memfit.bench.resnet import cifar_resnet
+from memfit.cli.figures import timeline_figure
+from memfit.cli.steps import ModeSpec, Workload, run_modes
+from memfit.cli.tables import duration, mode_table
+from memfit.planning.budget import Budget
+
+__all__ = ["add_parser", "run", "demo_modes", "FULL", "QUICK"]
+
+
+@dataclass(frozen=True)
+class Config:
+    blocks_per_stage: int
+    width: int
+    batch: int
+    timing_runs: int = 3
+    budget: float = 0.5  # of plain autograd's activation memory
+
+
+FULL = Config(blocks_per_stage=5, width=16, batch=32)  # ResNet-32, 15 residual blocks
+# ResNet-14: too shallow for memfit to reach half of plain autograd, so a looser budget.
+QUICK = Config(blocks_per_stage=2, width=8, batch=8, timing_runs=2, budget=0.8)
+
+EXAMPLES = """\
+examples:
+  memfit demo                 # about 20 s on 2 CPU cores; writes memfit-demo/demo.png
+  memfit demo --out figures   # the figure goes to figures/demo.png
+"""
+
+
+def demo_modes(budget: float = 0.5) -> list[ModeSpec]:
+    """``none`` (the baseline), ``speed``, ``memory``, and a budget (fraction of ``none``)."""
+    return [*(ModeSpec.plain(m) for m in ("none", "speed", "memory")),
+            ModeSpec.budget_of(Budget(fraction=budget))]
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "demo", parents=parents, help="one training step per mode on a ResNet: table and figure",
+        description="Train one step of a CIFAR ResNet-32 in each memfit mode; print measured peak "
+                    "memory and step time per mode and write a figure of memory over the step.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("memfit-demo"), metavar="DIR",
+                   help="directory for demo.png (default: ./memfit-demo)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model and fewer timing runs (for tests)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cfg = QUICK if args.quick else FULL
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n_blocks = 3 * cfg.blocks_per_stage
+    title = (f"ResNet-{6 * cfg.blocks_per_stage + 2} ({n_blocks} residual blocks, width "
+             f"{cfg.width}), batch {cfg.batch}x3x32x32, one training step on {device.type}")
+    console.print(f"[bold]memfit demo[/bold]: {title}")
+    console.print("Each mode: one first step (capture, plan, compile), one step measured for "
+                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the modes.")
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    model = cifar_resnet(cfg.blocks_per_stage, cfg.width).to(device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(cfg.batch, 3, 32, 32, generator=gen).to(device)
+    y = torch.randint(0, 10, (cfg.batch,), generator=gen).to(device)
+    work = Workload(model, (x,), loss=lambda out: F.cross_entropy(out, y))
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TimeElapsedColumn(), console=console) as progress:
+        results = run_modes(work, demo_modes(cfg.budget), device, cfg.timing_runs, progress)
+    console.print(mode_table(results, title="one training step (forward + loss + backward)"))
+    for r in results:
+        if r.recaptured:
+            console.print(f"[yellow]warning: {r.label} was captured again while being measured; "
+                          "its numbers include a recompilation[/yellow]")
+    memory = next(r for r in results if r.label == "memory")
+    console.print(str(memory.plan), highlight=False)
+
+    spread = max(max(r.step_times) / min(r.step_times) for r in results)
+    if spread > 1.5:
+        console.print(f"[yellow]Step times of one mode varied up to {spread:.1f}x between runs: "
+                      "the machine is probably busy, so read the times with care (on a shared "
+                      "CPU, OMP_WAIT_POLICY=PASSIVE helps).[/yellow]")
+
+    png = timeline_figure(results, args.out / "demo.png", title)
+    console.print(f"\nFigure written to [bold]{png}[/bold] "
+                  f"(demo took {duration(time.perf_counter() - started)}).")
+    console.print("Next: profile your own model with [bold]memfit profile path/to/file.py:factory"
+                  "[/bold] (the factory returns (model, example_inputs)); see memfit profile "
+                  "--help.")
+    return 0

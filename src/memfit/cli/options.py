@@ -1,0 +1,122 @@
+"""Command-line values turned into what memfit needs, each rejected in one line when wrong.
+
+argparse's own ``type=`` converters print a usage block before their message; the checks here
+instead raise :class:`~memfit.cli.errors.CliError` after parsing, so every bad value reads the same
+way: ``memfit: error: <value>: <rule>; <what to do>`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from memfit.cli.errors import CliError
+from memfit.cli.steps import ModeSpec
+from memfit.planning.budget import parse_budget
+
+__all__ = ["parse_batch_budget", "parse_device", "parse_dtype", "parse_modes", "parse_shape",
+           "DTYPES"]
+
+#: ``--dtype`` names and the torch dtypes they mean.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+#: Modes ``--modes`` accepts besides ``budget=VALUE``.
+PLAIN_MODES = ("none", "speed", "memory", "collection")
+
+
+def parse_device(text: str | None) -> torch.device:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` that exists here; default CUDA if present."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device {text!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise CliError(f"--device {text!r}: memfit measures only CPU and CUDA memory; "
+                       "use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise CliError(f"--device {text!r} does not exist: this torch ({torch.__version__}) sees "
+                       "no CUDA device; use --device cpu")
+    count = torch.cuda.device_count()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not 0 <= index < count:
+        raise CliError(f"--device {text!r} does not exist: this machine has {count} CUDA "
+                       f"device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    """``--dtype``: a floating-point dtype for parameters and floating inputs, or None (keep)."""
+    if text is None:
+        return None
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        raise CliError(f"--dtype {text!r} is not a floating-point dtype memfit knows; use one of "
+                       "float32, bfloat16, float16, float64") from None
+
+
+def parse_batch_budget(text: str) -> int:
+    """``--budget`` of ``memfit profile``: bytes of device memory for a whole training step.
+
+    Accepted as bytes (``2147483648``) or a size with a unit (``1.5GiB``, ``800MB``, ``512KiB``).
+    A fraction is refused: the max-batch search needs an absolute amount of memory.
+    """
+    try:
+        budget = parse_budget(text)
+    except (TypeError, ValueError) as err:
+        raise CliError(f"--budget {text!r}: {err}") from None
+    if budget.bytes is None:
+        raise CliError(f"--budget {text!r} is a fraction, but the largest-batch search needs an "
+                       "amount of memory: give bytes or a size such as '1.5GiB', '800MB', '512KiB'")
+    return budget.bytes
+
+
+def parse_modes(text: str) -> list[ModeSpec]:
+    """``--modes``: comma-separated ``none``, ``speed``, ``memory``, ``collection``, ``budget=B``.
+
+    ``none`` (plain autograd, nothing recomputed) is always run first: every ratio is taken to it.
+    """
+    specs: list[ModeSpec] = [ModeSpec.plain("none")]
+    for raw in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = raw.partition("=")
+        name = name.strip().lower()
+        if name in PLAIN_MODES and not sep:
+            spec = ModeSpec.plain(name)
+        elif name == "budget" and sep:
+            try:
+                spec = ModeSpec.budget_of(parse_budget(value.strip()))
+            except (TypeError, ValueError) as err:
+                raise CliError(f"--modes {raw!r}: {err}") from None
+        else:
+            raise CliError(f"--modes: {raw!r} is not a mode; use a comma-separated list of "
+                           f"{', '.join(PLAIN_MODES)} and budget=B (B: bytes such as 2GiB, or a "
+                           "fraction such as 0.5 of plain autograd's activation memory)")
+        if spec not in specs:
+            specs.append(spec)
+    return specs
+
+
+_SHAPE_SPLIT = re.compile(r"[,\s]+|(?<=\d)x(?=\d)")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape 8,3,32,32`` (or ``8x3x32x32``): positive sizes."""
+    parts = [p for p in _SHAPE_SPLIT.split(text.strip()) if p]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(s <= 0 for s in shape):
+        raise CliError(f"--input-shape {text!r} is not a shape; write positive sizes separated "
+                       "by commas, e.g. --input-shape 8,3,32,32")
+    return shape

@@ -1,0 +1,287 @@
+"""``memfit profile TARGET``: where a user's model spends its training memory, and what fits.
+
+For the model a factory builds (see ``memfit.cli.target``) this reports, all measured:
+
+1. activation memory by submodule and the largest tensors kept for backward (one eager step of
+   plain PyTorch with saved-tensor hooks; ``memfit.cli.activations`` says exactly how);
+2. per mode (``--modes``, ``none`` always first): measured and predicted peak, step time, recomputed
+   FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per mode;
+3. with ``--budget``: the largest batch whose whole training step fits, per mode, searched with real
+   steps (``memfit.cli.batch_search``);
+4. with ``--pareto``: the budget planner's frontier of predicted peak against recompute cost, as a
+   PNG (``memfit.plan(..., budget=1.0).pareto()``);
+5. with ``--json``: all of it as ``profile.json`` (schema in ``memfit.cli.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten_with_path, keystr
+
+import memfit
+from memfit.cli import report as rep
+from memfit.cli.activations import saved_activations
+from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_batch
+from memfit.cli.errors import CliError, first_line
+from memfit.cli.figures import pareto_figure, timeline_figure
+from memfit.cli.options import (parse_batch_budget, parse_device, parse_dtype, parse_modes,
+                                parse_shape)
+from memfit.cli.steps import Workload, resident_bytes, run_modes
+from memfit.cli.tables import batch_table, mib, mode_table, module_table, tensor_table
+from memfit.cli.target import build_target, move_inputs
+from memfit.planning.plan import format_bytes
+
+__all__ = ["add_parser", "run"]
+
+EXAMPLES = """\
+examples:
+  memfit profile examples/mlp.py:make --budget 64MiB
+  memfit profile mypkg.models:build --input-shape 16,3,224,224 --modes none,memory --json
+  memfit profile train.py:model_and_batch --device cuda --dtype bfloat16 --budget 20GiB
+
+The factory takes no arguments and returns (model, example_inputs), example_inputs being a
+tensor, a tuple of positional arguments or a dict of keyword arguments; or only the model
+when --input-shape is given. The loss of a step is the model's output if it is a scalar, its
+'loss' if it has one, else the sum of its floating-point outputs.
+"""
+
+ACTIVATIONS_METHOD = (
+    "one eager training step of plain PyTorch; every storage autograd saves for backward "
+    "(saved_tensors_hooks), counted once, without parameters, buffers and inputs, credited to "
+    "the innermost submodule running when an ATen op created it (TorchDispatchMode)")
+
+BUDGET_COVERS = (
+    "parameters + buffers + the batch (live before the step) + the peak measured above them "
+    "during forward, loss and backward (activations, gradients, scratch); not optimizer state")
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "profile", parents=parents, help="measure where your model's training memory goes",
+        description="Measure a training step of your model: activation memory by submodule, "
+                    "the largest tensors kept, peak and step time per memfit mode, and with "
+                    "--budget the largest batch that fits.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET",
+                   help="path/to/file.py:factory or package.module:factory")
+    p.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
+                   help="the factory returns only the model; make one random input of this "
+                        "shape (e.g. 8,3,32,32); repeat for several inputs")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", help="cast parameters and floating inputs: float32, bfloat16, "
+                                   "float16, float64 (default: as the factory made them)")
+    p.add_argument("--modes", default="none,speed,memory",
+                   help="comma-separated modes: none, speed, memory, collection, budget=B "
+                        "(default: none,speed,memory; none is always run, as the baseline)")
+    p.add_argument("--budget", metavar="BYTES",
+                   help="find the largest batch per mode whose training step fits in this much "
+                        "device memory (weights + batch + measured peak): e.g. 2GiB, 800MB, "
+                        "512KiB or bytes")
+    p.add_argument("--batch-dim", type=int, default=0, metavar="DIM",
+                   help="dimension of the inputs that is the batch (default 0)")
+    p.add_argument("--batch-step", type=int, default=1, metavar="N",
+                   help="search batches that are multiples of N (default 1)")
+    p.add_argument("--max-batch", type=int, default=65536, metavar="N",
+                   help="largest batch the search tries (default 65536)")
+    p.add_argument("--timing-runs", type=int, default=3, metavar="N",
+                   help="timed steps per mode; the median is reported (default 3)")
+    p.add_argument("--pareto", action="store_true",
+                   help="also plot the budget planner's predicted peak vs recompute frontier")
+    p.add_argument("--json", action="store_true", help="write OUT/profile.json (schema: "
+                                                       "memfit.cli.report.REPORT_SCHEMA)")
+    p.add_argument("--out", type=Path, default=Path("memfit-profile"), metavar="DIR",
+                   help="directory for the figures and the JSON (default ./memfit-profile)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _check_ints(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--batch-dim", args.batch_dim, 0),
+                               ("--batch-step", args.batch_step, 1),
+                               ("--max-batch", args.max_batch, 1),
+                               ("--timing-runs", args.timing_runs, 1)):
+        if value < least:
+            raise CliError(f"{flag} {value}: must be at least {least}")
+    if args.max_batch < args.batch_step:
+        raise CliError(f"--max-batch {args.max_batch} is below --batch-step {args.batch_step}")
+
+
+def _device_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _input_entries(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    leaves, _ = tree_flatten_with_path((args, kwargs))
+    out = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            name = keystr(path)
+            name = ("args" + name[3:]) if name.startswith("[0]") else ("kwargs" + name[3:])
+            out.append({"name": name, "shape": list(leaf.shape),
+                        "dtype": str(leaf.dtype).removeprefix("torch.")})
+    return out
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype)
+    specs = parse_modes(args.modes)
+    budget = parse_batch_budget(args.budget) if args.budget is not None else None
+    shapes = [parse_shape(s) for s in args.input_shape]
+    _check_ints(args)
+    started = time.perf_counter()
+
+    target = build_target(args.target, shapes)
+    model = target.model.to(device=device, dtype=dtype) if dtype else target.model.to(device)
+    model.train()
+    inputs = move_inputs((target.args, target.kwargs), device, dtype)
+    work = Workload(model, tuple(inputs[0]), dict(inputs[1]))
+    name = type(model).__name__
+    weights, batch_bytes = resident_bytes(model, work.args, work.kwargs)
+    n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    batch = batch_size_of(work.args, work.kwargs, args.batch_dim) if budget else None
+    if budget is not None:
+        if budget < weights:
+            raise CliError(f"--budget {args.budget} ({format_bytes(budget)}) is smaller than the "
+                           f"model's parameters and buffers ({format_bytes(weights)}), which every "
+                           "training step holds; give a larger budget")
+        total = _device_memory(device)
+        if total is not None and budget > total:
+            raise CliError(f"--budget {args.budget} ({format_bytes(budget)}) is more than this "
+                           f"{device.type} device has ({format_bytes(total)}); the search would "
+                           "run out of memory before reaching it")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    console.print(f"[bold]memfit profile[/bold] {args.target}: {name}, {n_params:,} parameters "
+                  f"({mib(param_bytes)}, {', '.join(dtypes) or '-'}), inputs "
+                  f"{mib(batch_bytes)}, on {device}")
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("activations: one eager step with saved-tensor hooks", total=1)
+        try:
+            acts = saved_activations(model, work.args, work.kwargs, work.loss)
+        except Exception as err:
+            raise CliError(f"{args.target}: a training step of the model on its example inputs "
+                           f"raised {first_line(err)}") from err
+        progress.update(task, advance=1, description="activations attributed")
+        results = run_modes(work, specs, device, args.timing_runs, progress)
+        frontier = None
+        if args.pareto:
+            task = progress.add_task("pareto: planning with budget=1.0", total=1)
+            plan = memfit.plan(model, *work.args, budget=1.0, **work.kwargs)
+            frontier = list(plan.pareto())
+            progress.update(task, advance=1, description="pareto frontier planned")
+        searches = []
+        if budget is not None:
+            for spec in specs:
+                task = progress.add_task(f"{spec.label}: largest batch within {args.budget}",
+                                         total=None)
+
+                def on_probe(p: Any, task: Any = task, spec: Any = spec) -> None:
+                    state = "fits" if p.fits else "over"
+                    progress.update(task, description=f"{spec.label}: batch {p.batch} {state}")
+
+                searches.append(search_max_batch(
+                    lambda b, spec=spec: measure_probe(work, spec, device, budget,
+                                                       args.batch_dim, b),
+                    label=spec.label, budget_bytes=budget, start=batch or 1,
+                    step=args.batch_step, limit=args.max_batch, on_probe=on_probe))
+                progress.update(task, total=1, completed=1,
+                                description=f"{spec.label}: largest batch "
+                                            f"{searches[-1].max_batch}")
+
+    console.print(module_table(acts, name))
+    none_kept = results[0].plan.kept_bytes
+    console.print(f"Plain autograd saves {mib(acts.total_bytes)} for backward; memfit's 'none' "
+                  f"plan keeps {mib(none_kept)}.", highlight=False)
+    console.print(tensor_table(acts, name))
+    console.print(mode_table(results, title="one training step per mode (forward + loss + "
+                                            "backward)"))
+    for r in results:
+        if r.recaptured:
+            console.print(f"[yellow]warning: {r.label} was captured again while being measured; "
+                          "its numbers include a recompilation[/yellow]")
+    if searches:
+        console.print(batch_table(searches, f"{args.budget}"))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    title = f"{name} ({args.target}), one training step on {device.type}"
+    png = timeline_figure(results, args.out / "timeline.png", title)
+    pareto_png = None
+    if frontier is not None:
+        pareto_png = pareto_figure(frontier, args.out / "pareto.png",
+                                   f"{name}: predicted peak vs recomputation", results)
+    written = [png] + ([pareto_png] if pareto_png else [])
+    if args.json:
+        base = results[0]
+        report = {
+            "schema": rep.SCHEMA_ID,
+            "memfit_version": memfit.__version__,
+            "torch_version": torch.__version__,
+            "target": args.target,
+            "model": name,
+            "device": str(device),
+            "dtype": dtypes[0] if len(dtypes) == 1 else None,
+            "batch_dim": args.batch_dim,
+            "batch_size": _batch_or_none(work, args.batch_dim),
+            "parameters": {"count": n_params, "bytes": param_bytes},
+            "buffers_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+            "inputs": _input_entries(work.args, work.kwargs),
+            "activations": rep.activations_entry(acts, ACTIVATIONS_METHOD, none_kept),
+            "modes": [rep.mode_entry(r, base) for r in results],
+            "max_batch": None if budget is None else {
+                "budget_bytes": budget, "covers": BUDGET_COVERS, "batch_step": args.batch_step,
+                "limit": args.max_batch, "results": [rep.search_entry(s) for s in searches]},
+            "pareto": None if frontier is None else [
+                {"peak_bytes": int(p.peak_bytes), "recompute_flops": int(p.recompute_flops),
+                 "recompute_seconds": float(p.recompute_seconds)} for p in frontier],
+            "figures": {"timeline": str(png), "pareto": str(pareto_png) if pareto_png else None},
+        }
+        problems = rep.validate(report)
+        if problems:  # a bug in memfit, not in the user's input
+            raise RuntimeError("the report does not match its schema: " + "; ".join(problems[:3]))
+        json_path = args.out / "profile.json"
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        written.append(json_path)
+    console.print(f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
+                  f"({time.perf_counter() - started:.0f} s).")
+    console.print(_next_step(results, budget is not None))
+    return 0
+
+
+def _next_step(results: list[Any], searched: bool) -> str:
+    """One line on what to try next, from what was measured."""
+    base, others = results[0], results[1:]
+    best = min(others, key=lambda r: r.peak_bytes, default=None)
+    if best is None:
+        return "Next: add --modes none,speed,memory to compare memfit's modes."
+    if best.peak_bytes > 0.9 * base.peak_bytes:
+        return (f"Next: activations are a small part of this step (the best mode, {best.label}, "
+                f"peaks at {mib(best.peak_bytes)} against {mib(base.peak_bytes)}); try a larger "
+                "batch (--budget finds the largest that fits) or a deeper model.")
+    hint = "" if searched else ", or add --budget 2GiB to find the largest batch that fits"
+    return (f"Next: train with [bold]{best.spec.call()}[/bold] ({mib(best.peak_bytes)} instead "
+            f"of {mib(base.peak_bytes)} per step){hint}.")
+
+
+def _batch_or_none(work: Workload, batch_dim: int) -> int | None:
+    try:
+        return batch_size_of(work.args, work.kwargs, batch_dim)
+    except CliError:
+        return None

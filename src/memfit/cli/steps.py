@@ -1,0 +1,255 @@
+"""One training step per memfit mode, measured the same way by ``memfit demo`` and ``memfit profile``.
+
+A *step* is forward, loss, backward, with gradients set to ``None`` first (as
+``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Per mode:
+
+1. wrap the model (``memfit.checkpoint``) and run one step: capture, plan, compile ("first step");
+2. run one step under ``memfit.measure``: the exact peak and the memory timeline, with the end of
+   the forward (loss included) marked so figures can show where backward starts;
+3. time ``timing_runs`` steps without the memory profiler (it inflates CPU time), round-robin over
+   the modes so a busy machine's slow moments are spread over all of them; the median is reported.
+
+All modes wrap the *same* model object (wrappers share its parameters), so nothing is copied.
+Dynamo is reset once before the wraps: each wrapper has its own backend, so they coexist in
+Dynamo's cache and none is recompiled while it is measured (a recompile is detected and reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import memfit
+from memfit.cli.errors import CliError
+from memfit.planning.budget import Budget
+from memfit.planning.plan import Plan, format_bytes
+
+__all__ = ["ModeSpec", "ModeResult", "Workload", "default_loss", "resident_bytes", "run_modes"]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A way to wrap a model: one of memfit's named modes, or a budget."""
+
+    label: str
+    checkpoints: str | None = None
+    budget: Budget | None = None
+
+    @classmethod
+    def plain(cls, name: str) -> "ModeSpec":
+        return cls(label=name, checkpoints=name)
+
+    @classmethod
+    def budget_of(cls, budget: Budget) -> "ModeSpec":
+        if budget.fraction is not None:
+            label = f"budget {budget.fraction:.0%}"
+        else:
+            label = f"budget {format_bytes(budget.bytes or 0)}"
+        return cls(label=label, budget=budget)
+
+    def wrap(self, model: nn.Module) -> memfit.CheckpointedModule:
+        if self.budget is not None:
+            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
+            return memfit.checkpoint(model, budget=value)
+        return memfit.checkpoint(model, self.checkpoints or "none")
+
+    def call(self, model: str = "model") -> str:
+        """The Python call that wraps a model this way."""
+        if self.budget is not None:
+            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
+            return f"memfit.checkpoint({model}, budget={value!r})"
+        return f"memfit.checkpoint({model}, {self.checkpoints or 'none'!r})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "checkpoints": self.checkpoints,
+            "budget_bytes": self.budget.bytes if self.budget else None,
+            "budget_fraction": self.budget.fraction if self.budget else None,
+        }
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The scalar a generic training step backpropagates from the model's output.
+
+    A scalar output is the loss; else a ``loss`` attribute or key holding a scalar (HuggingFace
+    models given labels); else the sum of every floating-point output tensor that requires grad
+    (which backpropagates a gradient of ones of each output's shape, as large as a real loss's).
+    """
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    tensors = [t for t in tree_flatten(output)[0]
+               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if not tensors:
+        raise ValueError(
+            f"the model's output ({type(output).__name__}) has no floating-point tensor that "
+            "requires grad, so there is nothing to backpropagate; is the model in training mode "
+            "with parameters that require grad?")
+    total = tensors[0].sum().float()
+    for t in tensors[1:]:
+        total = total + t.sum().float()
+    return total
+
+
+@dataclass
+class Workload:
+    """A model, the inputs of one step, and how its output becomes the loss."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: Callable[[Any], torch.Tensor] = default_loss
+
+    def step(self, module: nn.Module, marks: list[float] | None = None) -> Callable[[], float]:
+        """One training step of ``module`` (the model or a wrapper of it); returns the loss.
+
+        If ``marks`` is given, ``[start, end of forward + loss]`` (``time.perf_counter``) are
+        appended.
+        """
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            loss = self.loss(module(*self.args, **self.kwargs))
+            if marks is not None:
+                if loss.is_cuda:
+                    torch.cuda.synchronize(loss.device)
+                marks.extend([t0, time.perf_counter()])
+            loss.backward()
+            return float(loss.detach())
+
+        return run
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def resident_bytes(model: nn.Module, args: Sequence[Any] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    """``(parameters and buffers, input tensors)`` bytes, each storage counted once.
+
+    These are live before a step starts, so ``memfit.measure``'s peak (which is *above* what was
+    live at entry) does not include them.
+    """
+    weights = _storages([*model.parameters(), *model.buffers()])
+    inputs = _storages(tree_flatten((tuple(args), dict(kwargs or {})))[0])
+    return sum(weights.values()), sum(n for p, n in inputs.items() if p not in weights)
+
+
+@dataclass
+class ModeResult:
+    """What one mode's step cost, measured."""
+
+    spec: ModeSpec
+    peak_bytes: int
+    plan: Plan
+    step_times: list[float]
+    compile_s: float
+    timeline: list[tuple[float, int]] = field(repr=False)
+    forward_end: float  # fraction of the measured step at which forward + loss ended
+    measured_s: float  # duration of the memory-measured step (the timeline's time scale)
+    recaptured: bool = False  # the wrapper planned again while being measured
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def step_time(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.plan.predicted_peak_bytes
+
+    @property
+    def recompute_fraction(self) -> float:
+        fwd = self.plan.forward_flops
+        return self.plan.recompute_flops / fwd if fwd else 0.0
+
+
+@dataclass
+class _Run:
+    spec: ModeSpec
+    wrapped: memfit.CheckpointedModule
+    compile_s: float
+    times: list[float] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
+              timing_runs: int = 3, progress: Any = None) -> list[ModeResult]:
+    """Compile every mode, measure each one's memory, then time them round-robin (see above).
+
+    ``progress`` is an optional ``rich.progress.Progress`` to report on.
+    """
+    task = None
+    if progress is not None:
+        task = progress.add_task("modes", total=len(specs) * (2 + timing_runs))
+
+    def doing(text: str, advance: bool = False) -> None:
+        if progress is not None:
+            progress.update(task, description=text, advance=1 if advance else 0)
+
+    torch._dynamo.reset()
+    model = work.model
+    runs = []
+    for spec in specs:
+        doing(f"{spec.label}: capturing, planning, compiling (first step)")
+        wrapped = spec.wrap(model)
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        try:
+            work.step(wrapped)()
+        except memfit.BudgetError as err:
+            raise CliError(f"mode {spec.label!r}: {err}") from err
+        _sync(device)
+        runs.append(_Run(spec, wrapped, time.perf_counter() - t0))
+        doing(spec.label, advance=True)
+    plans = [run.wrapped.plan for run in runs]
+
+    results = []
+    for run, plan in zip(runs, plans):
+        doing(f"{run.spec.label}: measuring the memory of one step")
+        model.zero_grad(set_to_none=True)
+        marks: list[float] = []
+        m = memfit.measure(work.step(run.wrapped, marks), device=device)
+        forward_end = (marks[1] - marks[0]) / m.time_s if m.time_s > 0 else 0.5
+        results.append(ModeResult(
+            spec=run.spec, peak_bytes=int(m.peak_bytes or 0), plan=plan, step_times=run.times,
+            compile_s=run.compile_s, timeline=list(m.timeline),
+            forward_end=min(max(forward_end, 0.0), 1.0), measured_s=m.time_s,
+        ))
+        doing(run.spec.label, advance=True)
+    for i in range(timing_runs):
+        for run in runs:
+            doing(f"{run.spec.label}: timing step {i + 1} of {timing_runs}")
+            model.zero_grad(set_to_none=True)
+            t = memfit.measure(work.step(run.wrapped), device=device, profile_memory=False).time_s
+            run.times.append(t)
+            doing(run.spec.label, advance=True)
+    model.zero_grad(set_to_none=True)
+    for run, plan, result in zip(runs, plans, results):
+        result.recaptured = run.wrapped.plan is not plan
+    doing("modes measured")
+    return results

@@ -1,0 +1,46 @@
+"""``memfit demo`` runs end to end: what ``make demo`` shows a new user must not rot.
+
+Runs the demo's ``--quick`` configuration in a subprocess (as a user would run it, with the
+package importable from ``src``), then checks the exit status, that the printed table has a row
+per mode with its measured peak, and that the figure is a real PNG of a sensible size.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from clitools import explain, png_size, run_memfit
+
+
+def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) -> None:
+    out = tmp_path / "demo-out"
+    proc = run_memfit("demo", "--quick", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃]", line) if c.strip()]
+        if cells and cells[0] in ("none", "speed", "memory", "budget 80%"):
+            rows[cells[0]] = cells
+    assert set(rows) == {"none", "speed", "memory", "budget 80%"}, proc.stdout
+    for cells in rows.values():
+        assert cells[1].endswith(("MiB", "KiB")), cells  # measured peak
+        assert cells[2].endswith("x") and cells[5].endswith("x"), cells  # ratios to none
+    assert rows["none"][2] == "1.00x"
+    peak = {mode: float(cells[1].split()[0]) for mode, cells in rows.items()}
+    assert peak["memory"] < peak["none"], peak
+    assert peak["budget 80%"] <= 0.8 * peak["none"] + 0.1, peak  # the budget holds, measured
+
+    png = out / "demo.png"
+    assert png.is_file(), proc.stdout
+    height, width = png_size(png)
+    assert height > 300 and width > 600, (height, width)
+    assert str(png) in proc.stdout.replace("\n", "")
+    assert "Next:" in proc.stdout
+
+
+def test_demo_help_has_an_example() -> None:
+    proc = run_memfit("demo", "--help")
+    assert proc.returncode == 0, explain(proc)
+    assert "examples:" in proc.stdout and "memfit demo" in proc.stdout
