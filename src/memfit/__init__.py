@@ -6,12 +6,18 @@ graphs, the wrapper module) → ``measurement`` (exact peak memory and time).
 """
 
 from memfit.capture.mark import mark
-from memfit.execution.module import CheckpointedModule, checkpoint
+from memfit.execution.module import CheckpointedModule, checkpoint, plan
 from memfit.measurement import Measurement, measure
-from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.budget import Budget, BudgetError, parse_budget
+from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
 
 __all__ = [
     "checkpoint",
+    "plan",
+    "BudgetError",
+    "Budget",
+    "parse_budget",
+    "ParetoPoint",
     "mark",
     "measure",
     "Measurement",

@@ -23,6 +23,7 @@ from memfit.analysis.workspace import measure_workspace
 from memfit.capture.mark import strip_marks
 from memfit.execution.batchnorm import is_training_batchnorm, split_recomputed_batchnorm
 from memfit.execution.partition import split_joint_graph
+from memfit.planning.budget import Budget
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 
@@ -31,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.1
     _BoxedCodeGen = None
 
-__all__ = ["make_backend"]
+__all__ = ["make_backend", "StepBudget"]
 
 
 def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -59,19 +60,39 @@ def _largest_value(jg: JointGraph) -> int:
     return max(jg.storage_bytes.values(), default=0)
 
 
-def make_backend(policy: str, on_plan: Callable[[GraphPlan], None]) -> Callable[..., Any]:
+@dataclasses.dataclass
+class StepBudget:
+    """The budget of one training step, shared by the graphs a step is captured in.
+
+    With graph breaks, the graphs of one step are planned one after the other as the step first
+    runs; values kept by earlier graphs stay alive while later ones run, so each graph gets the
+    budget less what the graphs before it keep. The wrapper resets ``spent`` at every call.
+    """
+
+    budget: Budget
+    spent: int = 0
+
+
+def make_backend(policy: str, on_plan: Callable[[GraphPlan], None],
+                 step_budget: StepBudget | None = None) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         strip_marks(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.workspace = measure_workspace(jg.nodes, min_bytes=_largest_value(jg) // 64)
-        kept, recomputed, graph_plan = plan_graph(jg, policy)
+        kept, recomputed, graph_plan = plan_graph(
+            jg, policy,
+            budget=step_budget.budget if step_budget else None,
+            spent_bytes=step_budget.spent if step_budget else 0,
+        )
         if any(is_training_batchnorm(n) for n in recomputed):
             kept = split_recomputed_batchnorm(jg, kept, recomputed)
             jg = JointGraph(joint, kwargs["num_fwd_outputs"], workspace=jg.workspace)
             sim = simulate_step(jg, kept)
             graph_plan = dataclasses.replace(graph_plan, predicted_peak_bytes=sim.peak_bytes)
+        if step_budget is not None:
+            step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
         return split_joint_graph(jg, kept, **kwargs)
 

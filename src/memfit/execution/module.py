@@ -6,6 +6,10 @@ either sees the same parameters, and ``.to()`` moves both. Its forward runs the 
 ``torch.compile`` with memfit's backend (static shapes, so a new input shape or dtype is captured
 and planned again). Module names in ``checkpoints=[...]`` are turned into marks by forward hooks
 that act only while memfit captures, so the user's own eager calls are untouched.
+
+``memfit.plan`` answers "what would memfit do within this budget?" without training: it runs the
+capture (one forward, under the plan) and puts back every buffer and random-number state the
+forward touched, so BatchNorm statistics and later dropout masks are as if it never ran.
 """
 
 from __future__ import annotations
@@ -20,12 +24,24 @@ from torch.utils._pytree import tree_map
 
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
-from memfit.execution.backend import make_backend
+from memfit.execution.backend import StepBudget, make_backend
+from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.plan import GraphPlan, Plan
 
-__all__ = ["checkpoint", "CheckpointedModule", "MODES"]
+__all__ = ["checkpoint", "plan", "CheckpointedModule", "MODES"]
 
 MODES = ("memory", "speed", "collection", "none")
+
+
+def _budget_error(exc: BaseException) -> BudgetError | None:
+    """The BudgetError behind Dynamo's wrapping of backend exceptions, if there is one."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, BudgetError):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
 
 _capturing = 0  # >0 while a memfit wrapper runs: module-name hooks mark only then
 
@@ -43,7 +59,8 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
 class CheckpointedModule(nn.Module):
     """``model`` with memfit's checkpointing applied; see ``memfit.checkpoint``."""
 
-    def __init__(self, model: nn.Module, policy: str, mark_modules: Sequence[str] = ()) -> None:
+    def __init__(self, model: nn.Module, policy: str, mark_modules: Sequence[str] = (),
+                 budget: Budget | None = None) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
         self._parameters = model._parameters
@@ -54,8 +71,10 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_plan"] = None
         self.__dict__["_pending"] = []
         self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
+        self.__dict__["_step_budget"] = StepBudget(budget) if budget is not None else None
         self.__dict__["_compiled"] = torch.compile(
-            model, backend=make_backend(policy, self._pending.append), dynamic=False
+            model, backend=make_backend(policy, self._pending.append, self._step_budget),
+            dynamic=False,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
@@ -90,9 +109,17 @@ class CheckpointedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         global _capturing
         _capturing += 1
+        if self._step_budget is not None:
+            self._step_budget.spent = 0
         try:
             with self._watcher.watch() as report:
                 out = self._compiled(*args, **kwargs)
+        except Exception as exc:
+            self._pending.clear()
+            budget_error = _budget_error(exc)
+            if budget_error is not None:
+                raise budget_error.with_traceback(None) from None
+            raise
         finally:
             _capturing -= 1
         if self._pending:
@@ -104,7 +131,8 @@ class CheckpointedModule(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"policy={self._policy!r}, model={type(self._model).__name__}"
+        budget = f", budget={self._step_budget.budget}" if self._step_budget else ""
+        return f"policy={self._policy!r}{budget}, model={type(self._model).__name__}"
 
 
 def _validate_names(model: nn.Module, names: Sequence[Any]) -> list[str]:
@@ -127,20 +155,38 @@ def _validate_names(model: nn.Module, names: Sequence[Any]) -> list[str]:
     return out
 
 
-def checkpoint(model: nn.Module, checkpoints: str | Sequence[str] = "memory") -> CheckpointedModule:
+def checkpoint(
+    model: nn.Module,
+    checkpoints: str | Sequence[str] | None = None,
+    *,
+    budget: int | str | float | Budget | None = None,
+) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
-    ``checkpoints`` is ``"memory"`` (automatic: the least activation memory with at most one
-    recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
+    ``checkpoints`` is ``"memory"`` (the default; automatic: the least activation memory with at
+    most one recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
     recompute cheap ops), ``"collection"`` (keep the tensors marked with ``memfit.mark``),
     ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
-    kept. The returned module shares the model's parameters and buffers; its ``plan`` describes
-    the choice after the first training call.
+    kept. Or give ``budget`` instead: bytes (``int``), a size (``"2GiB"``, ``"750MB"``) or a
+    fraction in (0, 1] of plain autograd's activation memory; memfit then keeps what makes the
+    recomputation cheapest while the predicted peak stays within it, and raises
+    ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
+    The returned module shares the model's parameters and buffers; its ``plan`` describes the
+    choice after the first training call.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CheckpointedModule):
         raise TypeError("this model is already wrapped by memfit.checkpoint; wrap the original")
+    if budget is not None:
+        if checkpoints is not None:
+            raise ValueError(
+                "give either checkpoints= or budget=, not both: with a budget memfit chooses "
+                "what to keep itself"
+            )
+        return CheckpointedModule(model, "budget", budget=parse_budget(budget))
+    if checkpoints is None:
+        checkpoints = "memory"
     if isinstance(checkpoints, str):
         if checkpoints not in MODES:
             close = difflib.get_close_matches(checkpoints, MODES, n=1)
@@ -160,3 +206,35 @@ def checkpoint(model: nn.Module, checkpoints: str | Sequence[str] = "memory") ->
         f"checkpoints must be a mode string or a list of submodule names, got "
         f"{type(checkpoints).__name__}"
     )
+
+
+def plan(
+    model: nn.Module,
+    *example_inputs: Any,
+    budget: int | str | float | Budget = 1.0,
+    **example_kwargs: Any,
+) -> Plan:
+    """What ``checkpoint(model, budget=budget)`` would keep and recompute, without training.
+
+    Runs one forward of ``model`` on the example inputs under the plan (so the call itself stays
+    within the budget) and then restores every buffer (BatchNorm running statistics) and the CPU
+    and CUDA random-number states, so the model and later random draws are exactly as before; no
+    backward runs and no gradient is touched. The returned plan has ``predicted_peak_bytes``,
+    ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
+    plan fits.
+    """
+    wrapped = checkpoint(model, budget=budget)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        with torch.enable_grad():
+            wrapped(*example_inputs, **example_kwargs)
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return wrapped.plan

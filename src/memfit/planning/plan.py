@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GraphPlan", "Plan", "format_bytes"]
+__all__ = ["GraphPlan", "ParetoPoint", "Plan", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -21,6 +21,16 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One plan on the (peak memory, recompute cost) frontier, as predicted by the simulator."""
+
+    peak_bytes: int
+    recompute_flops: int
+    recompute_seconds: float
+    kept_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,12 @@ class GraphPlan:
     forward_flops: int
     num_nodes: int
     note: str = ""
+    #: estimated time of the recomputation (roofline of FLOPs and bytes; ``analysis.cost``)
+    recompute_seconds: float = 0.0
+    #: the byte budget this graph was planned against (``"budget"`` policy only)
+    budget_bytes: int | None = None
+    #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
+    frontier: tuple[ParetoPoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,43 @@ class Plan:
     @property
     def recompute_flops(self) -> int:
         return sum(g.recompute_flops for g in self.graphs)
+
+    @property
+    def recompute_seconds(self) -> float:
+        return sum(g.recompute_seconds for g in self.graphs)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The byte budget of the first graph (later graphs get what earlier ones leave)."""
+        return self.graphs[0].budget_bytes if self.graphs else None
+
+    def pareto(self) -> list[ParetoPoint]:
+        """The (predicted peak, recompute cost) frontier, by increasing peak.
+
+        Only plans made with a budget carry a frontier (``memfit.plan`` always does). With graph
+        breaks, the k-th point combines each graph's point at the same relative position of its
+        own frontier, summed the way ``predicted_peak_bytes`` sums graphs.
+        """
+        if not self.graphs or any(not g.frontier for g in self.graphs):
+            raise ValueError(
+                f"this plan ({self.policy!r}) has no frontier: plan with a budget, "
+                f"e.g. memfit.plan(model, *inputs, budget=1.0) or checkpoint(model, budget=0.5)"
+            )
+        if len(self.graphs) == 1:
+            return list(self.graphs[0].frontier)
+        count = max(len(g.frontier) for g in self.graphs)
+        points = []
+        for k in range(count):
+            picked = [g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))]
+                      for g in self.graphs]
+            points.append(ParetoPoint(
+                peak_bytes=self._combine([p.peak_bytes for p in picked],
+                                         [p.kept_bytes for p in picked]),
+                recompute_flops=sum(p.recompute_flops for p in picked),
+                recompute_seconds=sum(p.recompute_seconds for p in picked),
+                kept_bytes=sum(p.kept_bytes for p in picked),
+            ))
+        return sorted(points, key=lambda p: p.peak_bytes)
 
     @property
     def forward_flops(self) -> int:
@@ -106,6 +159,8 @@ class Plan:
             f"  recomputed        {len(self.recomputed)} ops, {self.recompute_flops:.3g} FLOPs"
             f" ({extra:.0%} of one forward)",
         ]
+        if self.budget_bytes is not None:
+            lines.insert(1, f"  budget            {format_bytes(self.budget_bytes)}")
         for i, g in enumerate(self.graphs):
             if g.note:
                 lines.append(f"  graph {i}: {g.note}")

@@ -281,6 +281,8 @@ class SegmentModel:
             lo, hi = bounds[i] + 1, bounds[j]
             for p in range(lo, hi + 1):
                 n = self.fwd[p]
+                if not self.jg.is_tensor_value(n):
+                    continue  # multi-output ops are kept through their items
                 if MODES[m] == "store" or self.n_last[p] > hi:
                     kept.add(n)
                 elif MODES[m] == "heavy" and self.n_heavy[p]:
