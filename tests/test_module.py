@@ -28,7 +28,7 @@ def _names_for(model: nn.Module) -> list[str]:
     return children[::2] or children
 
 
-MODES: list[Any] = ["none", "memory", "speed", "collection", "names"]
+MODES: list[Any] = ["none", "memory", "speed", "collection", "names", "budget-min"]
 
 
 def _run_steps(case: ZooCase, model: nn.Module, steps: int) -> dict[str, Any]:
@@ -71,8 +71,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def test_matches_plain_pytorch(case: ZooCase, mode: str) -> None:
     ref = _reference(case)
     model = case.make_model()
-    checkpoints = _names_for(model) if mode == "names" else mode
-    wrapped = memfit.checkpoint(model, checkpoints=checkpoints)
+    if mode == "budget-min":  # the most aggressive budget plan: the smallest feasible peak
+        args, kwargs = case.make_inputs()
+        smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
+        wrapped = memfit.checkpoint(model, budget=smallest)
+    else:
+        checkpoints = _names_for(model) if mode == "names" else mode
+        wrapped = memfit.checkpoint(model, checkpoints=checkpoints)
     got = _run_steps(case, wrapped, STEPS)
 
     _close(got["loss"], ref["loss"], "loss")
@@ -172,3 +177,53 @@ def test_invalid_checkpoints_argument(bad: Any, error: type, words: list[str]) -
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         memfit.checkpoint(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_budget_and_checkpoints_are_exclusive() -> None:
+    with pytest.raises(ValueError, match="either"):
+        memfit.checkpoint(nn.Linear(2, 2), "memory", budget=0.5)
+    with pytest.raises(ValueError, match="fraction"):
+        memfit.checkpoint(nn.Linear(2, 2), budget=1.5)
+    with pytest.raises(ValueError, match="cannot parse"):
+        memfit.checkpoint(nn.Linear(2, 2), budget="lots")
+
+
+def test_plan_leaves_model_and_rng_untouched() -> None:
+    """memfit.plan runs a forward but restores buffers and RNG, and computes no gradient."""
+    case = next(c for c in ZOO if c.has_batchnorm)
+    model = case.make_model()
+    args, kwargs = case.make_inputs()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plan = memfit.plan(model, *args, budget=0.9, **kwargs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    assert plan.policy == "budget" and plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
+    case = next(c for c in ZOO if c.name == "resnet")
+    args, kwargs = case.make_inputs()
+    by_fraction = memfit.plan(case.make_model(), *args, budget=0.85, **kwargs)
+    torch._dynamo.reset()
+    in_bytes = int(0.85 * by_fraction.baseline_peak_bytes)
+    by_bytes = memfit.plan(case.make_model(), *args, budget=in_bytes, **kwargs)
+    assert by_bytes.budget_bytes == by_fraction.budget_bytes == in_bytes
+    assert by_fraction.recompute_flops > 0  # a real trade-off, not plain autograd
+    assert by_bytes.kept == by_fraction.kept and by_bytes.recomputed == by_fraction.recomputed
+    assert by_bytes.predicted_peak_bytes == by_fraction.predicted_peak_bytes
+
+
+def test_infeasible_budget_raises_with_the_smallest() -> None:
+    case = next(c for c in ZOO if c.name == "resnet")
+    args, kwargs = case.make_inputs()
+    model = case.make_model()
+    smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
+    torch._dynamo.reset()
+    wrapped = memfit.checkpoint(model, budget=smallest - 1)
+    with pytest.raises(memfit.BudgetError) as info:
+        wrapped(*args, **kwargs)
+    assert info.value.smallest_bytes == smallest
+    assert f"{smallest} bytes" in str(info.value)

@@ -55,8 +55,8 @@ class SegmentModel:
     """
 
     def __init__(self, jg: JointGraph, always_kept: set[fx.Node], bw_read: set[fx.Node], *,
-                 seconds: dict[fx.Node, float] | None = None, max_cuts: int = 96,
-                 buckets: int = 256, small_fraction: float = 0.01) -> None:
+                 seconds: dict[fx.Node, float] | None = None, max_cuts: int = 64,
+                 buckets: int = 192, small_fraction: float = 0.01) -> None:
         self.jg = jg
         fwd = list(jg.forward)
         self.fwd = fwd

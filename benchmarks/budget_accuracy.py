@@ -1,0 +1,113 @@
+"""Predicted vs measured peak of budget plans on every zoo model (issue 4, item 3).
+
+For budgets 1.0, 0.5, 0.25 of plain autograd's activation peak, the smallest feasible one and the
+midpoint between it and plain autograd:
+the plan's ``predicted_peak_bytes`` (made before the step runs) against the peak ``memfit.measure``
+records for a training step (exact CPU allocator accounting, or CUDA allocator statistics), and
+the planning time. Budgets below the smallest feasible are recorded with the BudgetError's
+smallest achievable bytes. Writes benchmarks/results/budget_accuracy.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from zoo import ZOO  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MIB = 2**20
+
+
+def _measure(case: Any, wrapped: torch.nn.Module, args: Any, kwargs: Any) -> int:
+    case.loss(wrapped(*args, **kwargs)).backward()
+    wrapped.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        case.loss(wrapped(*args, **kwargs)).backward()
+
+    peak = memfit.measure(step).peak_bytes
+    wrapped.zero_grad(set_to_none=True)
+    return int(peak)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args_ns = parser.parse_args(argv)
+    rows = []
+    for case in ZOO:
+        args, kwargs = case.make_inputs()
+        model = case.make_model()
+        torch._dynamo.reset()
+        t = time.perf_counter()
+        full = memfit.plan(model, *args, budget=1.0, **kwargs)
+        plan_s = time.perf_counter() - t
+        smallest, baseline = full.pareto()[0].peak_bytes, full.baseline_peak_bytes
+        midpoint = (smallest + baseline) // 2
+        for budget in (1.0, 0.5, 0.25, midpoint, smallest):
+            torch._dynamo.reset()
+            wrapped = memfit.checkpoint(model, budget=budget)
+            label = (f"{budget:g}" if isinstance(budget, float)
+                     else "smallest" if budget == smallest else "midpoint")
+            row: dict[str, Any] = {"model": case.name, "budget": label}
+            try:
+                peak = _measure(case, wrapped, args, kwargs)
+            except memfit.BudgetError as err:
+                row.update(feasible=False, budget_bytes=err.budget_bytes,
+                           smallest_bytes=err.smallest_bytes)
+                rows.append(row)
+                continue
+            plan = wrapped.plan
+            predicted = plan.predicted_peak_bytes
+            row.update(
+                feasible=True, budget_bytes=plan.budget_bytes, predicted_bytes=predicted,
+                measured_bytes=peak, baseline_bytes=plan.baseline_peak_bytes,
+                error=(peak - predicted) / predicted if predicted else 0.0,
+                over_budget=(peak - plan.budget_bytes) / plan.budget_bytes,
+                recompute_flops=plan.recompute_flops, forward_flops=plan.forward_flops,
+                graphs=len(plan.graphs), plan_s=plan_s,
+            )
+            rows.append(row)
+            print(f"{case.name:>12} {label:>8}: predicted {predicted / MIB:7.3f} MiB, "
+                  f"measured {peak / MIB:7.3f} MiB ({row['error']:+.2%})", flush=True)
+    meta = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+            "device": "cpu", "torch": torch.__version__,
+            "date": datetime.date.today().isoformat()}
+    args_ns.out.mkdir(parents=True, exist_ok=True)
+    (args_ns.out / "budget_accuracy.json").write_text(json.dumps({**meta, "rows": rows},
+                                                                 indent=2))
+    lines = [f"Budget plans, predicted vs measured peak ({meta['machine']}, torch "
+             f"{meta['torch']}, {meta['date']})", "",
+             "| model | budget | budget (MiB) | predicted (MiB) | measured (MiB) | error | "
+             "measured / none |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if not r["feasible"]:
+            lines.append(f"| {r['model']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | "
+                         f"infeasible: smallest {r['smallest_bytes'] / MIB:.2f} | | | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | "
+            f"{r['predicted_bytes'] / MIB:.2f} | {r['measured_bytes'] / MIB:.2f} | "
+            f"{r['error']:+.1%} | {r['measured_bytes'] / r['baseline_bytes']:.2f} |")
+    errors = [abs(r["error"]) for r in rows if r["feasible"]]
+    lines += ["", f"Largest |error|: {max(errors):.1%} over {len(errors)} plans."]
+    (args_ns.out / "budget_accuracy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

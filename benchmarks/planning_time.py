@@ -1,0 +1,155 @@
+"""How long the budget planner takes on graphs of 1,000 to 10,000+ nodes, on one core.
+
+Issue 4's target: ≤ 1 s for a 1,000-node joint graph and ≤ 10 s for a 10,000-node one. Graphs
+are real AOTAutograd joint graphs: generated residual MLPs with random long skips (every block
+adds the output of a randomly chosen earlier block, so the graph is not a chain) at several
+depths, and a deep, narrow GPT-2 (HuggingFace ``GPT2LMHeadModel`` from a config). Timed, per
+graph, median of ``--repeats``:
+
+* ``frontier_s``: the whole budget planner: ``pareto_frontier`` (plain, speed and memory plans,
+  the segment programme at every grid budget, one simulation per distinct plan) and ``choose``;
+* ``workspace_s``: measuring op scratch memory on real tensors (done once per graph when memfit
+  captures a model; it runs each distinct op signature once, so it is reported separately).
+
+Writes benchmarks/results/planning_time.{json,md}. Run: ``python benchmarks/planning_time.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from functorch.compile import make_boxed_func  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch.partitioners import default_partition  # noqa: E402
+
+from memfit.analysis.graph import JointGraph  # noqa: E402
+from memfit.analysis.workspace import measure_workspace  # noqa: E402
+from memfit.planning.frontier import choose, pareto_frontier  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class SkipMLP(nn.Module):
+    """``depth`` blocks of Linear-LayerNorm-GELU; block i also adds block ``skip[i]``'s output."""
+
+    def __init__(self, depth: int, width: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+            for _ in range(depth)
+        )
+        self.skip = [int(torch.randint(0, max(i, 1), (1,), generator=gen)) for i in range(depth)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for i, block in enumerate(self.blocks):
+            outs.append(block(outs[-1]) + outs[self.skip[i]])
+        return outs[-1].square().mean()
+
+
+def _gpt2(layers: int) -> tuple[nn.Module, tuple[Any, ...]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, n_positions=64, vocab_size=256,
+                        use_cache=False)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    return model, (ids,)
+
+
+def capture(model: nn.Module, *args: Any) -> JointGraph:
+    """The joint graph AOTAutograd builds for ``model(*args)`` (one graph: no breaks here)."""
+    graphs: list[JointGraph] = []
+
+    def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        graphs.append(JointGraph(joint, kwargs["num_fwd_outputs"]))
+        return default_partition(joint, inputs, **kwargs)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                           partition_fn=record)
+    torch.compile(model, backend=backend, dynamic=False)(*args)
+    if len(graphs) != 1:
+        raise RuntimeError(f"expected one graph, got {len(graphs)}")
+    return graphs[0]
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, result = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small graphs only")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    cases: list[tuple[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]] = []
+    depths = [10, 40] if args.quick else [10, 40, 160, 400]
+    for depth in depths:
+        cases.append((f"skip-mlp-{depth}",
+                      lambda d=depth: (SkipMLP(d), (torch.randn(256, 64),))))
+    if not args.quick:
+        for layers in (12, 48):
+            cases.append((f"gpt2-{layers}-layers", lambda n=layers: _gpt2(n)))
+
+    rows = []
+    for name, build in cases:
+        model, inputs = build()
+        t = time.perf_counter()
+        jg = capture(model, *inputs)
+        capture_s = time.perf_counter() - t
+        workspace_s, workspace = _median_time(
+            lambda: measure_workspace(jg.nodes, min_bytes=max(jg.storage_bytes.values()) // 64),
+            1)
+        jg.workspace = workspace
+
+        def plan() -> Any:
+            points = pareto_frontier(jg)
+            return points, choose(points, (points[0].peak_bytes + points[-1].peak_bytes) // 2)
+
+        frontier_s, (points, _) = _median_time(plan, args.repeats)
+        row = {"graph": name, "nodes": len(jg.nodes), "forward_nodes": len(jg.forward),
+               "frontier_s": frontier_s, "workspace_s": workspace_s, "capture_s": capture_s,
+               "frontier_points": len(points)}
+        rows.append(row)
+        print(f"{name:>20}: {row['nodes']:6d} nodes  planner {frontier_s:6.2f} s  "
+              f"workspace {workspace_s:5.2f} s  ({len(points)} frontier points)", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "quick": args.quick}
+    (args.out / "planning_time.json").write_text(json.dumps({**meta, "graphs": rows}, indent=2))
+    lines = [f"Planning time, one core ({meta['machine']}, torch {meta['torch']}, {meta['date']})",
+             "", "| graph | joint nodes | planner (s) | workspace measurement (s) | points |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['graph']} | {r['nodes']} | {r['frontier_s']:.2f} | {r['workspace_s']:.2f} "
+              f"| {r['frontier_points']} |" for r in rows]
+    (args.out / "planning_time.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
