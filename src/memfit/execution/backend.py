@@ -11,6 +11,7 @@ after its last use in backward instead of living until the whole backward ends.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -91,6 +92,14 @@ def make_backend(policy: str, on_plan: Callable[[GraphPlan], None],
             jg = JointGraph(joint, kwargs["num_fwd_outputs"], workspace=jg.workspace)
             sim = simulate_step(jg, kept)
             graph_plan = dataclasses.replace(graph_plan, predicted_peak_bytes=sim.peak_bytes)
+            budget_bytes = graph_plan.budget_bytes
+            if budget_bytes is not None and sim.peak_bytes > budget_bytes:
+                warnings.warn(
+                    f"memfit: splitting recomputed BatchNorm (to update its statistics once) "
+                    f"moved the predicted peak to {sim.peak_bytes} bytes, "
+                    f"{sim.peak_bytes - budget_bytes} above the budget of {budget_bytes}",
+                    stacklevel=2,
+                )
         if step_budget is not None:
             step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)

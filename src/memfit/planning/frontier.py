@@ -12,6 +12,13 @@ is a few milliseconds; the simulator replays every distinct plan). Points closer
 ``min_gap`` of the baseline peak to a cheaper point are dropped, so two plans the measurement
 could not tell apart never both appear.
 
+``"memory"`` and the budget plan. ``"memory"`` is one point of the frontier, so a budget equal
+to its peak returns either ``"memory"`` itself or a plan of no larger peak that recomputes less
+(the segment programme found a cheaper way to the same memory), never a costlier one. Both obey
+the same at-most-one-recomputation rule: every plan here is a set of kept values, and the executor
+recomputes each forward op at most once for any kept set. The smallest budget plan can be below
+``"memory"``'s peak when a point of the programme beats the cut heuristic (tanh chains do).
+
 Time limit and fallback: solving stops when ``time_limit_s`` is spent; the frontier then holds
 the points found so far, which always include plain autograd and ``"memory"`` (the least peak the
 at-most-one-recompute family reaches), so every budget that ``"memory"`` meets is still met.
