@@ -32,13 +32,14 @@ Run `memfit COMMAND --help` for each command's options and examples.
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit.cli import bench, demo, profile
+    from memfit.cli.options import HelpFormatter
 
     # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, print the full traceback")
     parser = argparse.ArgumentParser(
-        prog="memfit", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="memfit", epilog=EXAMPLES, formatter_class=HelpFormatter,
         description="Train PyTorch models and batches that do not fit in memory: measure what "
                     "memfit's checkpointing saves on a demo model or on yours.")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback")

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from memfit.cli.errors import CliError
-from memfit.cli.options import parse_device
+from memfit.cli.options import HelpFormatter, parse_device
 
 __all__ = ["add_parser", "run_depth_sweep"]
 
@@ -32,7 +32,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
 
     p = sub.add_parser("bench", parents=parents, help="run memfit's benchmarks",
                        description="Run one of memfit's benchmarks and write its results.",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EXAMPLES, formatter_class=HelpFormatter)
     benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     d = benches.add_parser(
         "depth-sweep", parents=parents,
@@ -40,7 +40,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
                     "129 residual blocks: plain PyTorch, memfit's modes, checkpoint_sequential. "
                     "Writes JSON, Markdown and PNG, and the README's table.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
     depth_sweep.add_arguments(d)
     d.set_defaults(run=run_depth_sweep)
     return p

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from memfit.bench.resnet import cifar_resnet
 from memfit.cli.figures import timeline_figure
+from memfit.cli.options import HelpFormatter
 from memfit.cli.steps import ModeSpec, Workload, run_modes
 from memfit.cli.tables import duration, mode_table
 from memfit.planning.budget import Budget
@@ -69,7 +70,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "demo", parents=parents, help="one training step per mode on a ResNet: table and figure",
         description="Train one step of a CIFAR ResNet-32 in each memfit mode; print measured peak "
                     "memory and step time per mode and write a figure of memory over the step.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("--out", type=Path, default=Path("memfit-demo"), metavar="DIR",
                    help="directory for demo.png (default: ./memfit-demo)")
     p.add_argument("--quick", action="store_true",

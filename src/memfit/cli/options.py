@@ -7,6 +7,7 @@ way: ``memfit: error: <value>: <rule>; <what to do>`` and exit status 2.
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import torch
@@ -15,8 +16,17 @@ from memfit.cli.errors import CliError
 from memfit.cli.steps import ModeSpec
 from memfit.planning.budget import parse_budget
 
-__all__ = ["parse_batch_budget", "parse_device", "parse_dtype", "parse_modes", "parse_shape",
-           "DTYPES"]
+__all__ = ["HelpFormatter", "parse_batch_budget", "parse_device", "parse_dtype", "parse_modes",
+           "parse_shape", "DTYPES"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions wrapped to the terminal; an epilog of examples printed as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 #: ``--dtype`` names and the torch dtypes they mean.
 DTYPES: dict[str, torch.dtype] = {

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten_with_path, keystr
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 import memfit
 from memfit.cli import report as rep
@@ -31,8 +31,8 @@ from memfit.cli.activations import saved_activations
 from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_batch
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
-from memfit.cli.options import (parse_batch_budget, parse_device, parse_dtype, parse_modes,
-                                parse_shape)
+from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device, parse_dtype,
+                                parse_modes, parse_shape)
 from memfit.cli.steps import Workload, resident_bytes, run_modes
 from memfit.cli.tables import batch_table, mib, mode_table, module_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
@@ -42,7 +42,7 @@ __all__ = ["add_parser", "run"]
 
 EXAMPLES = """\
 examples:
-  memfit profile examples/mlp.py:make --budget 64MiB
+  memfit profile examples/resnet.py:make --budget 128MiB --pareto
   memfit profile mypkg.models:build --input-shape 16,3,224,224 --modes none,memory --json
   memfit profile train.py:model_and_batch --device cuda --dtype bfloat16 --budget 20GiB
 
@@ -68,7 +68,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         description="Measure a training step of your model: activation memory by submodule, "
                     "the largest tensors kept, peak and step time per memfit mode, and with "
                     "--budget the largest batch that fits.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("target", metavar="TARGET",
                    help="path/to/file.py:factory or package.module:factory")
     p.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
