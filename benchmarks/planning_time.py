@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((f"skip-mlp-{depth}",
                       lambda d=depth: (SkipMLP(d), (torch.randn(256, 64),))))
     if not args.quick:
-        for layers in (12, 48):
+        for layers in (12, 60):
             cases.append((f"gpt2-{layers}-layers", lambda n=layers: _gpt2(n)))
 
     rows = []
