@@ -5,6 +5,8 @@ Loaded by path (``tests/cli_factories.py:tiny_mlp``), as a user's own file would
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -27,6 +29,10 @@ def tiny_mlp_model() -> nn.Module:
 
 def raises() -> nn.Module:
     raise RuntimeError("factory failed on purpose")
+
+
+def raises_with_omp_policy() -> nn.Module:
+    raise RuntimeError(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
 
 NOT_CALLABLE = 3

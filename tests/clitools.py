@@ -30,8 +30,9 @@ def run_memfit(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess
                           text=True, timeout=timeout)
 
 
-def start_memfit(*args: str, cwd: Path = ROOT) -> subprocess.Popen:
-    return subprocess.Popen(memfit_command(*args), env=cli_env(), cwd=cwd, text=True,
+def start_memfit(*args: str, cwd: Path = ROOT, unset: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = {k: v for k, v in cli_env().items() if k not in unset}
+    return subprocess.Popen(memfit_command(*args), env=env, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -4,6 +4,7 @@ The inputs the issue lists (a missing file, a missing attribute, a factory that 
 unparsable budget, a budget smaller than the model's parameters, a device that does not exist) are
 each run as a real ``memfit`` subprocess, all started at once so they share the torch import time;
 ``--debug`` must add the traceback. The other checks call ``memfit.cli.main`` in-process.
+One more subprocess checks that the script restarts itself under ``OMP_WAIT_POLICY=PASSIVE``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def finished() -> dict[str, subprocess.CompletedProcess]:
     cases = {name: args for name, (args, _) in SUBPROCESS_CASES.items()}
     cases["--debug"] = ["profile", f"{FACTORIES}:raises", "--debug"]
     procs = {name: (args, start_memfit(*args)) for name, args in cases.items()}
+    args = ["profile", f"{FACTORIES}:raises_with_omp_policy"]
+    procs["no OMP_WAIT_POLICY"] = (args, start_memfit(*args, unset=("OMP_WAIT_POLICY",)))
     out = {}
     for name, (args, proc) in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -63,6 +66,14 @@ def test_debug_shows_the_traceback_of_the_factory(finished: dict) -> None:
     assert "Traceback" in proc.stderr and 'raise RuntimeError("factory failed on purpose")' \
         in proc.stderr, explain(proc)
     assert proc.stderr.strip().splitlines()[-1].startswith("memfit: error: ")
+
+
+def test_the_script_restarts_itself_with_passive_openmp(finished: dict) -> None:
+    proc = finished["no OMP_WAIT_POLICY"]  # the factory reports the policy in its error
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "memfit: error: tests/cli_factories.py:raises_with_omp_policy: the factory raised "
+        "RuntimeError: OMP_WAIT_POLICY=PASSIVE"], explain(proc)
 
 
 @pytest.mark.parametrize("argv, fragment", [

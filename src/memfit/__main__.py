@@ -1,5 +1,5 @@
 """``python -m memfit``: the same command line as the ``memfit`` script."""
 
-from memfit.cli import main
+from memfit.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

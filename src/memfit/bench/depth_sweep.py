@@ -34,8 +34,8 @@ names a README (default ``README.md`` for a full sweep, none for ``--quick``).
 
 Timings on a shared CPU need ``OMP_WAIT_POLICY=PASSIVE`` (read when torch loads): with the default
 (active) waiting, OpenMP threads spin at every barrier, and where another process holds a core a
-2-thread step measured 40x slower (3 s instead of 75 ms). ``memfit bench depth-sweep`` restarts
-itself with it set unless the environment already sets it; ``benchmarks/depth_sweep.py`` sets it.
+2-thread step measured 40x slower (3 s instead of 75 ms). The ``memfit`` script and
+``benchmarks/depth_sweep.py`` set it unless the environment already does.
 
 Run: ``memfit bench depth-sweep [--quick] [--device cuda]`` or ``python benchmarks/depth_sweep.py``.
 """

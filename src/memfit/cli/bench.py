@@ -2,16 +2,13 @@
 
 It writes ``depth_sweep.{json,md,png}`` under ``--out`` (default ``benchmarks/results``) and
 rewrites the README's table between its ``<!-- depth-sweep:begin/end -->`` markers (default
-``README.md`` for a full sweep). Because OpenMP reads ``OMP_WAIT_POLICY`` only when torch loads,
-and the sweep's timings on a shared CPU need ``PASSIVE`` (see the benchmark's docstring), the
-command restarts itself once with it set when the environment does not set it.
+``README.md`` for a full sweep). Its timings on a shared CPU need ``OMP_WAIT_POLICY=PASSIVE``,
+which the ``memfit`` script sets unless the environment does (see ``memfit.cli``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
 from memfit.cli.errors import CliError
@@ -56,11 +53,5 @@ def run_depth_sweep(args: argparse.Namespace, console: Any) -> int:
             raise CliError(f"{flag} {' '.join(map(str, values))}: must be at least 1")
     if args.readme is not None and not args.readme.is_file():
         raise CliError(f"--readme {args.readme}: no such file")
-    if "OMP_WAIT_POLICY" not in os.environ and device.type == "cpu":
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-        console.print("Restarting with OMP_WAIT_POLICY=PASSIVE (timings on a shared CPU need it; "
-                      "set it yourself to choose).")
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "memfit", *args.argv], env)
     depth_sweep.run(args, device)
     return 0

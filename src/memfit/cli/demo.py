@@ -21,6 +21,7 @@ marked), and peak memory per mode. It runs on CUDA if available, else on CPU; th
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
              f"{cfg.width}), batch {cfg.batch}x3x32x32, one training step on {device.type}")
     console.print(f"[bold]memfit demo[/bold]: {title}")
     console.print("Each mode: one first step (capture, plan, compile), one step measured for "
-                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the modes.")
+                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the modes"
+                  + (f" ({torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})." if device.type == "cpu"
+                     else "."))
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -112,8 +116,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     spread = max(max(r.step_times) / min(r.step_times) for r in results)
     if spread > 1.5:
         console.print(f"[yellow]Step times of one mode varied up to {spread:.1f}x between runs: "
-                      "the machine is probably busy, so read the times with care (on a shared "
-                      "CPU, OMP_WAIT_POLICY=PASSIVE helps).[/yellow]")
+                      "the machine is probably busy, so read the times with care.[/yellow]")
 
     png = timeline_figure(results, args.out / "demo.png", title)
     console.print(f"\nFigure written to [bold]{png}[/bold] "
