@@ -83,12 +83,19 @@ def pareto_frontier(jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.
     always = always_kept(jg)
     model = SegmentModel(jg, always, bw_read, seconds={n: c[0] for n, c in costs.items()})
     store_all, _ = model.model_peak_range()
-    # Gradient temporaries and op scratch on top of what is kept: calibrated on plain autograd
-    # and on the least-memory plan, the larger of the two (the model must not under-estimate).
-    grad_extra = max(base.peak_bytes - store_all, 0.0)
-    lowest = min(points, key=lambda p: p.peak_bytes)
-    lo = max(lowest.peak_bytes - grad_extra, 1.0) * 0.7
-    hi = max(store_all, lo * 1.01)
+    # The grid runs from the least modelled peak any segment plan reaches (found by bisection on
+    # feasibility: the model's error differs between plans, so the simulated "memory" point says
+    # little about where the model's own minimum lies) up to keeping everything.
+    lo, hi = 0.0, max(store_all, 1.0)
+    for _ in range(10):
+        if time.perf_counter() - started > time_limit_s:
+            break
+        mid = (lo + hi) / 2
+        if model.solve(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    lo, hi = hi, max(store_all, hi * 1.01)
     for budget in np.geomspace(lo, hi, grid):
         if time.perf_counter() - started > time_limit_s:
             break

@@ -6,7 +6,8 @@ fall back to it when they would not save anything.
 
 The ``"budget"`` policy answers from the graph's Pareto frontier (``planning.frontier``): the
 cheapest simulated plan whose predicted peak is within the budget, or ``BudgetError`` naming the
-least peak reachable.
+least peak reachable. ``"memory"`` is the frontier's lowest point, so it equals the budget plan at
+the smallest feasible budget.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def plan_graph(
                 ) from None
             raise
         kept, sim = set(chosen.kept), chosen.simulation
+    elif policy == "memory":
+        # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
+        # candidates, and the segment programme often finds a lower peak for less recompute.
+        lowest = pareto_frontier(jg)[0]
+        kept, sim = set(lowest.kept), lowest.simulation
     else:
         kept = baseline if policy == "none" else POLICIES[policy](jg)
         sim = simulate_step(jg, kept)
