@@ -18,7 +18,7 @@ __all__ = ["add_parser", "run_depth_sweep"]
 
 EXAMPLES = """\
 examples:
-  memfit bench depth-sweep                 # 9 to 129 blocks, ~4 min on 2 CPU cores
+  memfit bench depth-sweep                 # 9 to 129 blocks, ~5 min on 2 CPU cores
   memfit bench depth-sweep --quick         # 6, 12, 24 blocks; writes depth_sweep_quick.*
   memfit bench depth-sweep --device cuda --out results/gpu
 """

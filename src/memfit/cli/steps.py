@@ -56,8 +56,7 @@ class ModeSpec:
 
     def wrap(self, model: nn.Module) -> memfit.CheckpointedModule:
         if self.budget is not None:
-            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
-            return memfit.checkpoint(model, budget=value)
+            return memfit.checkpoint(model, budget=self.budget)
         return memfit.checkpoint(model, self.checkpoints or "none")
 
     def call(self, model: str = "model") -> str:
