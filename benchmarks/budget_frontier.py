@@ -1,0 +1,1029 @@
+"""Budget frontier: memfit's memory/time trade-off against the two ways PyTorch offers one.
+
+Why: a memory budget is only worth having if, at the memory it reaches, the step is at least as
+fast as what a user gets from PyTorch alone. PyTorch offers two knobs for the same trade-off:
+
+* ``torch.compile`` with ``torch._functorch.config.activation_memory_budget = b`` (Inductor's
+  min-cut partitioner solves a knapsack to save at most a fraction ``b`` of the activations its
+  default, runtime-optimised partition saves; 1.0 is plain ``torch.compile``);
+* eager ``torch.utils.checkpoint.checkpoint_sequential(seq, segments, x, use_reentrant=False)``
+  for every segment count (it checkpoints all segments but the last, so ``segments=1`` is plain
+  eager); it needs the model's layers as one ``nn.Sequential``.
+
+This script puts memfit's frontier next to both, per model: ``memfit.checkpoint(model,
+budget=f)`` for fractions ``f`` of plain autograd's activation peak (a budget below the smallest
+feasible raises ``memfit.BudgetError``; that is recorded, and memfit is then also run at exactly
+``smallest_bytes``), and memfit's modes ``"none"``, ``"speed"`` and ``"memory"``. Plain eager is
+the reference every ratio is taken against.
+
+Models (from the test zoo, ``tests/zoo.py``, sized up so one CPU step takes about 0.1-0.2 s):
+
+* ``resnet``       ``zoo.cifar_resnet`` (pre-activation CIFAR ResNet, BatchNorm); its residual
+                   blocks are ``model.blocks``, the sequence ``checkpoint_sequential`` splits;
+* ``transformer``  ``zoo.Encoder`` (``nn.TransformerEncoder``); every peer trains
+                   ``SequentialEncoder``, the same layers held in one ``nn.Sequential`` (what
+                   ``TransformerEncoder.forward`` computes without mask or final norm), so that
+                   ``checkpoint_sequential`` applies;
+* ``unet``         ``zoo.unet``: encoder features are concatenated into the decoder, so the model
+                   is not a sequence and ``checkpoint_sequential`` does not apply (recorded N/A).
+
+How (one process, one measurement per point): a point is one peer at one setting, on its own
+freshly seeded copy of the model (identical weights everywhere). Each point is entered through its
+own module class whose ``forward`` is a distinct code object (``entry_point``), so Dynamo keeps
+every point's compiled code apart: no point reuses another's graph, none counts against another's
+recompile limit, and all stay compiled while their timed steps are interleaved. (The alternative,
+``torch._dynamo.reset()`` between points, discards the earlier points' compiled code, which would
+then be recompiled on their next call under whatever budget is set at that moment.) Dynamo is
+reset once per model, and the number of graphs compiled during measurement is recorded (0
+expected). A ``torch.compile`` point is compiled inside
+``torch._functorch.config.patch(activation_memory_budget=b)`` spanning its whole first step
+(forward and the lazily compiled backward).
+
+Per point: two warm-up steps (the first timed as ``first_step_s``: compilation, capture and
+planning), then one step under ``memfit.measure`` for the peak (exact CPU allocator accounting,
+deterministic), then ``--rounds`` rounds of timed steps (``time.perf_counter``, no profiler),
+round-robin over all the model's points with the starting point rotated each round, so machine
+noise hits every peer alike; Python's garbage collector runs once before each round and is off
+during it, so no collection lands inside a timed step. The median is reported, with quartiles,
+min and max. Each step is ``loss(module(*inputs)).backward()`` with the zoo case's loss;
+gradients are set to ``None`` before every step, as ``optimizer.zero_grad()`` does.
+
+Recomputed FLOPs, per peer (``recompute_flops_method`` in the JSON says which):
+
+* memfit: ``plan.recompute_flops`` (``torch.utils.flop_counter`` formulas for matmul, convolution
+  and attention, plus one FLOP per output element of every other recomputed op);
+* ``checkpoint_sequential``: ``FlopCounterMode`` total of one step minus that of plain eager;
+* ``torch.compile``: the same formulas summed over the forward and backward graphs Inductor
+  compiles (read in a ``post_grad_custom_post_pass``) minus plain eager's ``FlopCounterMode``
+  total. ``FlopCounterMode`` cannot count a compiled step itself: under a ``TorchDispatchMode``
+  Dynamo runs the frame eagerly. (A plain-callable custom pass also makes Inductor bypass its FX
+  graph cache, so every ``torch.compile`` point really compiles.)
+
+The peers' counts cover matmul, convolution and attention only (``FlopCounterMode``'s table, to
+which this script adds the CPU flash-attention kernels it lacks), so memfit's figure is higher by
+its elementwise share.
+
+Outputs (``_quick`` suffix for ``--quick``) in ``benchmarks/results/``:
+``budget_frontier.json`` (machine, versions, parameters, every point), ``budget_frontier.md``
+(per model: every point, and memfit against the fastest peer point at equal measured peak) and
+``budget_frontier_<model>.png`` (measured peak against step time, the Pareto front).
+
+Run: ``PYTHONPATH=src python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
+The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
+``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before torch loads OpenMP: with active waiting, OpenMP threads spin at every barrier and a
+# step on a shared 2-core machine can take 40x longer (see memfit.bench.depth_sweep).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import datetime as dt  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import types  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._pytree import tree_map_only  # noqa: E402
+from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
+
+import memfit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "tests"))
+import zoo  # noqa: E402
+
+__all__ = ["main", "MODELS", "SequentialEncoder", "entry_point"]
+
+MIB = 2**20
+#: ``activation_memory_budget`` values for the ``torch.compile`` peer.
+COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+#: memfit budgets, as fractions of plain autograd's activation peak.
+MEMFIT_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)
+MEMFIT_MODES = ("none", "speed", "memory")
+QUICK_COMPILE_BUDGETS = (0.5,)
+QUICK_MEMFIT_BUDGETS = (0.5, 0.05)
+#: A peer point counts as "at equal peak" with a memfit point if it peaks at most this much higher.
+PEAK_TOLERANCE = 1.05
+PEERS = ("eager", "checkpoint_sequential", "torch.compile", "memfit")
+
+aten = torch.ops.aten
+
+# ------------------------------------------------------------------------------------- models
+
+
+class SequentialEncoder(nn.Module):
+    """The zoo's transformer with its layers in one ``nn.Sequential`` (``blocks``).
+
+    ``nn.TransformerEncoder.forward`` without a mask or final norm runs its layers one after the
+    other; holding them in an ``nn.Sequential`` computes the same and lets
+    ``checkpoint_sequential`` split them. ``stem``/``head`` mirror ``CifarResNet``'s layout.
+    """
+
+    def __init__(self, encoder: zoo.Encoder) -> None:
+        super().__init__()
+        self.stem = nn.Identity()
+        self.blocks = nn.Sequential(*encoder.encoder.layers)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class SequentialCheckpointed(nn.Module):
+    """The eager peer: ``stem``, ``checkpoint_sequential`` over ``blocks``, ``head``."""
+
+    def __init__(self, model: nn.Module, segments: int) -> None:
+        super().__init__()
+        self.model = model
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.stem(x)
+        h = checkpoint_sequential(self.model.blocks, self.segments, h, use_reentrant=False)
+        return self.model.head(h)
+
+
+class _Entry(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return self.inner(*args)
+
+
+def entry_point(model: nn.Module, tag: str) -> nn.Module:
+    """``model`` behind a module whose ``forward`` is a code object of its own.
+
+    Dynamo attaches compiled code and its recompile count to the code object of the frame it
+    compiles; with one per point, the points' compiled graphs never mix.
+    """
+    base = _Entry.forward
+    name = "forward_" + "".join(c if c.isalnum() else "_" for c in tag)
+    code = base.__code__.replace(co_name=name)
+    fwd = types.FunctionType(code, base.__globals__, name, base.__defaults__, base.__closure__)
+    cls = type(f"Entry_{name}", (_Entry,), {"forward": fwd})
+    return cls(model)
+
+
+@dataclass
+class ModelSpec:
+    """One benchmarked model: how to build it, its inputs and loss, and what it is."""
+
+    name: str
+    description: str
+    build: Callable[[], nn.Module]  # seeded: every call gives identical weights
+    inputs: tuple[torch.Tensor, ...]
+    loss: Callable[[Any], torch.Tensor]
+    config: dict[str, Any]
+    sequence_length: int | None  # len(model.blocks); None: checkpoint_sequential does not apply
+    not_sequential_reason: str | None = None
+
+
+def _zoo_loss(name: str) -> Callable[[Any], torch.Tensor]:
+    return next(c for c in zoo.ZOO if c.name == name).loss
+
+
+def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(zoo.SEED)
+        return build().train()
+
+    return make
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(zoo.SEED))
+
+
+def model_specs(quick: bool) -> list[ModelSpec]:
+    if quick:
+        r = dict(blocks_per_stage=1, width=8, batch=8)
+        t = dict(d_model=32, nhead=4, num_layers=3, batch=4, seq=32)
+        u = dict(depth=2, width=4, batch=2, size=32)
+    else:
+        r = dict(blocks_per_stage=4, width=16, batch=32)
+        t = dict(d_model=128, nhead=4, num_layers=8, batch=8, seq=128)
+        u = dict(depth=3, width=8, batch=8, size=128)
+    return [
+        ModelSpec(
+            name="resnet",
+            description=(f"zoo.cifar_resnet({r['blocks_per_stage']}, width={r['width']}): "
+                         f"{3 * r['blocks_per_stage']} pre-activation residual blocks with "
+                         f"BatchNorm, batch {r['batch']}x3x32x32, cross-entropy"),
+            build=_seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"])),
+            inputs=(_randn(r["batch"], 3, 32, 32),),
+            loss=_zoo_loss("resnet"),
+            config=r,
+            sequence_length=3 * r["blocks_per_stage"],
+        ),
+        ModelSpec(
+            name="transformer",
+            description=(f"zoo.Encoder(d_model={t['d_model']}, nhead={t['nhead']}, "
+                         f"num_layers={t['num_layers']}) as SequentialEncoder, batch "
+                         f"{t['batch']}x{t['seq']} tokens, loss mean(out^2)"),
+            build=_seeded(lambda: SequentialEncoder(
+                zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"]))),
+            inputs=(_randn(t["batch"], t["seq"], t["d_model"]),),
+            loss=_zoo_loss("transformer"),
+            config=t,
+            sequence_length=t["num_layers"],
+        ),
+        ModelSpec(
+            name="unet",
+            description=(f"zoo.unet(depth={u['depth']}, width={u['width']}), 2 convs per level, "
+                         f"batch {u['batch']}x1x{u['size']}x{u['size']}, loss mean(out^2)"),
+            build=_seeded(lambda: zoo.unet(u["depth"], u["width"])),
+            inputs=(_randn(u["batch"], 1, u["size"], u["size"]),),
+            loss=_zoo_loss("unet"),
+            config=u,
+            sequence_length=None,
+            not_sequential_reason=(
+                "not a sequence: encoder features are concatenated into the decoder (long skips), "
+                "so no nn.Sequential of the whole model exists for checkpoint_sequential to split"),
+        ),
+    ]
+
+
+MODELS = ("resnet", "transformer", "unet")
+
+# ------------------------------------------------------------------------------------- FLOPs
+
+#: ``FlopCounterMode``'s formulas, plus the CPU flash-attention kernels its table lacks (their
+#: arguments start like the CUDA flash kernels', whose formulas apply unchanged).
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
+FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu] = (
+    flop_registry[aten._scaled_dot_product_flash_attention])
+FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+    flop_registry[aten._scaled_dot_product_flash_attention_backward])
+
+
+def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
+    """A registered formula (already shape-wrapped) that ``FlopCounterMode`` must not wrap again."""
+
+    def raw(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    raw._get_raw = True  # type: ignore[attr-defined]
+    return raw
+
+
+def counted_flops(fn: Callable[[], None]) -> int:
+    """Total FLOPs (matmul, convolution, attention) that ``fn`` runs, by ``FlopCounterMode``."""
+    extra = {k: _as_raw(v) for k, v in FLOP_FORMULAS.items() if k not in flop_registry}
+    with FlopCounterMode(display=False, custom_mapping=extra) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+class GraphFlops:
+    """An Inductor post-grad pass that adds up the FLOPs of every graph it is shown."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.graphs = 0
+        self.uncounted: set[str] = set()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.graphs += 1
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            packet = getattr(node.target, "overloadpacket", None)
+            formula = FLOP_FORMULAS.get(packet)
+            if formula is None:
+                continue
+            args, kwargs = tree_map_only(fx.Node, lambda n: n.meta.get("val"),
+                                         (node.args, node.kwargs))
+            try:
+                self.total += int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+            except Exception:  # noqa: BLE001 - a node without shapes: say so, count the rest
+                self.uncounted.add(str(packet))
+
+
+# ------------------------------------------------------------------------------------- points
+
+
+def _graph_count() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class Point:
+    """One peer at one setting: its module, its step, and what was measured."""
+
+    def __init__(self, spec: ModelSpec, peer: str, setting: str,
+                 params: dict[str, Any]) -> None:
+        self.spec = spec
+        self.peer = peer
+        self.setting = setting
+        self.model = spec.build()  # owns the parameters whose gradients are reset
+        self.module: nn.Module | None = None
+        self.record: dict[str, Any] = {"peer": peer, "setting": setting, **params, "times_s": []}
+        self.failed = False
+        self.infeasible = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.peer} {self.setting}"
+
+    def step(self) -> None:
+        assert self.module is not None
+        self.spec.loss(self.module(*self.spec.inputs)).backward()
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def fail(self, phase: str, err: BaseException) -> None:
+        self.failed = True
+        self.record["error"] = f"{type(err).__name__}: {err}".strip()
+        self.record["error_phase"] = phase
+        self.record["traceback"] = traceback.format_exc()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"    ! {self.label} failed while {phase}: {type(err).__name__}: {first}",
+              flush=True)
+
+    def ok(self) -> bool:
+        return not (self.failed or self.infeasible)
+
+
+def make_points(spec: ModelSpec, compile_budgets: tuple[float, ...],
+                memfit_budgets: tuple[float, ...], peers: tuple[str, ...] = PEERS) -> list[Point]:
+    points = [Point(spec, "eager", "plain", {})]  # the reference: always there
+    if "checkpoint_sequential" in peers and spec.sequence_length is not None:
+        for s in range(1, spec.sequence_length + 1):
+            points.append(Point(spec, "checkpoint_sequential", f"{s} seg", {"segments": s}))
+    for b in compile_budgets if "torch.compile" in peers else ():
+        points.append(Point(spec, "torch.compile", f"budget {b:g}",
+                            {"activation_memory_budget": b}))
+    for mode in MEMFIT_MODES if "memfit" in peers else ():
+        points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode}))
+    for f in memfit_budgets if "memfit" in peers else ():
+        points.append(Point(spec, "memfit", f"budget {f:g}", {"budget": f}))
+    return points
+
+
+def _record_plan(p: Point) -> None:
+    plan = p.module.plan  # type: ignore[union-attr]
+    p.record.update(
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        baseline_peak_bytes=plan.baseline_peak_bytes,
+        kept_bytes=plan.kept_bytes,
+        recompute_flops=int(plan.recompute_flops),
+        forward_flops=int(plan.forward_flops),
+        recompute_flops_method="memfit plan.recompute_flops (flop_counter formulas for "
+                               "matmul/conv/attention + 1 per output element of other ops)",
+        graphs=len(plan.graphs),
+    )
+    budget_bytes = getattr(plan, "budget_bytes", None)
+    if budget_bytes is not None:
+        p.record["budget_bytes"] = budget_bytes
+
+
+def memfit_predicted_frontier(points: list[Point]) -> list[dict[str, Any]] | None:
+    """memfit's simulated (peak, recompute cost) frontier, from the first budget point's plan."""
+    for p in points:
+        if p.peer == "memfit" and "budget" in p.record and p.ok() and p.module is not None:
+            try:
+                return [{"peak_bytes": q.peak_bytes, "recompute_flops": int(q.recompute_flops),
+                         "recompute_seconds": q.recompute_seconds, "kept_bytes": q.kept_bytes}
+                        for q in p.module.plan.pareto()]
+            except Exception as err:  # noqa: BLE001 - informative only
+                return [{"error": f"{type(err).__name__}: {err}"}]
+    return None
+
+
+def _budget_error_type() -> type[BaseException] | None:
+    return getattr(memfit, "BudgetError", None)
+
+
+def first_step(p: Point) -> None:
+    """Build ``p.module`` and run its first step (compilation, capture, planning) under the
+    settings it needs; record what that step decided."""
+    tag = f"{p.spec.name}_{p.peer}_{p.setting}"
+    graphs_before = _graph_count()
+    with ExitStack() as stack:
+        if p.peer == "eager":
+            p.module = p.model
+        elif p.peer == "checkpoint_sequential":
+            p.module = SequentialCheckpointed(p.model, p.record["segments"])
+        elif p.peer == "torch.compile":
+            stack.enter_context(torch._functorch.config.patch(
+                activation_memory_budget=p.record["activation_memory_budget"]))
+            counter = GraphFlops()
+            stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=counter))
+            p.module = torch.compile(entry_point(p.model, tag))
+        else:
+            entry = entry_point(p.model, tag)
+            if "mode" in p.record:
+                p.module = memfit.checkpoint(entry, p.record["mode"])
+            else:
+                p.module = memfit.checkpoint(entry, budget=p.record["budget"])
+        p.zero_grad()
+        t0 = time.perf_counter()
+        p.step()
+        p.record["first_step_s"] = time.perf_counter() - t0
+    p.record["graphs_compiled"] = _graph_count() - graphs_before
+    if p.peer == "torch.compile":
+        p.record["compiled_graph_flops"] = counter.total
+        p.record["compiled_graphs_counted"] = counter.graphs
+        if counter.uncounted:
+            p.record["flops_uncounted_ops"] = sorted(counter.uncounted)
+    if p.peer == "memfit":
+        _record_plan(p)
+
+
+def warm_up(p: Point) -> None:
+    budget_error = _budget_error_type()
+    try:
+        first_step(p)
+    except Exception as err:  # noqa: BLE001 - recorded and reported, the run goes on
+        if budget_error is not None and isinstance(err, budget_error):
+            p.infeasible = True
+            p.record["budget_error"] = str(err)
+            p.record["smallest_bytes"] = getattr(err, "smallest_bytes", None)
+            print(f"    {p.label}: BudgetError (smallest feasible "
+                  f"{(p.record['smallest_bytes'] or 0) / MIB:.1f} MiB)", flush=True)
+        else:
+            p.fail("compiling (first step)", err)
+        p.module = None
+        return
+    try:
+        p.zero_grad()
+        p.step()  # second warm-up step: caches, allocator, lazy initialisation
+    except Exception as err:  # noqa: BLE001
+        p.fail("warming up (second step)", err)
+
+
+def measure_peak(p: Point) -> None:
+    try:
+        p.zero_grad()
+        r = memfit.measure(p.step)
+        p.record["peak_bytes"] = r.peak_bytes
+        p.record["end_bytes"] = r.end_bytes
+        p.record["profiled_time_s"] = r.time_s
+    except Exception as err:  # noqa: BLE001
+        p.fail("measuring memory", err)
+
+
+def measure_time(p: Point) -> None:
+    """One timed step, without the profiler (``memfit.measure``'s CPU time includes it)."""
+    try:
+        p.zero_grad()
+        t0 = time.perf_counter()
+        p.step()
+        p.record["times_s"].append(time.perf_counter() - t0)
+    except Exception as err:  # noqa: BLE001
+        p.fail("timing", err)
+
+
+def count_eager_flops(p: Point) -> None:
+    """``FlopCounterMode`` total of one eager step (plain or ``checkpoint_sequential``)."""
+    try:
+        p.zero_grad()
+        p.record["step_flops"] = counted_flops(p.step)
+    except Exception as err:  # noqa: BLE001
+        p.fail("counting FLOPs", err)
+
+
+# ------------------------------------------------------------------------------------- one model
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    t_model = time.perf_counter()
+    torch._dynamo.reset()  # once per model; every point then compiles its own code object
+    compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
+    memfit_budgets = QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS
+    points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers))
+    budget_api = _budget_error_type() is not None
+
+    print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
+    smallest: int | None = None
+    for p in points:
+        if p.peer == "memfit" and "budget" in p.record and not budget_api:
+            p.fail("compiling (first step)", RuntimeError("memfit has no budget API here"))
+            continue
+        warm_up(p)
+        if p.infeasible and p.record.get("smallest_bytes"):
+            smallest = int(p.record["smallest_bytes"])
+        rec = p.record
+        if p.ok():
+            print(f"    {p.label}: first step {rec['first_step_s']:.1f} s", flush=True)
+    if smallest is not None:
+        p = Point(spec, "memfit", "budget smallest",
+                  {"budget": smallest, "budget_is_smallest_feasible": True})
+        points.append(p)
+        warm_up(p)
+        if p.ok():
+            print(f"    {p.label} ({smallest / MIB:.1f} MiB): first step "
+                  f"{p.record['first_step_s']:.1f} s", flush=True)
+    live = [p for p in points if p.ok()]
+    graphs_before = _graph_count()
+    frontier = memfit_predicted_frontier(points)
+    phases = {"warm_up": time.perf_counter() - t_model}
+
+    print(f"  {spec.name}: measuring peaks and FLOPs", flush=True)
+    t_phase = time.perf_counter()
+    for p in live:
+        measure_peak(p)
+    eager = points[0]
+    for p in points:
+        if p.ok() and p.peer in ("eager", "checkpoint_sequential"):
+            count_eager_flops(p)
+    eager_flops = eager.record.get("step_flops")
+    for p in points:
+        rec = p.record
+        if eager_flops is None or not p.ok():
+            continue
+        if p.peer == "checkpoint_sequential" and "step_flops" in rec:
+            rec["recompute_flops"] = rec["step_flops"] - eager_flops
+            rec["recompute_flops_method"] = ("FlopCounterMode total of the step minus eager's "
+                                             "(matmul/conv/attention)")
+        elif p.peer == "torch.compile" and "compiled_graph_flops" in rec:
+            rec["recompute_flops"] = rec["compiled_graph_flops"] - eager_flops
+            rec["recompute_flops_method"] = (
+                "flop_counter formulas over Inductor's post-grad forward+backward graphs minus "
+                "eager's FlopCounterMode total (matmul/conv/attention)")
+        elif p.peer == "eager":
+            rec["recompute_flops"] = 0
+    phases["peaks_and_flops"] = time.perf_counter() - t_phase
+
+    print(f"  {spec.name}: timing {args.rounds} interleaved rounds", flush=True)
+    t_phase = time.perf_counter()
+    load_timing = [load_average()]
+    live = [p for p in points if p.ok()]
+    for rnd in range(args.rounds):
+        shift = rnd % len(live)
+        gc.collect()  # once per round; no collection runs inside a timed step
+        gc.disable()
+        try:
+            for p in live[shift:] + live[:shift]:
+                if p.ok():
+                    measure_time(p)
+        finally:
+            gc.enable()
+    phases["timing"] = time.perf_counter() - t_phase
+    load_timing.append(load_average())
+    graphs_during = _graph_count() - graphs_before
+
+    out_points = []
+    for p in points:
+        rec = p.record
+        if rec["times_s"]:
+            rec["time_s"] = statistics.median(rec["times_s"])
+            rec["time_min_s"] = min(rec["times_s"])
+            rec["time_max_s"] = max(rec["times_s"])
+            if len(rec["times_s"]) >= 2:
+                q1, _, q3 = statistics.quantiles(rec["times_s"], n=4, method="inclusive")
+            else:
+                q1 = q3 = rec["time_s"]
+            rec["time_q1_s"], rec["time_q3_s"] = q1, q3
+        rec["status"] = "failed" if p.failed else ("infeasible" if p.infeasible else "ok")
+        out_points.append(rec)
+    return {
+        "name": spec.name,
+        "description": spec.description,
+        "config": spec.config,
+        "parameters": sum(q.numel() for q in eager.model.parameters()),
+        "sequence_length": spec.sequence_length,
+        "checkpoint_sequential": ("applies to model.blocks, segments 1.."
+                                  f"{spec.sequence_length}" if spec.sequence_length
+                                  else f"N/A: {spec.not_sequential_reason}"),
+        "eager_step_flops": eager_flops,
+        "memfit_predicted_frontier": frontier,
+        "graphs_compiled_during_measurement": graphs_during,
+        "seconds": round(time.perf_counter() - t_model, 1),
+        "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
+        "load_average_during_timing": {"start": load_timing[0], "end": load_timing[1]},
+        "points": out_points,
+    }
+
+
+# ------------------------------------------------------------------------------------- analysis
+
+
+def _usable(rec: dict[str, Any]) -> bool:
+    return rec.get("status") == "ok" and "peak_bytes" in rec and "time_s" in rec
+
+
+def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points no other point beats on both measured peak and step time, by increasing peak."""
+    front: list[dict[str, Any]] = []
+    for rec in sorted((r for r in points if _usable(r)),
+                      key=lambda r: (r["peak_bytes"], r["time_s"])):
+        if not front or rec["time_s"] < front[-1]["time_s"]:
+            front.append(rec)
+    return front
+
+
+def equal_peak_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each memfit point, the fastest point of each peer family peaking at most
+    ``PEAK_TOLERANCE`` times higher, and memfit's time over that peer's."""
+    families = {
+        "torch.compile": ("torch.compile",),
+        "eager/checkpoint_sequential": ("eager", "checkpoint_sequential"),
+    }
+    rows = []
+    for m in points:
+        if m["peer"] != "memfit" or not _usable(m):
+            continue
+        row: dict[str, Any] = {"memfit": m["setting"], "peak_bytes": m["peak_bytes"],
+                               "time_s": m["time_s"], "peers": {}}
+        for family, peers in families.items():
+            cands = [r for r in points if r["peer"] in peers and _usable(r)
+                     and r["peak_bytes"] <= m["peak_bytes"] * PEAK_TOLERANCE]
+            if not cands:
+                row["peers"][family] = None
+                continue
+            best = min(cands, key=lambda r: r["time_s"])
+            row["peers"][family] = {
+                "peer": best["peer"], "setting": best["setting"],
+                "peak_bytes": best["peak_bytes"], "time_s": best["time_s"],
+                "time_ratio": m["time_s"] / best["time_s"],
+            }
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------- reporting
+
+
+def _mib(n: float | None) -> str:
+    return f"{n / MIB:.1f}" if n is not None else "-"
+
+
+def _ms(s: float | None) -> str:
+    return f"{s * 1e3:.0f}" if s is not None else "-"
+
+
+def _gflops(n: float | None) -> str:
+    return f"{n / 1e9:.2f}" if n is not None else "-"
+
+
+def own_baseline(points: list[dict[str, Any]], rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The same peer with nothing recomputed: memfit ``"none"``, ``torch.compile`` at budget 1.0,
+    plain eager for ``checkpoint_sequential``. Time over it separates what checkpointing costs
+    from how fast the peer's executor is (Inductor fuses; memfit and eager run ATen ops)."""
+    def find(pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        return next((r for r in points if pred(r) and _usable(r)), None)
+
+    if rec["peer"] == "memfit":
+        return find(lambda r: r["peer"] == "memfit" and r.get("mode") == "none")
+    if rec["peer"] == "torch.compile":
+        return find(lambda r: r["peer"] == "torch.compile"
+                    and r["activation_memory_budget"] == 1.0)
+    return find(lambda r: r["peer"] == "eager")
+
+
+def points_table(res: dict[str, Any]) -> str:
+    eager = next(r for r in res["points"] if r["peer"] == "eager")
+    e_peak, e_time = eager.get("peak_bytes"), eager.get("time_s")
+    front = {id(r) for r in pareto_front(res["points"])}
+    lines = ["| peer | setting | peak MiB | peak / eager | predicted MiB | step ms (IQR) | "
+             "min ms | time / eager | time / own baseline | recomputed GFLOP | first step s | "
+             "Pareto |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+    for peer in PEERS:
+        recs = [r for r in res["points"] if r["peer"] == peer]
+        if peer == "checkpoint_sequential" and not recs:
+            lines.append(f"| checkpoint_sequential | N/A | {res['checkpoint_sequential']} "
+                         "| | | | | | | | | |")
+            continue
+        for r in sorted(recs, key=lambda r: r.get("peak_bytes") or math.inf):
+            if r["status"] == "infeasible":
+                lines.append(f"| {peer} | {r['setting']} | BudgetError: smallest feasible "
+                             f"{_mib(r.get('smallest_bytes'))} MiB | | | | | | | | | |")
+                continue
+            if r["status"] == "failed":
+                err = r["error"].splitlines()[0][:120].replace("|", "\\|")
+                lines.append(f"| {peer} | {r['setting']} | failed while {r['error_phase']}: "
+                             f"`{err}` | | | | | | | | | |")
+                continue
+            setting = r["setting"]
+            if r.get("budget_is_smallest_feasible"):
+                setting = f"budget = smallest ({_mib(r['budget'])} MiB)"
+            peak, t = r.get("peak_bytes"), r.get("time_s")
+            spread = (f"{_ms(t)} ({_ms(r['time_q1_s'])}-{_ms(r['time_q3_s'])})"
+                      if t is not None else "-")
+            base = own_baseline(res["points"], r)
+            cells = [peer, setting, _mib(peak),
+                     f"{peak / e_peak:.2f}" if peak and e_peak else "-",
+                     _mib(r.get("predicted_peak_bytes")), spread, _ms(r.get("time_min_s")),
+                     f"{t / e_time:.2f}" if t and e_time else "-",
+                     f"{t / base['time_s']:.2f}" if t and base else "-",
+                     _gflops(r.get("recompute_flops")),
+                     f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-",
+                     "*" if id(r) in front else ""]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
+    rows = equal_peak_comparison(res["points"])
+    lines = ["| memfit | peak MiB | step ms | fastest torch.compile at <= 1.05x peak | "
+             "memfit / it | fastest eager or checkpoint_sequential at <= 1.05x peak | "
+             "memfit / it |",
+             "|---|---:|---:|---|---:|---|---:|"]
+    losses = []
+    for row in rows:
+        cells = [row["memfit"], _mib(row["peak_bytes"]), _ms(row["time_s"])]
+        for family in ("torch.compile", "eager/checkpoint_sequential"):
+            best = row["peers"][family]
+            if best is None:
+                if family == "eager/checkpoint_sequential" and res["sequence_length"] is None:
+                    cells += ["none this low (checkpoint_sequential N/A)", "-"]
+                else:
+                    cells += ["none this low", "-"]
+                continue
+            ratio = best["time_ratio"]
+            cells += [f"{best['peer']} {best['setting']}: {_mib(best['peak_bytes'])} MiB, "
+                      f"{_ms(best['time_s'])} ms", f"**{ratio:.2f}**" if ratio > 1 else
+                      f"{ratio:.2f}"]
+            if ratio > 1:
+                losses.append(f"{res['name']}: memfit {row['memfit']} is {ratio:.2f}x the time of "
+                              f"{best['peer']} {best['setting']} at equal peak")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines), losses
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """Per model and peer family: how memfit's points fare against the fastest peer point at
+    equal measured peak."""
+    lines = ["| model | peer | memfit points with a peer point at <= 1.05x their peak | "
+             "memfit slower | slower by > 5% | median memfit / peer | worst |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for res in results:
+        rows = equal_peak_comparison(res["points"])
+        for family in ("torch.compile", "eager/checkpoint_sequential"):
+            ratios = [r["peers"][family]["time_ratio"] for r in rows if r["peers"][family]]
+            if not ratios:
+                lines.append(f"| {res['name']} | {family} | 0 of {len(rows)} | - | - | - | - |")
+                continue
+            lines.append(
+                f"| {res['name']} | {family} | {len(ratios)} of {len(rows)} | "
+                f"{sum(x > 1 for x in ratios)} | {sum(x > 1.05 for x in ratios)} | "
+                f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+    return "\n".join(lines)
+
+
+_STYLE = {
+    "eager": dict(color="black", marker="*", markersize=12, linestyle="none"),
+    "checkpoint_sequential": dict(color="tab:orange", marker="D", markersize=5),
+    "torch.compile": dict(color="tab:blue", marker="o", markersize=5),
+    "memfit budget": dict(color="tab:green", marker="v", markersize=6),
+    "memfit modes": dict(color="tab:green", marker="s", markersize=8, linestyle="none",
+                         markerfacecolor="none"),
+}
+
+
+#: Each peer's points are joined in the order of its own knob, so a peak that does not follow
+#: the knob shows as a line that doubles back.
+_SETTING_ORDER: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "checkpoint_sequential": lambda r: r["segments"],
+    "torch.compile": lambda r: -r["activation_memory_budget"],
+    "memfit budget": lambda r: (bool(r.get("budget_is_smallest_feasible")), -r["budget"]),
+}
+
+
+def write_plot(res: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    groups: dict[str, list[dict[str, Any]]] = {k: [] for k in _STYLE}
+    for r in res["points"]:
+        if not _usable(r):
+            continue
+        key = r["peer"]
+        if key == "memfit":
+            key = "memfit modes" if "mode" in r else "memfit budget"
+        groups[key].append(r)
+    for key, recs in groups.items():
+        if not recs:
+            continue
+        recs = sorted(recs, key=_SETTING_ORDER.get(key, lambda r: r["peak_bytes"]))
+        xs = [r["peak_bytes"] / MIB for r in recs]
+        ys = [r["time_s"] * 1e3 for r in recs]
+        lo = [(r["time_s"] - r["time_q1_s"]) * 1e3 for r in recs]
+        hi = [(r["time_q3_s"] - r["time_s"]) * 1e3 for r in recs]
+        style = dict(_STYLE[key])
+        ax.errorbar(xs, ys, yerr=[lo, hi], label=key, elinewidth=0.6, capsize=2, **style)
+        for r, x, y in zip(recs, xs, ys):
+            text = {"torch.compile": lambda r: f"{r['activation_memory_budget']:g}",
+                    "checkpoint_sequential": lambda r: f"{r['segments']}",
+                    "memfit modes": lambda r: r["mode"],
+                    "memfit budget": lambda r: ("min" if r.get("budget_is_smallest_feasible")
+                                                else f"{r['budget']:g}"),
+                    "eager": lambda r: "eager"}[key](r)
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=style["color"])
+    front = pareto_front(res["points"])
+    if front:
+        fx_ = [r["peak_bytes"] / MIB for r in front]
+        fy = [r["time_s"] * 1e3 for r in front]
+        ax.step(fx_, fy, where="post", color="gray", linestyle="--", linewidth=1,
+                label="Pareto front (all peers)", zorder=0)
+    ax.set_xlabel("measured peak tensor memory of one training step (MiB)")
+    ax.set_ylabel("step time, median (ms); bars: interquartile range")
+    ax.set_xlim(left=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    note = ("labels: torch.compile activation_memory_budget, checkpoint_sequential segments, "
+            "memfit budget fraction; lines follow each knob")
+    ax.set_title(f"{title}\n{note}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "node": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    return info
+
+
+def software_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                            "memfit": memfit.__version__}
+    try:
+        git = ["git", "-C", str(ROOT)]
+        info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True,
+                                            text=True, check=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--", "src/memfit"],
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+        info["memfit_uncommitted_changes"] = [line.strip() for line in dirty]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny models, few points, 3 rounds; outputs get '_quick'")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+                   help="peers to run (plain eager always runs: it is the reference)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per point (median); default 15, --quick 3")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 15
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / ("budget_frontier" + ("_quick" if args.quick else ""))
+    specs = [s for s in model_specs(args.quick) if s.name in args.models]
+
+    started = time.perf_counter()
+    load_start = load_average()
+    print(f"budget frontier on cpu: {[s.name for s in specs]}, {args.rounds} timed rounds, "
+          f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}", flush=True)
+    results = [run_model(spec, args) for spec in specs]
+    torch._dynamo.reset()
+    total = time.perf_counter() - started
+
+    report = {
+        "benchmark": "budget_frontier",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "software": software_info(),
+        "parameters": {
+            "quick": args.quick,
+            "device": "cpu",
+            "dtype": "float32",
+            "rounds": args.rounds,
+            "step": "loss(module(*inputs)).backward(), loss from the zoo case; grads set to None "
+                    "before each step",
+            "peak": "memfit.measure of one step after two warm-up steps (exact CPU allocator "
+                    "accounting, deterministic)",
+            "time": "median of `rounds` steps timed with perf_counter (no profiler), "
+                    "round-robin over all of a model's points, start rotated each round; "
+                    "gc.collect() before each round, gc disabled during it",
+            "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
+                             "around compilation and the whole first step; each point its own "
+                             "code object (no dynamo reset between points)",
+            "torch_compile_budgets": list(QUICK_COMPILE_BUDGETS if args.quick
+                                          else COMPILE_BUDGETS),
+            "checkpoint_sequential": "eager, model.blocks, every segment count, "
+                                     "use_reentrant=False (the last segment is not checkpointed)",
+            "memfit_budgets": list(QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS),
+            "memfit_budget_meaning": "fraction of plain autograd's predicted activation peak; "
+                                     "an int is bytes (the smallest feasible)",
+            "memfit_modes": list(MEMFIT_MODES),
+            "equal_peak_tolerance": PEAK_TOLERANCE,
+            "recompute_flops": "see each point's recompute_flops_method; peers count "
+                               "matmul/conv/attention only (FlopCounterMode formulas + CPU flash "
+                               "attention), memfit adds 1 FLOP per element of other ops",
+        },
+        "load_average": {"start": load_start, "end": load_average()},
+        "total_runtime_s": round(total, 1),
+        "models": results,
+    }
+    for res in results:
+        res["pareto_front"] = [f"{r['peer']} {r['setting']}" for r in pareto_front(res["points"])]
+        res["equal_peak"] = equal_peak_comparison(res["points"])
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+
+    cpu = report["machine"].get("cpu_model", report["machine"]["processor"])
+    sections, all_losses = [], []
+    for res in results:
+        title = f"{res['name']}: {res['description']}"
+        png = args.out_dir / f"{stem.name}_{res['name']}.png"
+        write_plot(res, png, title)
+        table, losses = comparison_table(res)
+        all_losses += losses
+        recompiles = res["graphs_compiled_during_measurement"]
+        sections.append(
+            f"## {res['name']}\n\n{res['description']}; {res['parameters']:,} parameters. "
+            f"checkpoint_sequential: {res['checkpoint_sequential']}. "
+            f"{res['seconds']:.0f} s for this model"
+            + (f"; WARNING: {recompiles} graphs compiled during measurement" if recompiles
+               else "") + ".\n\n"
+            f"![{res['name']}]({png.name})\n\n"
+            f"### Every point\n\n{points_table(res)}\n\n"
+            f"### memfit against the fastest peer at equal measured peak\n\n{table}\n")
+    verdict = ("memfit is slower than a peer at equal peak in these rows:\n\n"
+               + "\n".join(f"- {x}" for x in all_losses) if all_losses else
+               "memfit is no slower than either peer at equal measured peak in every row.")
+    md = (f"# Budget frontier ({report['date_utc']})\n\n"
+          f"CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average "
+          f"{load_start} at start and {report['load_average']['end']} at end. Peak is the "
+          f"measured tensor memory of one training step (exact allocator accounting); step time "
+          f"is the median of {args.rounds} steps interleaved across all points of a model "
+          f"(interquartile range in brackets); ratios are to plain eager; \"own baseline\" is the "
+          f"same peer recomputing nothing (memfit \"none\", torch.compile at budget 1.0, eager), "
+          f"which separates the cost of recomputation from the speed of each executor. "
+          f"Recomputed GFLOP: memfit from its plan "
+          f"(includes 1 FLOP per element of elementwise ops), peers from FlopCounterMode formulas "
+          f"(matmul/conv/attention only) as the step's total minus eager's. \"Pareto\" marks the "
+          f"points no other point beats on both peak and time. In the comparison, a ratio above 1 "
+          f"(bold) means memfit is slower than the peer. Total runtime {total:.0f} s.\n\n"
+          f"## Summary: memfit at equal measured peak\n\n{summary_table(results)}\n\n"
+          f"{verdict}\n\n" + "\n".join(sections))
+    stem.with_suffix(".md").write_text(md)
+    print()
+    print(md)
+    print(f"wrote {json_path}, {stem.with_suffix('.md')} and "
+          f"{len(results)} PNGs in {total:.0f} s total")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
