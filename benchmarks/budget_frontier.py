@@ -86,15 +86,13 @@ import datetime as dt  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import types  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -106,6 +104,7 @@ from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
 
 import memfit  # noqa: E402
+from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -862,47 +861,6 @@ def write_plot(res: dict[str, Any], path: Path, title: str) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "node": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
-    return info
-
-
-def software_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                            "memfit": memfit.__version__}
-    try:
-        git = ["git", "-C", str(ROOT)]
-        info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True,
-                                            text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--", "src/memfit"],
-                               capture_output=True, text=True, check=True).stdout.splitlines()
-        info["memfit_uncommitted_changes"] = [line.strip() for line in dirty]
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -941,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "budget_frontier",
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "software": software_info(),
+        "software": software_info(ROOT),
         "parameters": {
             "quick": args.quick,
             "device": "cpu",

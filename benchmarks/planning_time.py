@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,15 +31,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from functorch.compile import make_boxed_func  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-from torch._functorch.partitioners import default_partition  # noqa: E402
 
 from memfit.analysis.graph import JointGraph  # noqa: E402
 from memfit.analysis.workspace import measure_workspace  # noqa: E402
 from memfit.planning.frontier import choose, pareto_frontier  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from graphs import joint_graphs  # noqa: E402  (the tests' capture helper: one way to trace)
+
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 class SkipMLP(nn.Module):
@@ -71,17 +73,8 @@ def _gpt2(layers: int) -> tuple[nn.Module, tuple[Any, ...]]:
 
 
 def capture(model: nn.Module, *args: Any) -> JointGraph:
-    """The joint graph AOTAutograd builds for ``model(*args)`` (one graph: no breaks here)."""
-    graphs: list[JointGraph] = []
-
-    def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        graphs.append(JointGraph(joint, kwargs["num_fwd_outputs"]))
-        return default_partition(joint, inputs, **kwargs)
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
-                           partition_fn=record)
-    torch.compile(model, backend=backend, dynamic=False)(*args)
+    """The one joint graph AOTAutograd builds for ``model(*args)`` (no graph breaks here)."""
+    graphs = joint_graphs(model, *args)
     if len(graphs) != 1:
         raise RuntimeError(f"expected one graph, got {len(graphs)}")
     return graphs[0]

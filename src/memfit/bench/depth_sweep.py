@@ -47,10 +47,7 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -62,6 +59,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
+from memfit.bench.environment import load_average, machine_info, software_info
 from memfit.bench.resnet import CifarResNet, cifar_resnet
 
 RESULTS = Path("benchmarks") / "results"
@@ -88,56 +86,6 @@ class SequentialCheckpointed(nn.Module):
 
 
 # ----------------------------------------------------------------------------------- environment
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "node": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "gpu": None,
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(device if device.type == "cuda" else 0)
-    return info
-
-
-def software_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "memfit": memfit.__version__,
-    }
-    try:
-        git = ["git"]
-        info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True,
-                                            text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--", "src/memfit"],
-                               capture_output=True, text=True, check=True).stdout.splitlines()
-        info["memfit_uncommitted_changes"] = [line.strip() for line in dirty]
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-# ----------------------------------------------------------------------------------- one depth
 
 
 def _graph_count() -> int:
