@@ -89,7 +89,6 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 import types  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -105,6 +104,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E40
 
 import memfit  # noqa: E402
 from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench.failure import record_failure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -356,12 +356,7 @@ class Point:
 
     def fail(self, phase: str, err: BaseException) -> None:
         self.failed = True
-        self.record["error"] = f"{type(err).__name__}: {err}".strip()
-        self.record["error_phase"] = phase
-        self.record["traceback"] = traceback.format_exc()
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(f"    ! {self.label} failed while {phase}: {type(err).__name__}: {first}",
-              flush=True)
+        record_failure(self.record, self.label, phase, err)
 
     def ok(self) -> bool:
         return not (self.failed or self.infeasible)

@@ -49,7 +49,6 @@ import math
 import os
 import statistics
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
+from memfit.bench.failure import record_failure
 from memfit.bench.resnet import CifarResNet, cifar_resnet
 
 RESULTS = Path("benchmarks") / "results"
@@ -118,11 +118,7 @@ class Method:
 
     def fail(self, phase: str, err: BaseException) -> None:
         self.failed = True
-        self.record["error"] = f"{type(err).__name__}: {err}".strip()
-        self.record["error_phase"] = phase
-        self.record["traceback"] = traceback.format_exc()
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(f"    ! {self.name} failed while {phase}: {type(err).__name__}: {first}", flush=True)
+        record_failure(self.record, self.name, phase, err)
 
 
 def build_methods(bps: int, width: int, batch: int, device: torch.device,
