@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from memfit.planning.plan import format_bytes
+
 __all__ = ["Budget", "BudgetError", "parse_budget", "UNITS"]
 
 #: Accepted unit suffixes (case-insensitive) and their size in bytes.
@@ -53,8 +55,6 @@ class Budget:
     def __str__(self) -> str:
         if self.fraction is not None:
             return f"{self.fraction:g} of plain autograd's activation memory"
-        from memfit.planning.plan import format_bytes
-
         return format_bytes(self.bytes or 0)
 
 

@@ -82,7 +82,7 @@ def pareto_frontier(jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.
     bw_read = {n for n in baseline if n.op != "placeholder"}
     always = always_kept(jg)
     model = SegmentModel(jg, always, bw_read, seconds={n: c[0] for n, c in costs.items()})
-    store_all, _ = model.model_peak_range()
+    store_all = model.store_all_bytes
     # The grid runs from the least modelled peak any segment plan reaches (found by bisection on
     # feasibility: the model's error differs between plans, so the simulated "memory" point says
     # little about where the model's own minimum lies) up to keeping everything.

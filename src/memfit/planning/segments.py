@@ -24,9 +24,6 @@ budget (see ``planning.frontier``).
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
-
 import numpy as np
 import torch.fx as fx
 
@@ -38,12 +35,6 @@ __all__ = ["SegmentModel", "MODES"]
 MODES = ("store", "heavy", "recompute")
 
 _INF = np.inf
-
-
-@dataclass
-class _Choice:
-    start: int  # cut index the segment starts after
-    mode: int
 
 
 class SegmentModel:
@@ -205,16 +196,15 @@ class SegmentModel:
 
     # ---- the dynamic programme -----------------------------------------------------------------
 
-    def model_peak_range(self) -> tuple[float, float]:
-        """(modelled peak of keeping everything, an upper bound on the bytes any plan keeps)."""
+    @property
+    def store_all_bytes(self) -> float:
+        """Kept bytes of storing everything: the most any plan of this family keeps."""
         k = len(self.cuts)
-        store_all = float(self.kept[0, 0, k]) if k else 0.0
-        return store_all, store_all
+        return float(self.kept[0, 0, k]) if k else 0.0
 
     def quantized(self) -> tuple[float, np.ndarray, np.ndarray]:
         """(bytes per bucket, kept bytes in whole buckets, transient bytes in buckets)."""
-        _, upper = self.model_peak_range()
-        q = max(upper, 1.0) / (self.buckets - 1)
+        q = max(self.store_all_bytes, 1.0) / (self.buckets - 1)
         return q, np.rint(self.kept / q), self.trans / q
 
     def solve(self, budget: float) -> list[tuple[int, int, int]] | None:
@@ -288,7 +278,3 @@ class SegmentModel:
                 elif MODES[m] == "heavy" and self.n_heavy[p]:
                     kept.add(n)
         return kept
-
-    def cut_position(self, node: fx.Node) -> int:
-        """Index of the first cut at or after ``node`` (for tests and reports)."""
-        return bisect.bisect_left(self.cuts, self.pos[node])
