@@ -25,7 +25,7 @@ import memfit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from zoo import ZOO, ZooCase, cifar_resnet, tanh_chain_case, unet  # noqa: E402
+from zoo import ZOO, ZooCase, cifar_resnet, measured_step_peak, tanh_chain_case, unet  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
@@ -49,18 +49,6 @@ def _larger() -> list[ZooCase]:
         ZooCase("unet-4conv-b8", seeded(lambda: unet(depth=3, width=8, convs_per_block=4)),
                 inputs(8, 1, 128, 128), lambda out: out.square().mean()),
     ]
-
-
-def _measure(case: Any, wrapped: torch.nn.Module, args: Any, kwargs: Any) -> int:
-    case.loss(wrapped(*args, **kwargs)).backward()
-    wrapped.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        case.loss(wrapped(*args, **kwargs)).backward()
-
-    peak = memfit.measure(step).peak_bytes
-    wrapped.zero_grad(set_to_none=True)
-    return int(peak)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                      else "smallest" if budget == smallest else "midpoint")
             row: dict[str, Any] = {"model": case.name, "budget": label}
             try:
-                peak = _measure(case, wrapped, args, kwargs)
+                peak = measured_step_peak(case, wrapped, args, kwargs)
             except memfit.BudgetError as err:
                 row.update(feasible=False, budget_bytes=err.budget_bytes,
                            smallest_bytes=err.smallest_bytes)

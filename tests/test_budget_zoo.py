@@ -8,28 +8,14 @@ the budget; a lower budget never measures a higher peak; budgets below the small
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
 
 import memfit
-from zoo import ZOO, ZooCase
+from zoo import ZOO, ZooCase, measured_step_peak
 
 FRACTIONS = (1.0, 0.5, 0.25)
-
-
-def _measured_step(case: ZooCase, wrapped: torch.nn.Module, args: Any, kwargs: Any) -> int:
-    """Peak bytes of one training step after a first (capturing) one."""
-    case.loss(wrapped(*args, **kwargs)).backward()
-    wrapped.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        case.loss(wrapped(*args, **kwargs)).backward()
-
-    peak = memfit.measure(step).peak_bytes
-    wrapped.zero_grad(set_to_none=True)
-    return peak
 
 
 @pytest.mark.parametrize("case", ZOO, ids=[c.name for c in ZOO])
@@ -47,7 +33,7 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase) -> None:
         torch._dynamo.reset()
         wrapped = memfit.checkpoint(model, budget=budget)
         try:
-            peak = _measured_step(case, wrapped, args, kwargs)
+            peak = measured_step_peak(case, wrapped, args, kwargs)
         except memfit.BudgetError as err:
             assert isinstance(budget, float), f"the smallest feasible budget {budget} was refused"
             assert err.smallest_bytes is not None and err.smallest_bytes > err.budget_bytes

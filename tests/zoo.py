@@ -49,6 +49,7 @@ __all__ = [
     "ZOO",
     "ZooCase",
     "case",
+    "measured_step_peak",
     "cifar_resnet",
     "densenet_block",
     "lstm",
@@ -538,3 +539,21 @@ def case(name: str) -> ZooCase:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"no zoo case {name!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def measured_step_peak(case: ZooCase, model: nn.Module, args: Any, kwargs: Any) -> int:
+    """Peak bytes of one training step of ``model`` (measured after a first, capturing step).
+
+    Gradients are cleared before and after, so the peak is that of a step on a fresh model.
+    """
+    import memfit  # the zoo itself needs only torch
+
+    case.loss(model(*args, **kwargs)).backward()
+    model.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        case.loss(model(*args, **kwargs)).backward()
+
+    peak = memfit.measure(step).peak_bytes
+    model.zero_grad(set_to_none=True)
+    return int(peak)
