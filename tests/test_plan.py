@@ -1,6 +1,7 @@
 """The plan as plain data: sums over graphs and a readable summary."""
 
-from memfit.planning.plan import GraphPlan, Plan, format_bytes
+from memfit.planning.plan import GraphPlan, Plan
+from memfit.units import format_bytes
 
 
 def _graph(peak: int, kept: int) -> GraphPlan:

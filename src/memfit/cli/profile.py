@@ -36,7 +36,7 @@ from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device,
 from memfit.cli.steps import Workload, resident_bytes, run_modes
 from memfit.cli.tables import batch_table, mib, mode_table, module_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
-from memfit.planning.plan import format_bytes
+from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]
 

@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_flatten
 import memfit
 from memfit.cli.errors import CliError
 from memfit.planning.budget import Budget
-from memfit.planning.plan import Plan, format_bytes
+from memfit.planning.plan import Plan
+from memfit.units import format_bytes
 
 __all__ = ["ModeSpec", "ModeResult", "Workload", "default_loss", "resident_bytes", "run_modes"]
 

@@ -98,6 +98,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from memfit.units import format_bytes
+
 __all__ = ["Measurement", "measure"]
 
 T = TypeVar("T")
@@ -143,7 +145,7 @@ class Measurement(Generic[T]):
         where = f"{_format_seconds(self.time_s)} on {self.device}"
         if self.peak_bytes is None:
             return f"{where} (memory not measured)"
-        return f"peak {_format_bytes(self.peak_bytes)}, end {_format_bytes(self.end_bytes or 0, sign=True)}, {where}"
+        return f"peak {format_bytes(self.peak_bytes)}, end {format_bytes(self.end_bytes or 0, sign=True)}, {where}"
 
 
 def measure(
@@ -621,13 +623,3 @@ def _format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} us"
-
-
-def _format_bytes(n: int, *, sign: bool = False) -> str:
-    prefix = "-" if n < 0 else ("+" if sign else "")
-    value = float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{prefix}{value:.0f} {unit}" if unit == "B" else f"{prefix}{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

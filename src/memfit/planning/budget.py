@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from memfit.planning.plan import format_bytes
+from memfit.units import format_bytes
 
 __all__ = ["Budget", "BudgetError", "parse_budget", "UNITS"]
 

@@ -36,7 +36,7 @@ from memfit.analysis.cost import node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.planning.budget import BudgetError
-from memfit.planning.plan import format_bytes
+from memfit.units import format_bytes
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.segments import SegmentModel
 

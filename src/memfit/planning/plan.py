@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GraphPlan", "ParetoPoint", "Plan", "format_bytes"]
+from memfit.units import format_bytes
 
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units, the way allocator statistics are usually read."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["GraphPlan", "ParetoPoint", "Plan"]
 
 
 @dataclass(frozen=True)

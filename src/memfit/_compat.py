@@ -1,0 +1,193 @@
+"""Every private PyTorch API memfit uses, reached through this one module.
+
+memfit works inside ``torch.compile``: it plans on AOTAutograd's joint graph, splits it with
+AOTAutograd's own partitioning helper, runs the result with FX's boxed calling convention and
+measures CPU memory from the profiler's raw events. None of that has a public API. Private APIs
+move between torch releases, so each one is reached here and nowhere else: when torch changes
+one, this file is the only one to read, and each entry says what memfit needs it for and the
+torch versions it was checked on. A test (``tests/test_compat.py``) calls every entry, so a
+release that removes one fails there with the entry's name rather than deep inside a step.
+
+Rule for the rest of the package: no ``import`` from ``torch._*``, ``torch.utils._*``,
+``torch._C`` or ``functorch``; use the names below. Public torch APIs (``torch.compile``,
+``torch.compiler.reset``, ``torch.profiler.profile``, ``torch.library``, ``torch.fx``) are used
+directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "CHECKED_TORCH_VERSIONS",
+    "OpOverload",
+    "TorchDispatchMode",
+    "StorageWeakRef",
+    "aot_autograd",
+    "boxed_codegen",
+    "detect_fake_mode",
+    "disable_current_modes",
+    "extract_fwd_bwd_modules",
+    "graph_break_reasons",
+    "is_tangent",
+    "keystr",
+    "profiler_enabled",
+    "profiler_events",
+    "profiler_allocations",
+    "cpu_memory_device_types",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_map",
+    "tree_map_only",
+    "unique_graph_count",
+]
+
+#: The torch releases every entry below was checked on (the test suite runs on these).
+CHECKED_TORCH_VERSIONS = ("2.13.0",)
+
+# ---- pytrees: torch.utils._pytree (checked 2.13.0) ----------------------------------------------
+# Flattening nested inputs and outputs the way Dynamo does. torch 2.13 has no public pytree module.
+from torch.utils._pytree import (  # noqa: E402
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map,
+    tree_map_only,
+)
+
+# ---- dispatch modes and fake tensors (checked 2.13.0) --------------------------------------------
+# TorchDispatchMode: attributing saved activations to the module that made them. Documented in
+# "Extending PyTorch", but it lives in a private module.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+
+# detect_fake_mode: the fake-tensor mode of a traced graph's values, to compute the metadata of a
+# node memfit inserts (the BatchNorm split).
+from torch._guards import detect_fake_mode  # noqa: E402
+
+# OpOverload: the type of an ATen op in an FX graph (``aten.mm.default``).
+from torch._ops import OpOverload  # noqa: E402
+
+# StorageWeakRef: a hashable identity of a (fake) storage, to count views of one storage once.
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+
+# ---- AOTAutograd and FX (checked 2.13.0) ---------------------------------------------------------
+# aot_autograd: a Dynamo backend from forward/backward compilers and a partition function; it is
+# how every torch.compile backend that wants a joint graph gets one.
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch import partitioners as _partitioners  # noqa: E402
+from torch.fx.graph import _BoxedCodeGen  # noqa: E402
+
+
+def extract_fwd_bwd_modules(
+    joint: fx.GraphModule,
+    saved_values: list[fx.Node],
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: Iterable[int] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split ``joint`` into forward and backward graphs that pass exactly ``saved_values``.
+
+    ``torch._functorch.partitioners._extract_fwd_bwd_modules`` (checked 2.13.0) is the function
+    behind AOTAutograd's own partitioners: it knows the calling convention between the forward
+    graph, the autograd.Function that runs it and the backward graph. ``static_lifetime_input
+    _indices`` (parameters, buffers) is what AOTAutograd hands a partition function.
+    """
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    static = _partitioners.OrderedSet(placeholders[i] for i in static_lifetime_input_indices or ())
+    return _partitioners._extract_fwd_bwd_modules(
+        joint, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=static,
+    )
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """A joint graph's tangent input: AOTAutograd names them ``tangents_N`` (checked 2.13.0).
+
+    The same test as ``torch._functorch.partitioners._is_tangent``.
+    """
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def boxed_codegen() -> Any:
+    """FX code generation for the boxed calling convention (``torch.fx.graph._BoxedCodeGen``).
+
+    A boxed graph takes its inputs as one list and clears it as it unpacks it, so each input (a
+    saved tensor, in a backward graph) can be freed after its last use (checked 2.13.0).
+    """
+    return _BoxedCodeGen()
+
+
+# ---- Dynamo's counters: torch._dynamo.utils.counters (checked 2.13.0) ----------------------------
+def graph_break_reasons() -> dict[str, int]:
+    """How often Dynamo recorded each graph-break reason so far in this process.
+
+    Older releases count them under ``graph_break``, newer ones under ``unimplemented``.
+    """
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for key in ("graph_break", "unimplemented"):
+        for reason, count in counters.get(key, {}).items():
+            out[reason] = out.get(reason, 0) + count
+    return out
+
+
+def unique_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process: a change means something was recompiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ---- the profiler's raw events (checked 2.13.0) --------------------------------------------------
+def profiler_enabled() -> bool:
+    """Whether any torch profiler session is active on this thread (``torch._C._autograd``)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def profiler_events(prof: torch.profiler.profile) -> list[Any]:
+    """The raw events of a finished session (``prof.profiler.kineto_results.events()``).
+
+    Unlike ``key_averages()`` they keep each allocation's signed size (``nbytes()``) and start
+    time (``start_ns()``), which a peak needs.
+    """
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    return list(results.events()) if results is not None else []
+
+
+def cpu_memory_device_types() -> set[Any]:
+    """Device types of ``[memory]`` events that are CPU allocator memory (CPU, MKLDNN, IDEEP)."""
+    device_type = torch._C._autograd.DeviceType
+    return {getattr(device_type, n) for n in ("CPU", "MKLDNN", "IDEEP") if hasattr(device_type, n)}
+
+
+def profiler_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, int]] | None:
+    """``(start_ns, signed bytes, address)`` of every CPU allocator event, or None if unknown.
+
+    ``kineto_results.experimental_event_tree()`` carries the block address, which the flat events
+    do not; it costs a walk over every event (checked 2.13.0).
+    """
+    try:
+        from torch._C._profiler import _EventType
+
+        results = prof.profiler.kineto_results if prof.profiler is not None else None
+        if results is None:
+            return None
+        out = []
+        stack = list(results.experimental_event_tree())
+        while stack:
+            ev = stack.pop()
+            stack.extend(ev.children)
+            if ev.tag != _EventType.Allocation:
+                continue
+            fields = ev.extra_fields
+            if fields.device.type != "cpu" or not fields.alloc_size:
+                continue
+            out.append((int(ev.start_time_ns), int(fields.alloc_size), int(fields.ptr)))
+        return out
+    except (AttributeError, ImportError, RuntimeError):
+        return None
