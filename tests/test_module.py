@@ -76,8 +76,8 @@ def test_matches_plain_pytorch(case: ZooCase, mode: str) -> None:
         smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
         wrapped = memfit.checkpoint(model, budget=smallest)
     else:
-        checkpoints = _names_for(model) if mode == "names" else mode
-        wrapped = memfit.checkpoint(model, checkpoints=checkpoints)
+        policy = _names_for(model) if mode == "names" else mode
+        wrapped = memfit.checkpoint(model, policy)
     got = _run_steps(case, wrapped, STEPS)
 
     _close(got["loss"], ref["loss"], "loss")
@@ -166,10 +166,10 @@ def test_plan_prints_summary() -> None:
         (["layers.0"], ValueError, ["'layers.0'", "closest"]),
     ],
 )
-def test_invalid_checkpoints_argument(bad: Any, error: type, words: list[str]) -> None:
+def test_invalid_policy_argument(bad: Any, error: type, words: list[str]) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     with pytest.raises(error) as info:
-        memfit.checkpoint(model, checkpoints=bad)
+        memfit.checkpoint(model, bad)
     for w in words:
         assert w in str(info.value)
 
@@ -179,7 +179,22 @@ def test_not_a_module() -> None:
         memfit.checkpoint(lambda x: x)  # type: ignore[arg-type]
 
 
-def test_budget_and_checkpoints_are_exclusive() -> None:
+def test_old_checkpoints_keyword_still_works_and_warns() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.warns(DeprecationWarning, match="policy"):
+        wrapped = memfit.checkpoint(model, checkpoints="speed")
+    assert wrapped.policy == memfit.Policy("speed")
+    with pytest.raises(ValueError, match="once"):
+        memfit.checkpoint(model, "memory", checkpoints="speed")
+
+
+def test_budget_policy_text_equals_budget_keyword() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert memfit.checkpoint(model, "budget=0.5").policy == memfit.checkpoint(
+        model, budget=0.5).policy
+
+
+def test_budget_and_policy_are_exclusive() -> None:
     with pytest.raises(ValueError, match="either"):
         memfit.checkpoint(nn.Linear(2, 2), "memory", budget=0.5)
     with pytest.raises(ValueError, match="fraction"):

@@ -3,7 +3,10 @@ backward recomputes a segment just before its gradients (not all at the start)."
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+
+from memfit.execution import partition
 
 import pytest
 import torch
@@ -95,3 +98,39 @@ def test_recomputation_is_interleaved_with_gradients() -> None:
     while "ff" in runs or "bb" in runs:
         runs = runs.replace("ff", "f").replace("bb", "b")
     assert runs.count("f") >= 3, "".join(kinds)  # several recompute segments, between gradients
+
+
+def test_graphs_are_built_from_the_plan_decisions_alone() -> None:
+    """The forward graph hands the backward exactly the values the plan decides SAVE, and a plan
+    applied to a graph it was not made for is refused."""
+    from memfit.execution import backend
+    from memfit.planning.decision import Decision
+
+    seen = []
+    original = backend.split_joint_graph
+
+    def spy(joint, plan, **kwargs):  # type: ignore[no-untyped-def]
+        fw, bw = original(joint, plan, **kwargs)
+        seen.append((joint, plan, fw, bw, kwargs))
+        return fw, bw
+
+    backend.split_joint_graph = spy
+    try:
+        wrapped = memfit.checkpoint(TickChain(12), "memory")
+        wrapped(torch.randn(16, 16, requires_grad=True)).sum().backward()
+    finally:
+        backend.split_joint_graph = original
+    ((joint, plan, fw, bw, kwargs),) = seen
+    assert set(plan.decisions.values()) == {Decision.SAVE, Decision.RECOMPUTE}
+    outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    assert len(outputs) - kwargs["num_fwd_outputs"] == len(plan.saved())
+    received = [n.name for n in bw.graph.nodes if n.op == "placeholder"
+                and "tangents" not in str(n.target)]
+    assert sorted(received) == sorted(plan.saved())
+    recomputed = sum(1 for n in bw.graph.nodes if n.target is torch.ops.memfit_test.tick.default)
+    assert recomputed == sum(
+        1 for name, d in plan.decisions.items() if d is Decision.RECOMPUTE)
+
+    stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.SAVE})
+    with pytest.raises(partition.PlanMismatchError, match="not_a_node"):
+        partition.split_joint_graph(joint, stale, num_fwd_outputs=kwargs["num_fwd_outputs"])

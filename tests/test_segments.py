@@ -10,7 +10,7 @@ import torch
 
 from graphs import joint_graphs
 from memfit.planning.policies import always_kept, keep_all
-from memfit.planning.segments import MODES, SegmentModel
+from memfit.planning.segments import SEGMENT_KINDS, SegmentModel
 from zoo import cifar_resnet, tanh_chain
 
 
@@ -27,7 +27,7 @@ def _brute_force(model: SegmentModel, budget: float) -> float:
     for mask in itertools.product((0, 1), repeat=k - 1):
         ends = [j + 1 for j, bit in enumerate(mask) if bit] + [k]
         starts = [0] + ends[:-1]
-        for modes in itertools.product(range(len(MODES)), repeat=len(ends)):
+        for modes in itertools.product(range(len(SEGMENT_KINDS)), repeat=len(ends)):
             prefix, cost, ok = 0.0, 0.0, True
             for i, j, m in zip(starts, ends, modes):
                 prefix += kept_b[m, i, j]

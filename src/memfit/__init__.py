@@ -1,15 +1,19 @@
 """memfit: train PyTorch models and batches that do not fit in memory.
 
-Layers, one folder each: ``capture`` (Dynamo/AOTAutograd, marks, graph breaks) → ``analysis``
-(sizes, FLOPs, memory simulation) → ``planning`` (what to keep) → ``execution`` (partitioned
-graphs, the wrapper module) → ``measurement`` (exact peak memory and time).
+Layers, one folder each: ``capture`` (Dynamo/AOTAutograd, marks, graph breaks, the rewrites that
+precede planning) → ``analysis`` (sizes, FLOPs, op scratch, memory simulation) → ``planning`` (a
+``Decision`` per forward value; the plan as plain data) → ``execution`` (graphs built from the
+plan, the wrapper module) → ``measurement`` (exact peak memory and time). Private torch APIs are
+reached only through ``memfit._compat``.
 """
 
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, checkpoint, plan
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
+from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
+from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
     "checkpoint",
@@ -17,6 +21,9 @@ __all__ = [
     "BudgetError",
     "Budget",
     "parse_budget",
+    "Policy",
+    "parse_policy",
+    "Decision",
     "ParetoPoint",
     "mark",
     "measure",

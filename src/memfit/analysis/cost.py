@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
+from memfit._compat import tree_map
 from memfit.analysis.graph import node_tensors
 
 __all__ = ["node_flops", "node_seconds", "is_compute_heavy", "DEVICE_SPEED"]

@@ -21,8 +21,9 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
+
+from memfit._compat import StorageWeakRef, is_tangent, tree_flatten
+from memfit.capture.batchnorm import FORWARD_TWIN
 
 __all__ = ["JointGraph", "ancestors", "is_random", "node_tensors"]
 
@@ -79,6 +80,8 @@ class JointGraph:
     primals: list[fx.Node] = field(init=False)
     tangents: list[fx.Node] = field(init=False)
     forward: list[fx.Node] = field(init=False)
+    #: forward nodes the forward graph computes itself (``forward`` less BatchNorm twins)
+    forward_computed: list[fx.Node] = field(init=False)
     backward: list[fx.Node] = field(init=False)
     fwd_outputs: list[fx.Node] = field(init=False)
     bwd_outputs: list[fx.Node] = field(init=False)
@@ -98,7 +101,7 @@ class JointGraph:
         self.nodes = list(graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
-        self.tangents = [n for n in placeholders if "tangents" in n.name]
+        self.tangents = [n for n in placeholders if is_tangent(n)]
         self.primals = [n for n in placeholders if n not in set(self.tangents)]
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         outs, _ = tree_flatten(output.args[0])
@@ -122,6 +125,9 @@ class JointGraph:
         required |= {n for n in self.nodes if self.is_getitem(n) and n.args[0] in required}
         self.forward = [n for n in self.nodes if n in required]
         self._forward_set = required
+        # A BatchNorm twin (``capture.batchnorm``) is a forward value, but the forward graph takes
+        # it from the original op: it costs forward time only where the backward recomputes it.
+        self.forward_computed = [n for n in self.forward if FORWARD_TWIN not in n.meta]
 
         # Storages are numbered once: every planner and simulator step hashes them, and an int
         # hashes far faster than a StorageWeakRef.

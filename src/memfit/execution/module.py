@@ -1,11 +1,12 @@
-"""``memfit.checkpoint(model, checkpoints=...)``: the model, trained with fewer activations kept.
+"""``memfit.checkpoint(model, policy)``: the model, trained with fewer activations kept.
 
 The wrapper is a view of the user's model, not a copy: it shares the model's parameter, buffer and
 submodule dictionaries, so its ``state_dict`` has the same keys and tensors, an optimizer built on
 either sees the same parameters, and ``.to()`` moves both. Its forward runs the model through
 ``torch.compile`` with memfit's backend (static shapes, so a new input shape or dtype is captured
-and planned again). Module names in ``checkpoints=[...]`` are turned into marks by forward hooks
-that act only while memfit captures, so the user's own eager calls are untouched.
+and planned again). Submodule names in a policy list (``memfit.checkpoint(model, ["layer1"])``)
+are turned into marks by forward hooks that act only while memfit captures, so the user's own
+eager calls are untouched.
 
 ``memfit.plan`` answers "what would memfit do within this budget?" without training: it runs the
 capture (one forward, under the plan) and puts back every buffer and random-number state the
@@ -20,17 +21,16 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
+from memfit._compat import tree_map
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
 from memfit.execution.backend import StepBudget, make_backend
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.policy import BUDGET, Policy, parse_policy
 
-__all__ = ["checkpoint", "plan", "CheckpointedModule", "MODES"]
-
-MODES = ("memory", "speed", "collection", "none")
+__all__ = ["checkpoint", "plan", "CheckpointedModule"]
 
 
 def _budget_error(exc: BaseException) -> BudgetError | None:
@@ -59,8 +59,7 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
 class CheckpointedModule(nn.Module):
     """``model`` with memfit's checkpointing applied; see ``memfit.checkpoint``."""
 
-    def __init__(self, model: nn.Module, policy: str, mark_modules: Sequence[str] = (),
-                 budget: Budget | None = None) -> None:
+    def __init__(self, model: nn.Module, policy: Policy) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
         self._parameters = model._parameters
@@ -71,14 +70,14 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_plan"] = None
         self.__dict__["_pending"] = []
         self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
-        self.__dict__["_step_budget"] = StepBudget(budget) if budget is not None else None
+        self.__dict__["_step_budget"] = StepBudget() if policy.name == BUDGET else None
         self.__dict__["_compiled"] = torch.compile(
             model, backend=make_backend(policy, self._pending.append, self._step_budget),
             dynamic=False,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
-            named[name].register_forward_hook(_mark_output_hook) for name in mark_modules
+            named[name].register_forward_hook(_mark_output_hook) for name in policy.modules
         ]
         self.training = model.training
 
@@ -88,7 +87,8 @@ class CheckpointedModule(nn.Module):
         return self._model
 
     @property
-    def policy(self) -> str:
+    def policy(self) -> Policy:
+        """The policy this wrapper plans with."""
         return self._policy
 
     @property
@@ -125,25 +125,18 @@ class CheckpointedModule(nn.Module):
         if self._pending:
             graphs: list[GraphPlan] = list(self._pending)
             self._pending.clear()
-            self.__dict__["_plan"] = Plan(policy=self._policy, graphs=tuple(graphs))
+            self.__dict__["_plan"] = Plan(policy=self._policy.name, graphs=tuple(graphs))
         if report.broke:
             report.warn_once()
         return out
 
     def extra_repr(self) -> str:
-        budget = f", budget={self._step_budget.budget}" if self._step_budget else ""
-        return f"policy={self._policy!r}{budget}, model={type(self._model).__name__}"
+        return f"policy={self._policy.label!r}, model={type(self._model).__name__}"
 
 
-def _validate_names(model: nn.Module, names: Sequence[Any]) -> list[str]:
+def _validate_names(model: nn.Module, names: Sequence[str]) -> None:
     known = [name for name, _ in model.named_modules() if name]
-    out = []
     for name in names:
-        if not isinstance(name, str):
-            raise TypeError(
-                f"checkpoints list entries must be submodule names (str), got {name!r} of type "
-                f"{type(name).__name__}"
-            )
         if name not in known:
             close = difflib.get_close_matches(name, known, n=5, cutoff=0.0)
             hint = f"; closest existing names: {', '.join(map(repr, close))}" if close else ""
@@ -151,61 +144,51 @@ def _validate_names(model: nn.Module, names: Sequence[Any]) -> list[str]:
                 f"{name!r} is not a submodule of {type(model).__name__} "
                 f"(names as in model.named_modules()){hint}"
             )
-        out.append(name)
-    return out
 
 
 def checkpoint(
     model: nn.Module,
-    checkpoints: str | Sequence[str] | None = None,
+    policy: Policy | str | Sequence[str] | None = None,
     *,
     budget: int | str | float | Budget | None = None,
+    checkpoints: str | Sequence[str] | None = None,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
-    ``checkpoints`` is ``"memory"`` (the default; automatic: the least activation memory with at
-    most one recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
+    ``policy`` is ``"memory"`` (the default; automatic: the least activation memory with at most
+    one recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
     recompute cheap ops), ``"collection"`` (keep the tensors marked with ``memfit.mark``),
     ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
-    kept. Or give ``budget`` instead: bytes (``int``), a size (``"2GiB"``, ``"750MB"``) or a
-    fraction in (0, 1] of plain autograd's activation memory; memfit then keeps what makes the
-    recomputation cheapest while the predicted peak stays within it, and raises
-    ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
-    The returned module shares the model's parameters and buffers; its ``plan`` describes the
-    choice after the first training call.
+    kept. Or give ``budget`` instead (or the policy ``"budget=B"``): bytes (``int``), a size
+    (``"2GiB"``, ``"750MB"``) or a fraction in (0, 1] of plain autograd's activation memory; memfit
+    then keeps what makes the recomputation cheapest while the predicted peak stays within it, and
+    raises ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing
+    fits. The returned module shares the model's parameters and buffers; its ``plan`` describes
+    the choice after the first training call. ``checkpoints=`` is the old name of ``policy``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CheckpointedModule):
         raise TypeError("this model is already wrapped by memfit.checkpoint; wrap the original")
+    if checkpoints is not None:
+        if policy is not None:
+            raise ValueError("give the policy once: checkpoints= is the old name of policy=")
+        warnings.warn("memfit.checkpoint(checkpoints=...) is now memfit.checkpoint(policy=...)",
+                      DeprecationWarning, stacklevel=2)
+        policy = checkpoints
     if budget is not None:
-        if checkpoints is not None:
+        if policy is not None:
             raise ValueError(
-                "give either checkpoints= or budget=, not both: with a budget memfit chooses "
+                "give either a policy or budget=, not both: with a budget memfit chooses "
                 "what to keep itself"
             )
-        return CheckpointedModule(model, "budget", budget=parse_budget(budget))
-    if checkpoints is None:
-        checkpoints = "memory"
-    if isinstance(checkpoints, str):
-        if checkpoints not in MODES:
-            close = difflib.get_close_matches(checkpoints, MODES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"checkpoints={checkpoints!r} is not a mode{hint}; accepted: "
-                f"{', '.join(map(repr, MODES))}, or a list of submodule names"
-            )
-        return CheckpointedModule(model, checkpoints)
-    if isinstance(checkpoints, (list, tuple)):
-        names = _validate_names(model, checkpoints)
-        if not names:
-            warnings.warn("checkpoints=[] marks nothing: every activation will be recomputed",
-                          stacklevel=2)
-        return CheckpointedModule(model, "collection", names)
-    raise TypeError(
-        f"checkpoints must be a mode string or a list of submodule names, got "
-        f"{type(checkpoints).__name__}"
-    )
+        return CheckpointedModule(model, Policy(BUDGET, budget=parse_budget(budget)))
+    chosen = parse_policy("memory" if policy is None else policy)
+    _validate_names(model, chosen.modules)
+    if isinstance(policy, (list, tuple)) and not chosen.modules:
+        warnings.warn("an empty list of submodules marks nothing: every activation will be "
+                      "recomputed", stacklevel=2)
+    return CheckpointedModule(model, chosen)
 
 
 def plan(

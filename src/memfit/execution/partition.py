@@ -1,46 +1,91 @@
-"""Apply a plan to a joint graph: the forward graph that keeps the chosen values, and the backward
-graph that recomputes the rest just in time.
+"""Apply a plan to a joint graph: the forward graph that saves what the plan says, and the
+backward graph that recomputes the rest just in time.
 
-The split itself is AOTAutograd's own ``_extract_fwd_bwd_modules``, the function behind its
-default and min-cut partitioners: it knows the calling convention between the forward graph, the
-autograd.Function that runs it and the backward graph, which has changed across torch releases.
-memfit only chooses ``saved_values`` and then reorders the backward graph with the same
-``order_backward`` the simulator replays, so what runs is what was predicted.
+The split itself is AOTAutograd's own ``_extract_fwd_bwd_modules`` (through ``memfit._compat``),
+the function behind its default and min-cut partitioners: it knows the calling convention between
+the forward graph, the autograd.Function that runs it and the backward graph, which has changed
+across torch releases. memfit hands it exactly the values the plan decides ``SAVE``; whatever the
+backward needs beyond them, the split copies into the backward graph, and that is the
+recomputation. Two mechanical steps follow, both modelled by the simulator that predicted the
+plan's peak: BatchNorm twins (``capture.batchnorm``) take their values from the original op in the
+forward graph, and the backward graph is reordered with the same ``order_backward`` the simulator
+replays, so what runs is what was predicted.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Iterable
+import operator
+from typing import Iterable
 
 import torch.fx as fx
-from torch._functorch import partitioners
 
-from memfit.analysis.graph import JointGraph
+from memfit._compat import extract_fwd_bwd_modules, is_tangent
 from memfit.analysis.simulate import order_backward
+from memfit.capture.batchnorm import FORWARD_TWIN
+from memfit.planning.decision import Decision
+from memfit.planning.plan import GraphPlan
 
-__all__ = ["split_joint_graph", "reorder_backward_graph"]
+__all__ = ["split_joint_graph", "reorder_backward_graph", "PlanMismatchError"]
+
+
+class PlanMismatchError(ValueError):
+    """A plan names values the graph it is applied to does not have: it was made for another."""
 
 
 def split_joint_graph(
-    jg: JointGraph, kept: Iterable[fx.Node], **partition_kwargs: Any
+    joint: fx.GraphModule,
+    plan: GraphPlan,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: Iterable[int] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward and backward graph modules that keep exactly ``kept`` (as ordered in the graph)."""
-    kept_set = set(kept)
-    saved_values = [n for n in jg.nodes if n in kept_set]
-    extract = partitioners._extract_fwd_bwd_modules
-    params = inspect.signature(extract).parameters
-    kwargs: dict[str, Any] = {"num_fwd_outputs": jg.num_fwd_outputs}
-    if "static_lifetime_input_nodes" in params and "static_lifetime_input_indices" in partition_kwargs:
-        indices = partition_kwargs["static_lifetime_input_indices"] or []
-        placeholders = [n for n in jg.nodes if n.op == "placeholder"]
-        ordered_set = getattr(partitioners, "OrderedSet", set)
-        kwargs["static_lifetime_input_nodes"] = ordered_set(placeholders[i] for i in indices)
-    fw, bw = extract(jg.module, saved_values, saved_sym_nodes=[], **kwargs)
+    """Forward and backward graph modules of ``joint`` that follow ``plan``'s decisions."""
+    nodes = {n.name: n for n in joint.graph.nodes}
+    missing = [name for name in plan.decisions if name not in nodes]
+    if missing:
+        raise PlanMismatchError(
+            f"the plan decides {len(missing)} value(s) this graph does not have "
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): a plan applies only "
+            f"to the graph it was made for"
+        )
+    saved = [n for n in joint.graph.nodes if plan.decisions.get(n.name) is Decision.SAVE]
+    fw, bw = extract_fwd_bwd_modules(
+        joint, saved, num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+    )
     fw.graph.eliminate_dead_code()
+    take_twins_from_originals(fw)
     fw.recompile()
     bw.graph.eliminate_dead_code()
     return fw, reorder_backward_graph(bw)
+
+
+def take_twins_from_originals(gm: fx.GraphModule) -> int:
+    """In a forward graph, read each BatchNorm twin's results from its original op; drop the twin.
+
+    The twin repeats the original's first results bit for bit, so the forward runs one kernel as
+    eager PyTorch does; the twin only runs where the backward recomputes it. Returns how many
+    twins were replaced.
+    """
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    replaced = 0
+    for twin in [n for n in graph.nodes if FORWARD_TWIN in n.meta]:
+        original = by_name.get(twin.meta[FORWARD_TWIN])
+        if original is None:  # the original is not in this graph: the twin must run
+            continue
+        for item in list(twin.users):
+            assert item.target is operator.getitem, item.format_node()
+            with graph.inserting_after(original):
+                taken = graph.call_function(operator.getitem, (original, item.args[1]))
+            taken.meta = dict(item.meta)
+            item.replace_all_uses_with(taken)
+            graph.erase_node(item)
+        graph.erase_node(twin)
+        replaced += 1
+    if replaced:
+        graph.lint()
+    return replaced
 
 
 def reorder_backward_graph(bw: fx.GraphModule) -> fx.GraphModule:
@@ -49,7 +94,7 @@ def reorder_backward_graph(bw: fx.GraphModule) -> fx.GraphModule:
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
-    tangent_dependent: set[fx.Node] = {p for p in placeholders if "tangents" in p.name}
+    tangent_dependent: set[fx.Node] = {p for p in placeholders if is_tangent(p)}
     for n in nodes:
         if n.op == "call_function" and any(a in tangent_dependent for a in n.all_input_nodes):
             tangent_dependent.add(n)

@@ -1,14 +1,19 @@
 """The plan: plain data between planning and execution, and what a user reads after a step.
 
 A model captured with graph breaks has one joint graph per piece; each gets a ``GraphPlan`` and the
-``Plan`` sums them. Everything here is numbers and names, so a plan can be printed, compared,
-serialised or asserted on without touching a graph.
+``Plan`` sums them. A ``GraphPlan`` has two parts. ``decisions`` is the contract with execution: a
+``Decision`` for every forward value the backward reads (named as in the captured joint graph), and
+the executor builds the forward and backward graphs from it and from nothing else. The rest is the
+report of that same decision on that same graph (what is kept, what is recomputed, the simulated
+peak), computed once by the planner. Everything here is numbers and names, so a plan can be
+printed, compared, serialised or asserted on without touching a graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memfit.planning.decision import Decision
 from memfit.units import format_bytes
 
 __all__ = ["GraphPlan", "ParetoPoint", "Plan"]
@@ -26,9 +31,17 @@ class ParetoPoint:
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """What one captured graph keeps and recomputes, and its predicted memory."""
+    """What one captured graph keeps and recomputes, and its predicted memory.
+
+    ``decisions`` maps the name of every forward value the backward reads, directly or to
+    recompute another value from, to its ``Decision``; step inputs the backward reads (parameters,
+    the batch) are ``SAVE`` at no cost. The other fields report that decision: ``kept`` are the
+    saved values that cost memory (not step inputs, not the step's own outputs, which are alive
+    anyway), ``recomputed`` the forward ops the backward runs again.
+    """
 
     policy: str
+    decisions: dict[str, Decision]
     kept: tuple[str, ...]
     recomputed: tuple[str, ...]
     kept_bytes: int
@@ -45,6 +58,10 @@ class GraphPlan:
     budget_bytes: int | None = None
     #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
     frontier: tuple[ParetoPoint, ...] = ()
+
+    def saved(self) -> list[str]:
+        """Names of the values decided ``SAVE``, in the order the decisions were made."""
+        return [name for name, d in self.decisions.items() if d is Decision.SAVE]
 
 
 @dataclass(frozen=True)

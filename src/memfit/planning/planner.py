@@ -1,62 +1,70 @@
-"""Turn a policy into a ``GraphPlan`` for one joint graph, with its predicted memory and cost.
+"""Turn a policy into a ``GraphPlan`` for one joint graph: its decisions and their prediction.
 
 The guard against the failure the original tool had (checkpoints that used *more* memory than
-none) lives here: the automatic policies are compared with the plain plan in the simulator and
-fall back to it when they would not save anything.
+none) lives here: ``"memory"`` and ``"speed"`` are compared with the plain plan in the simulator
+and fall back to it when they would not save anything.
 
-The ``"budget"`` policy answers from the graph's Pareto frontier (``planning.frontier``): the
-cheapest simulated plan whose predicted peak is within the budget, or ``BudgetError`` naming the
-least peak reachable. ``"memory"`` is the frontier's lowest point, so it equals the budget plan at
-the smallest feasible budget.
+The budget policy answers from the graph's Pareto frontier (``planning.frontier``): the cheapest
+simulated plan whose predicted peak is within the budget, or ``BudgetError`` naming the least peak
+reachable. ``"memory"`` is the frontier's lowest point, so it equals the budget plan at the
+smallest feasible budget.
+
+Every number the plan reports comes from one simulation of the chosen decisions on the very graph
+the executor splits (the rewrites of ``capture.passes`` ran before), so what the plan says is what
+runs, and a budget plan's predicted peak is within its budget by construction.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch.fx as fx
 
 from memfit.analysis.cost import node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
-from memfit.analysis.simulate import simulate_step
-from memfit.planning.budget import Budget, BudgetError
+from memfit.analysis.simulate import StepSimulation, simulate_step
+from memfit.planning.budget import BudgetError
+from memfit.planning.decision import Decision
 from memfit.planning.frontier import choose, pareto_frontier
 from memfit.planning.plan import GraphPlan, ParetoPoint
-from memfit.planning.policies import POLICIES, keep_all
+from memfit.planning.policies import keep_all, keep_heavy, keep_marked
+from memfit.planning.policy import BUDGET, Policy
 
-__all__ = ["plan_graph", "AUTOMATIC_POLICIES"]
+__all__ = ["plan_graph"]
 
-AUTOMATIC_POLICIES = ("memory", "speed")
+#: The named policies the planner answers with one keep-set rule ("memory" and budgets use the
+#: frontier instead).
+_KEEP_RULES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
+    "none": keep_all,
+    "speed": keep_heavy,
+    "collection": keep_marked,
+}
 
 
-def plan_graph(
-    jg: JointGraph, policy: str, *, budget: Budget | None = None, spent_bytes: int = 0,
-) -> tuple[set[fx.Node], set[fx.Node], GraphPlan]:
-    """Choose what to keep in ``jg`` under ``policy``.
+def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> GraphPlan:
+    """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
-    With ``policy="budget"``, ``budget`` is required; ``spent_bytes`` is what earlier graphs of
-    the same step keep (with graph breaks their kept values are alive while this graph runs) and
-    is taken off a byte budget. A fraction applies to this graph's own plain-autograd peak.
-
-    Returns the kept nodes, the forward nodes the backward recomputes, and the plan summary.
+    ``spent_bytes`` is what earlier graphs of the same step keep (with graph breaks their kept
+    values are alive while this graph runs) and is taken off a byte budget. A fraction applies to
+    this graph's own plain-autograd peak.
     """
     baseline = keep_all(jg)
     base_sim = simulate_step(jg, baseline)
     note = ""
     frontier: tuple[ParetoPoint, ...] = ()
     budget_bytes: int | None = None
-    if policy == "budget":
-        if budget is None:
-            raise ValueError("the 'budget' policy needs a budget")
+    if policy.name == BUDGET:
+        assert policy.budget is not None
         points = pareto_frontier(jg)
         frontier = tuple(ParetoPoint(p.peak_bytes, p.recompute_flops, p.recompute_seconds,
                                      p.simulation.saved_bytes) for p in points)
-        if budget.fraction is not None:
-            budget_bytes = budget.resolve(base_sim.peak_bytes)
-        else:
-            budget_bytes = budget.resolve(base_sim.peak_bytes) - spent_bytes
+        budget_bytes = policy.budget.resolve(base_sim.peak_bytes)
+        if policy.budget.fraction is None:
+            budget_bytes -= spent_bytes
         try:
             chosen = choose(points, budget_bytes)
         except BudgetError as err:
-            if spent_bytes and budget.fraction is None:
+            if spent_bytes and policy.budget.fraction is None:
                 raise BudgetError(
                     f"{err} ({spent_bytes} bytes of the budget are already kept by earlier "
                     f"graphs of this step: the model has graph breaks)",
@@ -64,27 +72,46 @@ def plan_graph(
                 ) from None
             raise
         kept, sim = set(chosen.kept), chosen.simulation
-    elif policy == "memory":
+    elif policy.name == "memory":
         # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
         # candidates, and the segment programme often finds a lower peak for less recompute.
         lowest = pareto_frontier(jg)[0]
         kept, sim = set(lowest.kept), lowest.simulation
     else:
-        kept = baseline if policy == "none" else POLICIES[policy](jg)
+        kept = _KEEP_RULES[policy.name](jg)
         sim = simulate_step(jg, kept)
-        if policy in AUTOMATIC_POLICIES and sim.peak_bytes > base_sim.peak_bytes:
-            note = (f"{policy!r} would peak above plain autograd here "
-                    f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead")
-            kept, sim = baseline, base_sim
+    if policy.never_worse_than_none and sim.peak_bytes > base_sim.peak_bytes:
+        note = (f"{policy.name!r} would peak above plain autograd here "
+                f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead")
+        kept, sim = baseline, base_sim
+    return _graph_plan(jg, policy, kept, sim, base_sim, baseline, note=note,
+                       budget_bytes=budget_bytes, frontier=frontier)
+
+
+def decisions_for(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> dict[str, Decision]:
+    """``SAVE`` for what the backward receives from the forward, ``RECOMPUTE`` for the forward
+    values it computes again (``sim`` is the simulation of keeping ``kept``)."""
+    saved = jg.saved_needed(kept)
+    forward = set(jg.forward)
+    recomputed = {n for n in sim.backward if n in forward and jg.is_tensor_value(n)}
+    return {n.name: Decision.SAVE if n in saved else Decision.RECOMPUTE
+            for n in jg.nodes if n in saved or n in recomputed}
+
+
+def _graph_plan(jg: JointGraph, policy: Policy, kept: set[fx.Node], sim: StepSimulation,
+                base_sim: StepSimulation, baseline: set[fx.Node], *, note: str,
+                budget_bytes: int | None, frontier: tuple[ParetoPoint, ...]) -> GraphPlan:
     forward_set = set(jg.forward)
     recomputed = [n for n in sim.backward if n in forward_set]
     # What the plan reports as kept: activations held for backward beyond what the step returns
     # anyway (its outputs) and what existed before it (parameters, inputs).
     outputs = set(jg.fwd_outputs)
-    reported = [n for n in jg.nodes if n in kept and n.op != "placeholder" and n not in outputs]
+    saved = jg.saved_needed(kept)
+    reported = [n for n in jg.nodes if n in saved and n.op != "placeholder" and n not in outputs]
     base_reported = [n for n in baseline if n.op != "placeholder" and n not in outputs]
-    return kept, set(recomputed), GraphPlan(
-        policy=policy,
+    return GraphPlan(
+        policy=policy.name,
+        decisions=decisions_for(jg, kept, sim),
         kept=tuple(n.name for n in reported),
         recomputed=tuple(n.name for n in recomputed),
         kept_bytes=jg.bytes_of(reported),
@@ -92,7 +119,7 @@ def plan_graph(
         baseline_peak_bytes=base_sim.peak_bytes,
         baseline_kept_bytes=jg.bytes_of(base_reported),
         recompute_flops=sum(node_flops(n) for n in recomputed),
-        forward_flops=sum(node_flops(n) for n in jg.forward),
+        forward_flops=sum(node_flops(n) for n in jg.forward_computed),
         num_nodes=len(jg.nodes),
         note=note,
         recompute_seconds=float(sum(node_seconds(n) for n in recomputed)),

@@ -25,8 +25,6 @@ result never keeps more than no checkpointing. On a chain of n equal layers the 
 from __future__ import annotations
 
 import bisect
-from typing import Callable
-
 import torch.fx as fx
 
 from memfit.analysis.cost import is_compute_heavy
@@ -34,7 +32,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import simulate_step
 from memfit.capture.mark import MARK_META
 
-__all__ = ["always_kept", "keep_all", "keep_heavy", "keep_marked", "keep_min_peak", "POLICIES"]
+__all__ = ["always_kept", "keep_all", "keep_heavy", "keep_marked", "keep_min_peak"]
 
 
 def always_kept(jg: JointGraph) -> set[fx.Node]:
@@ -178,11 +176,3 @@ def _best(jg: JointGraph, candidates: list[set[fx.Node]]) -> set[fx.Node]:
         scored.append((sim.peak_bytes, -sim.saved_bytes, len(scored), kept))
     scored.sort(key=lambda t: t[:3])
     return scored[0][3]
-
-
-POLICIES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
-    "none": keep_all,
-    "speed": keep_heavy,
-    "memory": keep_min_peak,
-    "collection": keep_marked,
-}

@@ -30,9 +30,10 @@ import torch.fx as fx
 from memfit.analysis.cost import is_compute_heavy, node_seconds
 from memfit.analysis.graph import JointGraph
 
-__all__ = ["SegmentModel", "MODES"]
+__all__ = ["SegmentModel", "SEGMENT_KINDS"]
 
-MODES = ("store", "heavy", "recompute")
+#: How a segment runs (see above), indexed by the programme's integer segment kind.
+SEGMENT_KINDS = ("store", "heavy", "recompute")
 
 _INF = np.inf
 
@@ -168,7 +169,7 @@ class SegmentModel:
         # window of each storage / node birth: 1..k
         s_win = np.searchsorted(bounds[1:], self.s_birth, side="left") + 1
         n_win = np.searchsorted(bounds[1:], np.arange(len(self.fwd)), side="left") + 1
-        shape = (len(MODES), k + 1, k + 1)
+        shape = (len(SEGMENT_KINDS), k + 1, k + 1)
         kept = np.full(shape, _INF)
         trans = np.full(shape, _INF)
         secs = np.full(shape, _INF)
@@ -183,7 +184,7 @@ class SegmentModel:
             n_cross = self.n_last > end
             n_rec = [np.zeros_like(n_cross), self.n_need & ~n_cross & ~self.n_heavy,
                      self.n_need & ~n_cross]
-            for m in range(len(MODES)):
+            for m in range(len(SEGMENT_KINDS)):
                 kw = np.bincount(s_win[s_in], self.s_bytes[s_in] * s_keep[m][s_in], minlength=k + 1)
                 tw = np.bincount(s_win[s_in], self.s_bytes[s_in] * s_tran[m][s_in], minlength=k + 1)
                 cw = np.bincount(n_win[n_in], self.n_seconds[n_in] * n_rec[m][n_in],
@@ -228,7 +229,7 @@ class SegmentModel:
             best = np.full(m_count, _INF)
             best_from = np.full(m_count, -1, dtype=np.int64)
             best_mode = np.full(m_count, -1, dtype=np.int64)
-            for m in range(len(MODES)):
+            for m in range(len(SEGMENT_KINDS)):
                 kb = kept_b[m, :j, j]  # (j,)
                 # segments that cannot fit on their own are never worth a look
                 ok = np.isfinite(kb) & (kb + trans_b[m, :j, j] <= limit)
@@ -273,8 +274,8 @@ class SegmentModel:
                 n = self.fwd[p]
                 if not self.jg.is_tensor_value(n):
                     continue  # multi-output ops are kept through their items
-                if MODES[m] == "store" or self.n_last[p] > hi:
+                if SEGMENT_KINDS[m] == "store" or self.n_last[p] > hi:
                     kept.add(n)
-                elif MODES[m] == "heavy" and self.n_heavy[p]:
+                elif SEGMENT_KINDS[m] == "heavy" and self.n_heavy[p]:
                     kept.add(n)
         return kept

@@ -1,0 +1,125 @@
+"""Policies: what a user asks memfit to optimise, in the one vocabulary of the API, planner and CLI.
+
+A policy is one of the named objectives below, the ``"collection"`` of values a user marked
+(``memfit.mark``, or the outputs of listed submodules), or a byte budget within which memfit finds
+the cheapest plan. Every policy is answered the same way: a ``Decision`` per forward value
+(``planning.decision``), planned on one model of memory and cost. The API
+(``memfit.checkpoint(model, policy)``), the planner and the command line (``--policies``) all
+parse and print policies through this module, so a policy has one name everywhere.
+
+Written as text (on a command line, or to ``memfit.checkpoint``): a name, or ``budget=B`` with
+``B`` as ``parse_budget`` reads it (``budget=0.5``, ``budget=2GiB``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Sequence
+
+from memfit.planning.budget import Budget, parse_budget
+from memfit.units import format_bytes
+
+__all__ = ["BUDGET", "NAMED", "Policy", "parse_policy"]
+
+#: The named policies and what each keeps for backward (everything else is recomputed).
+NAMED: dict[str, str] = {
+    "memory": "the least activation memory, each forward op recomputed at most once",
+    "speed": "outputs of matmul, convolution and attention, and small tensors",
+    "collection": "the tensors marked with memfit.mark, or the outputs of listed submodules",
+    "none": "everything the backward reads (plain autograd): the baseline",
+}
+
+#: The name of a budget policy (``budget=B`` as text).
+BUDGET = "budget"
+
+#: Named policies that must never peak above plain autograd: the planner falls back to it.
+_NEVER_WORSE_THAN_NONE = ("memory", "speed")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One policy: a name from ``NAMED``, or ``"budget"`` with its ``budget``.
+
+    ``modules`` (``"collection"`` only) are submodule names whose outputs are kept, as in
+    ``named_modules()``; the wrapper turns them into marks while it captures.
+    """
+
+    name: str
+    budget: Budget | None = None
+    modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name == BUDGET:
+            if self.budget is None:
+                raise ValueError("the budget policy needs a budget, e.g. budget=0.5 or 2GiB")
+        elif self.name not in NAMED:
+            raise ValueError(f"{self.name!r} is not a policy; {_accepted()}")
+        elif self.budget is not None:
+            raise ValueError(f"policy {self.name!r} takes no budget; use policy 'budget'")
+        if self.modules and self.name != "collection":
+            raise ValueError(f"submodule names go with the 'collection' policy, not {self.name!r}")
+
+    @property
+    def label(self) -> str:
+        """How tables, plans and figures name this policy (``memory``, ``budget 50%``)."""
+        if self.budget is None:
+            return self.name
+        if self.budget.fraction is not None:
+            return f"budget {self.budget.fraction:.0%}"
+        return f"budget {format_bytes(self.budget.bytes or 0)}"
+
+    @property
+    def never_worse_than_none(self) -> bool:
+        """Automatic named policies fall back to plain autograd where they would peak above it."""
+        return self.name in _NEVER_WORSE_THAN_NONE
+
+    def call(self, model: str = "model") -> str:
+        """The Python call that wraps ``model`` with this policy."""
+        if self.budget is not None:
+            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
+            return f"memfit.checkpoint({model}, budget={value!r})"
+        if self.modules:
+            return f"memfit.checkpoint({model}, {list(self.modules)!r})"
+        return f"memfit.checkpoint({model}, {self.name!r})"
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def _accepted() -> str:
+    names = ", ".join(map(repr, NAMED))
+    return f"accepted: {names}, 'budget=B' (bytes such as 2GiB, or a fraction such as 0.5 of " \
+           f"plain autograd's activation memory), or a list of submodule names"
+
+
+def parse_policy(value: Policy | str | Sequence[str]) -> Policy:
+    """A policy from what a user wrote: a ``Policy``, a name, ``"budget=B"``, or submodule names.
+
+    Raises ``ValueError`` for an unknown name or an unreadable budget (naming the closest policy
+    and every accepted form) and ``TypeError`` for a value of the wrong type.
+    """
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        name, sep, rest = text.partition("=")
+        if name.strip().lower() == BUDGET and sep:
+            return Policy(BUDGET, budget=parse_budget(rest.strip()))
+        if text.lower() in NAMED:
+            return Policy(text.lower())
+        close = difflib.get_close_matches(text.lower(), [*NAMED, BUDGET], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{value!r} is not a policy{hint}; {_accepted()}")
+    if isinstance(value, (list, tuple)):
+        for name in value:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"a policy list holds submodule names (str), got {name!r} of type "
+                    f"{type(name).__name__}"
+                )
+        return Policy("collection", modules=tuple(value))
+    raise TypeError(
+        f"a policy is a name such as 'memory', 'budget=B' or a list of submodule names, "
+        f"got {type(value).__name__}"
+    )

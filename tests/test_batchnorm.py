@@ -1,0 +1,101 @@
+"""BatchNorm twins: added before planning, free in forward, recomputed without the statistics."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import memfit
+from memfit._compat import aot_autograd
+from memfit.analysis.graph import JointGraph
+from memfit.capture.batchnorm import FORWARD_TWIN, add_batchnorm_twins, is_training_batchnorm
+from memfit.execution import backend
+from functorch.compile import default_partition, make_boxed_func
+
+FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+
+
+def _joint() -> tuple[torch.fx.GraphModule, int]:
+    """The joint graph AOTAutograd hands a partition function for ``_net()``, unrewritten."""
+    captured: list[tuple[torch.fx.GraphModule, int]] = []
+
+    def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        captured.append((torch.fx.GraphModule(joint, joint.graph.__deepcopy__()),
+                         kwargs["num_fwd_outputs"]))
+        return default_partition(joint, inputs, **kwargs)
+
+    torch.compiler.reset()
+    compiled = torch.compile(_net(), backend=aot_autograd(
+        fw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=record), dynamic=False)
+    compiled(torch.randn(2, 3, 8, 8)).sum().backward()
+    return captured[0]
+
+
+def test_every_training_batchnorm_gets_a_twin_sharing_its_storage() -> None:
+    joint, num_fwd_outputs = _joint()
+    bns = [n for n in joint.graph.nodes if is_training_batchnorm(n)]
+    assert len(bns) == 2
+    assert add_batchnorm_twins(joint) == 2
+    twins = [n for n in joint.graph.nodes if n.target is NO_STATS]
+    assert [t.meta[FORWARD_TWIN] for t in twins] == [bn.name for bn in bns]
+    for bn, twin in zip(bns, twins):
+        # readers of output, mean and inverse std now read the twin; the original keeps only
+        # the new running statistics
+        assert {u.args[1] for u in bn.users if u.target is operator.getitem} == {3, 4}
+        for a, b in zip(twin.meta["val"], bn.meta["val"][:3]):
+            assert a is b  # the very fake tensors: one storage, one allocation in the model
+    jg = JointGraph(joint, num_fwd_outputs)
+    for bn, twin in zip(bns, twins):
+        assert set(jg.storages[twin]) <= set(jg.storages[bn])
+        assert twin in jg.forward and twin not in jg.forward_computed
+
+
+def test_forward_runs_one_kernel_per_batchnorm_and_backward_recomputes_twins() -> None:
+    graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
+    original = backend.split_joint_graph
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fw, bw = original(*args, **kwargs)
+        graphs.append((fw, bw))
+        return fw, bw
+
+    backend.split_joint_graph = spy
+    try:
+        for policy in ("none", "collection"):  # keep everything / recompute everything
+            model = _net()
+            wrapped = memfit.checkpoint(model, policy)
+            wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
+    finally:
+        backend.split_joint_graph = original
+    (fw_none, bw_none), (fw_all, bw_all) = graphs
+    for fw in (fw_none, fw_all):
+        targets = [n.target for n in fw.graph.nodes]
+        assert targets.count(FUNCTIONAL) == 2 and NO_STATS not in targets
+    assert NO_STATS not in [n.target for n in bw_none.graph.nodes]
+    assert [n.target for n in bw_all.graph.nodes].count(NO_STATS) == 2
+    assert FUNCTIONAL not in [n.target for n in bw_all.graph.nodes]
+
+
+def test_recomputed_batchnorm_updates_statistics_once_and_matches_eager() -> None:
+    x = torch.randn(4, 3, 8, 8)
+    eager = _net()
+    eager(x).sum().backward()
+    model = _net()
+    wrapped = memfit.checkpoint(model, "collection")  # nothing marked: everything recomputed
+    wrapped(x).sum().backward()
+    assert any("no_stats" in name or "batch_norm" in name for name in wrapped.plan.recomputed)
+    for (name, a), (_, b) in zip(eager.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(eager.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
