@@ -1,0 +1,116 @@
+"""Every private torch API memfit reaches through ``memfit._compat`` still does what memfit needs.
+
+When a torch release moves one of them, this file fails with the entry's name, rather than a
+training step failing somewhere deep inside capture or measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.profiler import ProfilerActivity, profile
+
+from memfit import _compat
+
+
+def test_checked_versions_name_this_torch() -> None:
+    assert torch.__version__.split("+")[0] in _compat.CHECKED_TORCH_VERSIONS
+
+
+def test_pytrees() -> None:
+    tree = {"a": (torch.ones(1), 2), "b": [3]}
+    leaves, spec = _compat.tree_flatten(tree)
+    assert len(leaves) == 3
+    assert _compat.tree_map(lambda x: x, tree)["b"] == [3]
+    doubled = _compat.tree_map_only(int, lambda x: 2 * x, tree)
+    assert doubled["a"][1] == 4 and doubled["b"] == [6]
+    paths = [_compat.keystr(p) for p, _ in _compat.tree_flatten_with_path(tree)[0]]
+    assert paths == ["['a'][0]", "['a'][1]", "['b'][0]"]
+
+
+def test_dispatch_modes_and_fake_tensors() -> None:
+    seen: list[Any] = []
+
+    class Spy(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2) + 1
+        with _compat.disable_current_modes():
+            torch.ones(2) * 2
+    assert torch.ops.aten.add.Tensor in seen and torch.ops.aten.mul.Tensor not in seen
+    assert isinstance(torch.ops.aten.mm.default, _compat.OpOverload)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.empty(3)
+    assert _compat.detect_fake_mode([fake]) is mode
+    t = torch.ones(4)
+    assert _compat.StorageWeakRef(t.untyped_storage()) == _compat.StorageWeakRef(
+        t[1:].untyped_storage())
+
+
+def test_aot_autograd_split_and_boxed_code() -> None:
+    """A joint graph split by hand with the calling convention AOTAutograd expects, run boxed."""
+    tangents: list[bool] = []
+
+    def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        tangents.extend(_compat.is_tangent(n) for n in joint.graph.nodes if n.op == "placeholder")
+        saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not _compat.is_tangent(n)]
+        return _compat.extract_fwd_bwd_modules(
+            joint, saved, num_fwd_outputs=kwargs["num_fwd_outputs"],
+            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+
+    def boxed(gm: fx.GraphModule, _: Any) -> Any:
+        gm.graph.set_codegen(_compat.boxed_codegen())
+        gm.recompile()
+
+        def run(args: list[Any]) -> Any:
+            out = gm(args)
+            assert not args, "the boxed code clears its argument list"
+            return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    torch.compiler.reset()
+    before = _compat.unique_graph_count()
+    f = torch.compile(lambda x: torch.tanh(x).sum(), dynamic=False, backend=_compat.aot_autograd(
+        fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition))
+    x = torch.randn(5, requires_grad=True)
+    f(x).backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+    assert tangents.count(True) == 1 and tangents.count(False) == 1
+    assert _compat.unique_graph_count() == before + 1
+
+
+def test_graph_break_reasons_count_new_breaks() -> None:
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        print("a side effect Dynamo cannot trace")  # noqa: T201 - the graph break under test
+        return y * 2
+
+    torch.compiler.reset()
+    before = sum(_compat.graph_break_reasons().values())
+    torch.compile(broken, backend="eager")(torch.ones(2))
+    assert sum(_compat.graph_break_reasons().values()) > before
+
+
+def test_profiler_events_and_allocations() -> None:
+    assert not _compat.profiler_enabled()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert _compat.profiler_enabled()
+        block = torch.empty(1000, dtype=torch.uint8)
+        del block
+    cpu = _compat.cpu_memory_device_types()
+    sizes = [e.nbytes() for e in _compat.profiler_events(prof)
+             if e.name() == "[memory]" and e.device_type() in cpu]
+    assert 1000 in sizes and -1000 in sizes
+    allocations = _compat.profiler_allocations(prof)
+    assert allocations is not None
+    assert {n for _, n, _ in allocations} >= {1000, -1000}
+    assert len({ptr for _, n, ptr in allocations if abs(n) == 1000}) == 1
