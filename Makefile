@@ -1,5 +1,6 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
-# `make demo` runs `memfit demo`, the command line pip installs with the package.
+# `make demo` runs `memfit demo`, the command line pip installs with the package. `make test`
+# runs the linters (`make lint`: ruff check, ruff format --check, mypy on src/) and then the suite.
 #
 # torch is installed first and explicitly: on a machine without a GPU, an unpinned `torch`
 # requirement would pull several GB of CUDA wheels. TORCH_SPEC picks the build; the default is
@@ -11,7 +12,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 VENV_FLAGS := $(if $(TORCH_SPEC),,--system-site-packages)
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint format venv clean
+LINTED := src tests benchmarks examples
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -25,7 +27,16 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/memfit demo
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+format: venv
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
+
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

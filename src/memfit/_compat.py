@@ -16,6 +16,7 @@ directly.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -45,8 +46,17 @@ __all__ = [
     "unique_graph_count",
 ]
 
-#: The torch releases every entry below was checked on (the test suite runs on these).
+#: The torch releases every entry below was checked on (the test suite runs on these, and the
+#: package requires at least the oldest).
 CHECKED_TORCH_VERSIONS = ("2.13.0",)
+
+if torch.__version__.split("+")[0] not in CHECKED_TORCH_VERSIONS:
+    warnings.warn(
+        f"memfit was checked on torch {', '.join(CHECKED_TORCH_VERSIONS)}, not on torch "
+        f"{torch.__version__}: the private torch APIs in memfit._compat may have moved; "
+        f"tests/test_compat.py checks each of them",
+        stacklevel=2,
+    )
 
 # ---- pytrees: torch.utils._pytree (checked 2.13.0) ----------------------------------------------
 # Flattening nested inputs and outputs the way Dynamo does. torch 2.13 has no public pytree module.
