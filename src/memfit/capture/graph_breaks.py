@@ -3,8 +3,8 @@
 A graph break is not an error for memfit: each piece is planned and checkpointed on its own, and
 values crossing a break are simply kept. But a user should know that savings stop at the break
 and where it is, so the first call that breaks warns with Dynamo's reason and the user's source
-line. Dynamo records reasons in its global counters (``graph_break`` in older releases,
-``unimplemented`` in newer ones); the watcher compares them before and after a call.
+line. Dynamo records reasons in its global counters (read through
+``memfit._compat.graph_break_reasons``); the watcher compares them before and after a call.
 """
 
 from __future__ import annotations
@@ -15,20 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from torch._dynamo.utils import counters
+from memfit._compat import graph_break_reasons
 
 __all__ = ["GraphBreakWatcher", "GraphBreakReport"]
 
-_COUNTER_KEYS = ("graph_break", "unimplemented")
 _LOCATION = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\w+))?')
-
-
-def _snapshot() -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key in _COUNTER_KEYS:
-        for reason, count in counters.get(key, {}).items():
-            out[reason] = out.get(reason, 0) + count
-    return out
 
 
 def summarize_reason(reason: str) -> str:
@@ -75,8 +66,8 @@ class GraphBreakWatcher:
 
     @contextmanager
     def watch(self) -> Iterator[GraphBreakReport]:
-        before = _snapshot()
+        before = graph_break_reasons()
         report = GraphBreakReport(self.model_name, self)
         yield report
-        after = _snapshot()
+        after = graph_break_reasons()
         report.reasons = [r for r, c in after.items() if c > before.get(r, 0)]
