@@ -16,7 +16,8 @@ feasible raises ``memfit.BudgetError``; that is recorded, and memfit is then als
 ``smallest_bytes``), and memfit's modes ``"none"``, ``"speed"`` and ``"memory"``. Plain eager is
 the reference every ratio is taken against.
 
-Models (from the test zoo, ``tests/zoo.py``, sized up so one CPU step takes about 0.1-0.2 s):
+Models (from the zoo the tests train, ``memfit.bench.zoo``, sized up so one CPU step takes about
+0.1-0.2 s):
 
 * ``resnet``       ``zoo.cifar_resnet`` (pre-activation CIFAR ResNet, BatchNorm); its residual
                    blocks are ``model.blocks``, the sequence ``checkpoint_sequential`` splits;
@@ -68,7 +69,8 @@ Outputs (``_quick`` suffix for ``--quick``) in ``benchmarks/results/``:
 (per model: every point, and memfit against the fastest peer point at equal measured peak) and
 ``budget_frontier_<model>.png`` (measured peak against step time, the Pareto front).
 
-Run: ``PYTHONPATH=src python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
+Run with the Python of the environment memfit is installed in (``pip install -e .``; the
+Makefile's ``.venv``): ``python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
 The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
 ``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
 """
@@ -87,7 +89,6 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
@@ -104,12 +105,11 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E40
 
 import memfit  # noqa: E402
 from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench import zoo  # noqa: E402
 from memfit.bench.failure import record_failure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
-import zoo  # noqa: E402
 
 __all__ = ["main", "MODELS", "SequentialEncoder", "entry_point"]
 
