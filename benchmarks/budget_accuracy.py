@@ -6,6 +6,10 @@ the plan's ``predicted_peak_bytes`` (made before the step runs) against the peak
 records for a training step (exact CPU allocator accounting, or CUDA allocator statistics), and
 the planning time. Budgets below the smallest feasible are recorded with the BudgetError's
 smallest achievable bytes. Writes benchmarks/results/budget_accuracy.{json,md}.
+
+Run with the Python of the environment memfit is installed in (``pip install -e .``; the
+Makefile's ``.venv``): ``python benchmarks/budget_accuracy.py``. The models come from the
+package's zoo, ``memfit.bench.zoo``.
 """
 
 from __future__ import annotations
@@ -14,33 +18,36 @@ import argparse
 import datetime
 import json
 import platform
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import memfit
+from memfit.bench.zoo import (
+    ZOO,
+    Inputs,
+    ZooCase,
+    cifar_resnet,
+    measured_step_peak,
+    randn,
+    seeded,
+    tanh_chain_case,
+    unet,
+)
+from memfit.units import MIB
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from zoo import ZOO, ZooCase, cifar_resnet, measured_step_peak, tanh_chain_case, unet  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
-MIB = 2**20
 
 
 def _larger() -> list[ZooCase]:
     """Bigger versions of zoo shapes, where activations dominate and 0.5 / 0.25 can be met."""
-    def seeded(build):
-        def make():
-            torch.manual_seed(0)
-            return build().train()
-        return make
 
-    def inputs(*shape):
-        return lambda: ((torch.randn(*shape, generator=torch.Generator().manual_seed(0)),), {})
+    def inputs(*shape: int) -> Callable[[], Inputs]:
+        return lambda: ((randn(*shape),), {})
 
     return [
         tanh_chain_case(100),
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in [*ZOO, *_larger()]:
         args, kwargs = case.make_inputs()
         model = case.make_model()
-        torch._dynamo.reset()
+        torch.compiler.reset()
         t = time.perf_counter()
         full = memfit.plan(model, *args, budget=1.0, **kwargs)
         plan_s = time.perf_counter() - t
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if midpoint <= smallest:  # nothing to trade: plain autograd is already the smallest
             budgets.remove(midpoint)
         for budget in budgets:
-            torch._dynamo.reset()
+            torch.compiler.reset()
             wrapped = memfit.checkpoint(model, budget=budget)
             label = (f"{budget:g}" if isinstance(budget, float)
                      else "smallest" if budget == smallest else "midpoint")

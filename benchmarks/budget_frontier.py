@@ -16,37 +16,40 @@ feasible raises ``memfit.BudgetError``; that is recorded, and memfit is then als
 ``smallest_bytes``), and memfit's modes ``"none"``, ``"speed"`` and ``"memory"``. Plain eager is
 the reference every ratio is taken against.
 
-Models (from the test zoo, ``tests/zoo.py``, sized up so one CPU step takes about 0.1-0.2 s):
+Models (from the zoo the tests train, ``memfit.bench.zoo``, sized up so one CPU step takes about
+0.1-0.2 s):
 
 * ``resnet``       ``zoo.cifar_resnet`` (pre-activation CIFAR ResNet, BatchNorm); its residual
                    blocks are ``model.blocks``, the sequence ``checkpoint_sequential`` splits;
 * ``transformer``  ``zoo.Encoder`` (``nn.TransformerEncoder``); every peer trains
-                   ``SequentialEncoder``, the same layers held in one ``nn.Sequential`` (what
-                   ``TransformerEncoder.forward`` computes without mask or final norm), so that
-                   ``checkpoint_sequential`` applies;
+                   ``memfit.bench.peers.SequentialEncoder``, the same layers held in one
+                   ``nn.Sequential`` (what ``TransformerEncoder.forward`` computes without mask
+                   or final norm), so that ``checkpoint_sequential`` applies;
 * ``unet``         ``zoo.unet``: encoder features are concatenated into the decoder, so the model
                    is not a sequence and ``checkpoint_sequential`` does not apply (recorded N/A).
 
 How (one process, one measurement per point): a point is one peer at one setting, on its own
 freshly seeded copy of the model (identical weights everywhere). Each point is entered through its
-own module class whose ``forward`` is a distinct code object (``entry_point``), so Dynamo keeps
-every point's compiled code apart: no point reuses another's graph, none counts against another's
-recompile limit, and all stay compiled while their timed steps are interleaved. (The alternative,
-``torch._dynamo.reset()`` between points, discards the earlier points' compiled code, which would
-then be recompiled on their next call under whatever budget is set at that moment.) Dynamo is
-reset once per model, and the number of graphs compiled during measurement is recorded (0
-expected). A ``torch.compile`` point is compiled inside
+own module class whose ``forward`` is a distinct code object (``memfit.bench.peers.entry_point``),
+so Dynamo keeps every point's compiled code apart: no point reuses another's graph, none counts
+against another's recompile limit, and all stay compiled while their timed steps are interleaved.
+(The alternative, ``torch.compiler.reset()`` between points, discards the earlier points' compiled
+code, which would then be recompiled on their next call under whatever budget is set at that
+moment.) Dynamo is reset once per model, and the number of graphs compiled during measurement is
+recorded (0 expected). A ``torch.compile`` point is compiled inside
 ``torch._functorch.config.patch(activation_memory_budget=b)`` spanning its whole first step
 (forward and the lazily compiled backward).
 
-Per point: two warm-up steps (the first timed as ``first_step_s``: compilation, capture and
-planning), then one step under ``memfit.measure`` for the peak (exact CPU allocator accounting,
-deterministic), then ``--rounds`` rounds of timed steps (``time.perf_counter``, no profiler),
-round-robin over all the model's points with the starting point rotated each round, so machine
-noise hits every peer alike; Python's garbage collector runs once before each round and is off
-during it, so no collection lands inside a timed step. The median is reported, with quartiles,
-min and max. Each step is ``loss(module(*inputs)).backward()`` with the zoo case's loss;
-gradients are set to ``None`` before every step, as ``optimizer.zero_grad()`` does.
+Per point, measured by ``memfit.bench.runner`` as the depth sweep and the CLI measure theirs: two
+warm-up steps (the first timed as ``first_step_s``: compilation, capture and planning), then one
+step under ``memfit.measure`` for the peak (exact CPU allocator accounting, deterministic), then
+``--rounds`` rounds of steps timed by ``memfit.measure(..., profile_memory=False)`` (no
+profiler), round-robin over all the model's points with the starting point rotated each round, so
+machine noise hits every peer alike; garbage is collected before each step, outside the timed
+span, and automatic collection is off during a round, so no collection lands inside a timed step.
+The median is reported, with quartiles, min and max. Each step is
+``loss(module(*inputs)).backward()`` with the zoo case's loss; gradients are set to ``None``
+before every step, as ``optimizer.zero_grad()`` does.
 
 Recomputed FLOPs, per peer (``recompute_flops_method`` in the JSON says which):
 
@@ -68,7 +71,8 @@ Outputs (``_quick`` suffix for ``--quick``) in ``benchmarks/results/``:
 (per model: every point, and memfit against the fastest peer point at equal measured peak) and
 ``budget_frontier_<model>.png`` (measured peak against step time, the Pareto front).
 
-Run: ``PYTHONPATH=src python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
+Run with the Python of the environment memfit is installed in (``pip install -e .``; the
+Makefile's ``.venv``): ``python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
 The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
 ``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
 """
@@ -83,37 +87,49 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.fx as fx  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._pytree import tree_map_only  # noqa: E402
-from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
 
 import memfit  # noqa: E402
+from memfit._compat import (  # noqa: E402
+    activation_memory_budget,
+    inductor_post_grad_pass,
+    tree_map_only,
+    unique_graph_count,
+)
+from memfit.bench import zoo  # noqa: E402
 from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
-from memfit.bench.failure import record_failure  # noqa: E402
+from memfit.bench.peers import SequentialCheckpointed, SequentialEncoder, entry_point  # noqa: E402
+from memfit.bench.runner import (  # noqa: E402
+    FIRST_STEP,
+    Method,
+    Snapshot,
+    attempt,
+    first_step,
+    measure_peaks,
+    plan_record,
+    time_interleaved,
+)
+from memfit.units import MIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
-import zoo  # noqa: E402
+CPU = torch.device("cpu")
 
-__all__ = ["main", "MODELS", "SequentialEncoder", "entry_point"]
+__all__ = ["main", "MODELS"]
 
-MIB = 2**20
 #: ``activation_memory_budget`` values for the ``torch.compile`` peer.
 COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 #: memfit budgets, as fractions of plain autograd's activation peak.
@@ -128,63 +144,6 @@ PEERS = ("eager", "checkpoint_sequential", "torch.compile", "memfit")
 aten = torch.ops.aten
 
 # ------------------------------------------------------------------------------------- models
-
-
-class SequentialEncoder(nn.Module):
-    """The zoo's transformer with its layers in one ``nn.Sequential`` (``blocks``).
-
-    ``nn.TransformerEncoder.forward`` without a mask or final norm runs its layers one after the
-    other; holding them in an ``nn.Sequential`` computes the same and lets
-    ``checkpoint_sequential`` split them. ``stem``/``head`` mirror ``CifarResNet``'s layout.
-    """
-
-    def __init__(self, encoder: zoo.Encoder) -> None:
-        super().__init__()
-        self.stem = nn.Identity()
-        self.blocks = nn.Sequential(*encoder.encoder.layers)
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return h
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)))
-
-
-class SequentialCheckpointed(nn.Module):
-    """The eager peer: ``stem``, ``checkpoint_sequential`` over ``blocks``, ``head``."""
-
-    def __init__(self, model: nn.Module, segments: int) -> None:
-        super().__init__()
-        self.model = model
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.stem(x)
-        h = checkpoint_sequential(self.model.blocks, self.segments, h, use_reentrant=False)
-        return self.model.head(h)
-
-
-class _Entry(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any) -> Any:
-        return self.inner(*args)
-
-
-def entry_point(model: nn.Module, tag: str) -> nn.Module:
-    """``model`` behind a module whose ``forward`` is a code object of its own.
-
-    Dynamo attaches compiled code and its recompile count to the code object of the frame it
-    compiles; with one per point, the points' compiled graphs never mix.
-    """
-    base = _Entry.forward
-    name = "forward_" + "".join(c if c.isalnum() else "_" for c in tag)
-    code = base.__code__.replace(co_name=name)
-    fwd = types.FunctionType(code, base.__globals__, name, base.__defaults__, base.__closure__)
-    cls = type(f"Entry_{name}", (_Entry,), {"forward": fwd})
-    return cls(model)
 
 
 @dataclass
@@ -205,18 +164,6 @@ def _zoo_loss(name: str) -> Callable[[Any], torch.Tensor]:
     return next(c for c in zoo.ZOO if c.name == name).loss
 
 
-def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        torch.manual_seed(zoo.SEED)
-        return build().train()
-
-    return make
-
-
-def _randn(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(zoo.SEED))
-
-
 def model_specs(quick: bool) -> list[ModelSpec]:
     if quick:
         r = dict(blocks_per_stage=1, width=8, batch=8)
@@ -232,8 +179,8 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             description=(f"zoo.cifar_resnet({r['blocks_per_stage']}, width={r['width']}): "
                          f"{3 * r['blocks_per_stage']} pre-activation residual blocks with "
                          f"BatchNorm, batch {r['batch']}x3x32x32, cross-entropy"),
-            build=_seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"])),
-            inputs=(_randn(r["batch"], 3, 32, 32),),
+            build=zoo.seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"])),
+            inputs=(zoo.randn(r["batch"], 3, 32, 32),),
             loss=_zoo_loss("resnet"),
             config=r,
             sequence_length=3 * r["blocks_per_stage"],
@@ -243,9 +190,9 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             description=(f"zoo.Encoder(d_model={t['d_model']}, nhead={t['nhead']}, "
                          f"num_layers={t['num_layers']}) as SequentialEncoder, batch "
                          f"{t['batch']}x{t['seq']} tokens, loss mean(out^2)"),
-            build=_seeded(lambda: SequentialEncoder(
+            build=zoo.seeded(lambda: SequentialEncoder(
                 zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"]))),
-            inputs=(_randn(t["batch"], t["seq"], t["d_model"]),),
+            inputs=(zoo.randn(t["batch"], t["seq"], t["d_model"]),),
             loss=_zoo_loss("transformer"),
             config=t,
             sequence_length=t["num_layers"],
@@ -254,8 +201,8 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             name="unet",
             description=(f"zoo.unet(depth={u['depth']}, width={u['width']}), 2 convs per level, "
                          f"batch {u['batch']}x1x{u['size']}x{u['size']}, loss mean(out^2)"),
-            build=_seeded(lambda: zoo.unet(u["depth"], u["width"])),
-            inputs=(_randn(u["batch"], 1, u["size"], u["size"]),),
+            build=zoo.seeded(lambda: zoo.unet(u["depth"], u["width"])),
+            inputs=(zoo.randn(u["batch"], 1, u["size"], u["size"]),),
             loss=_zoo_loss("unet"),
             config=u,
             sequence_length=None,
@@ -289,7 +236,7 @@ def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
     return raw
 
 
-def counted_flops(fn: Callable[[], None]) -> int:
+def counted_flops(fn: Callable[[], object]) -> int:
     """Total FLOPs (matmul, convolution, attention) that ``fn`` runs, by ``FlopCounterMode``."""
     extra = {k: _as_raw(v) for k, v in FLOP_FORMULAS.items() if k not in flop_registry}
     with FlopCounterMode(display=False, custom_mapping=extra) as counter:
@@ -325,41 +272,43 @@ class GraphFlops:
 # ------------------------------------------------------------------------------------- points
 
 
-def _graph_count() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+class Point(Method):
+    """One peer at one setting: a ``memfit.bench.runner`` method whose module (the plain model
+    until then) is built by its first step (``build_and_first_step``), under the settings that
+    step needs.
 
-
-class Point:
-    """One peer at one setting: its module, its step, and what was measured."""
+    A memfit budget below the smallest feasible is *infeasible*, not failed: its ``BudgetError``
+    is recorded with the smallest feasible bytes, which become a point of their own.
+    """
 
     def __init__(self, spec: ModelSpec, peer: str, setting: str,
                  params: dict[str, Any]) -> None:
+        super().__init__(f"{peer} {setting}", spec.build(), self._train_step,
+                         record={"peer": peer, "setting": setting, **params})
         self.spec = spec
         self.peer = peer
         self.setting = setting
-        self.model = spec.build()  # owns the parameters whose gradients are reset
-        self.module: nn.Module | None = None
-        self.record: dict[str, Any] = {"peer": peer, "setting": setting, **params, "times_s": []}
-        self.failed = False
         self.infeasible = False
 
-    @property
-    def label(self) -> str:
-        return f"{self.peer} {self.setting}"
-
-    def step(self) -> None:
-        assert self.module is not None
+    def _train_step(self) -> None:
         self.spec.loss(self.module(*self.spec.inputs)).backward()
 
-    def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-
     def fail(self, phase: str, err: BaseException) -> None:
-        self.failed = True
-        record_failure(self.record, self.label, phase, err)
+        if not isinstance(err, memfit.BudgetError):
+            super().fail(phase, err)
+            return
+        self.failed = self.infeasible = True
+        self.record["budget_error"] = str(err)
+        self.record["smallest_bytes"] = err.smallest_bytes
+        print(f"    {self.name}: BudgetError (smallest feasible "
+              f"{(err.smallest_bytes or 0) / MIB:.1f} MiB)", flush=True)
 
     def ok(self) -> bool:
-        return not (self.failed or self.infeasible)
+        return not self.failed
+
+    @property
+    def status(self) -> str:
+        return "infeasible" if self.infeasible else ("failed" if self.failed else "ok")
 
 
 def make_points(spec: ModelSpec, compile_budgets: tuple[float, ...],
@@ -379,26 +328,21 @@ def make_points(spec: ModelSpec, compile_budgets: tuple[float, ...],
 
 
 def _record_plan(p: Point) -> None:
-    plan = p.module.plan  # type: ignore[union-attr]
-    p.record.update(
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        baseline_peak_bytes=plan.baseline_peak_bytes,
-        kept_bytes=plan.kept_bytes,
-        recompute_flops=int(plan.recompute_flops),
-        forward_flops=int(plan.forward_flops),
-        recompute_flops_method="memfit plan.recompute_flops (flop_counter formulas for "
-                               "matmul/conv/attention + 1 per output element of other ops)",
-        graphs=len(plan.graphs),
-    )
-    budget_bytes = getattr(plan, "budget_bytes", None)
-    if budget_bytes is not None:
-        p.record["budget_bytes"] = budget_bytes
+    assert isinstance(p.module, memfit.CheckpointedModule), p.module
+    plan = p.module.plan
+    p.record.update(plan_record(plan))
+    p.record["recompute_flops_method"] = ("memfit plan.recompute_flops (flop_counter formulas "
+                                          "for matmul/conv/attention + 1 per output element of "
+                                          "other ops)")
+    if plan.budget_bytes is not None:
+        p.record["budget_bytes"] = plan.budget_bytes
 
 
 def memfit_predicted_frontier(points: list[Point]) -> list[dict[str, Any]] | None:
     """memfit's simulated (peak, recompute cost) frontier, from the first budget point's plan."""
     for p in points:
-        if p.peer == "memfit" and "budget" in p.record and p.ok() and p.module is not None:
+        if ("budget" in p.record and p.ok()
+                and isinstance(p.module, memfit.CheckpointedModule)):
             try:
                 return [{"peak_bytes": q.peak_bytes, "recompute_flops": int(q.recompute_flops),
                          "recompute_seconds": q.recompute_seconds, "kept_bytes": q.kept_bytes}
@@ -408,37 +352,29 @@ def memfit_predicted_frontier(points: list[Point]) -> list[dict[str, Any]] | Non
     return None
 
 
-def _budget_error_type() -> type[BaseException] | None:
-    return getattr(memfit, "BudgetError", None)
-
-
-def first_step(p: Point) -> None:
+def build_and_first_step(p: Point) -> None:
     """Build ``p.module`` and run its first step (compilation, capture, planning) under the
     settings it needs; record what that step decided."""
     tag = f"{p.spec.name}_{p.peer}_{p.setting}"
-    graphs_before = _graph_count()
+    graphs_before = unique_graph_count()
+    counter = GraphFlops()
     with ExitStack() as stack:
         if p.peer == "eager":
             p.module = p.model
         elif p.peer == "checkpoint_sequential":
             p.module = SequentialCheckpointed(p.model, p.record["segments"])
         elif p.peer == "torch.compile":
-            stack.enter_context(torch._functorch.config.patch(
-                activation_memory_budget=p.record["activation_memory_budget"]))
-            counter = GraphFlops()
-            stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=counter))
-            p.module = torch.compile(entry_point(p.model, tag))
+            stack.enter_context(activation_memory_budget(p.record["activation_memory_budget"]))
+            stack.enter_context(inductor_post_grad_pass(counter))
+            p.module = torch.compile(entry_point(p.model, tag))  # type: ignore[assignment]
         else:
             entry = entry_point(p.model, tag)
             if "mode" in p.record:
                 p.module = memfit.checkpoint(entry, p.record["mode"])
             else:
                 p.module = memfit.checkpoint(entry, budget=p.record["budget"])
-        p.zero_grad()
-        t0 = time.perf_counter()
-        p.step()
-        p.record["first_step_s"] = time.perf_counter() - t0
-    p.record["graphs_compiled"] = _graph_count() - graphs_before
+        first_step(p, CPU)
+    p.record["graphs_compiled"] = unique_graph_count() - graphs_before
     if p.peer == "torch.compile":
         p.record["compiled_graph_flops"] = counter.total
         p.record["compiled_graphs_counted"] = counter.graphs
@@ -449,56 +385,19 @@ def first_step(p: Point) -> None:
 
 
 def warm_up(p: Point) -> None:
-    budget_error = _budget_error_type()
-    try:
-        first_step(p)
-    except Exception as err:  # noqa: BLE001 - recorded and reported, the run goes on
-        if budget_error is not None and isinstance(err, budget_error):
-            p.infeasible = True
-            p.record["budget_error"] = str(err)
-            p.record["smallest_bytes"] = getattr(err, "smallest_bytes", None)
-            print(f"    {p.label}: BudgetError (smallest feasible "
-                  f"{(p.record['smallest_bytes'] or 0) / MIB:.1f} MiB)", flush=True)
-        else:
-            p.fail("compiling (first step)", err)
-        p.module = None
-        return
-    try:
-        p.zero_grad()
-        p.step()  # second warm-up step: caches, allocator, lazy initialisation
-    except Exception as err:  # noqa: BLE001
-        p.fail("warming up (second step)", err)
-
-
-def measure_peak(p: Point) -> None:
-    try:
-        p.zero_grad()
-        r = memfit.measure(p.step)
-        p.record["peak_bytes"] = r.peak_bytes
-        p.record["end_bytes"] = r.end_bytes
-        p.record["profiled_time_s"] = r.time_s
-    except Exception as err:  # noqa: BLE001
-        p.fail("measuring memory", err)
-
-
-def measure_time(p: Point) -> None:
-    """One timed step, without the profiler (``memfit.measure``'s CPU time includes it)."""
-    try:
-        p.zero_grad()
-        t0 = time.perf_counter()
-        p.step()
-        p.record["times_s"].append(time.perf_counter() - t0)
-    except Exception as err:  # noqa: BLE001
-        p.fail("timing", err)
+    """The first step, then a second (caches, allocator, lazy initialisation)."""
+    if attempt(p, FIRST_STEP, partial(build_and_first_step, p)):
+        attempt(p, "warming up (second step)", p.run_step)
 
 
 def count_eager_flops(p: Point) -> None:
     """``FlopCounterMode`` total of one eager step (plain or ``checkpoint_sequential``)."""
-    try:
+
+    def count() -> None:
         p.zero_grad()
         p.record["step_flops"] = counted_flops(p.step)
-    except Exception as err:  # noqa: BLE001
-        p.fail("counting FLOPs", err)
+
+    attempt(p, "counting FLOPs", count)
 
 
 # ------------------------------------------------------------------------------------- one model
@@ -506,41 +405,35 @@ def count_eager_flops(p: Point) -> None:
 
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     t_model = time.perf_counter()
-    torch._dynamo.reset()  # once per model; every point then compiles its own code object
+    torch.compiler.reset()  # once per model; every point then compiles its own code object
     compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
     memfit_budgets = QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS
     points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers))
-    budget_api = _budget_error_type() is not None
 
     print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
     smallest: int | None = None
     for p in points:
-        if p.peer == "memfit" and "budget" in p.record and not budget_api:
-            p.fail("compiling (first step)", RuntimeError("memfit has no budget API here"))
-            continue
         warm_up(p)
         if p.infeasible and p.record.get("smallest_bytes"):
             smallest = int(p.record["smallest_bytes"])
         rec = p.record
         if p.ok():
-            print(f"    {p.label}: first step {rec['first_step_s']:.1f} s", flush=True)
+            print(f"    {p.name}: first step {rec['first_step_s']:.1f} s", flush=True)
     if smallest is not None:
         p = Point(spec, "memfit", "budget smallest",
                   {"budget": smallest, "budget_is_smallest_feasible": True})
         points.append(p)
         warm_up(p)
         if p.ok():
-            print(f"    {p.label} ({smallest / MIB:.1f} MiB): first step "
+            print(f"    {p.name} ({smallest / MIB:.1f} MiB): first step "
                   f"{p.record['first_step_s']:.1f} s", flush=True)
-    live = [p for p in points if p.ok()]
-    graphs_before = _graph_count()
+    before = Snapshot(points)
     frontier = memfit_predicted_frontier(points)
     phases = {"warm_up": time.perf_counter() - t_model}
 
     print(f"  {spec.name}: measuring peaks and FLOPs", flush=True)
     t_phase = time.perf_counter()
-    for p in live:
-        measure_peak(p)
+    measure_peaks(points, CPU)
     eager = points[0]
     for p in points:
         if p.ok() and p.peer in ("eager", "checkpoint_sequential"):
@@ -566,20 +459,10 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     print(f"  {spec.name}: timing {args.rounds} interleaved rounds", flush=True)
     t_phase = time.perf_counter()
     load_timing = [load_average()]
-    live = [p for p in points if p.ok()]
-    for rnd in range(args.rounds):
-        shift = rnd % len(live)
-        gc.collect()  # once per round; no collection runs inside a timed step
-        gc.disable()
-        try:
-            for p in live[shift:] + live[:shift]:
-                if p.ok():
-                    measure_time(p)
-        finally:
-            gc.enable()
+    time_interleaved(points, args.rounds, CPU)
     phases["timing"] = time.perf_counter() - t_phase
     load_timing.append(load_average())
-    graphs_during = _graph_count() - graphs_before
+    graphs_during = before.graphs_compiled()
 
     out_points = []
     for p in points:
@@ -593,7 +476,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             else:
                 q1 = q3 = rec["time_s"]
             rec["time_q1_s"], rec["time_q3_s"] = q1, q3
-        rec["status"] = "failed" if p.failed else ("infeasible" if p.infeasible else "ok")
+        rec["status"] = p.status
         out_points.append(rec)
     return {
         "name": spec.name,
@@ -887,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}", flush=True)
     results = [run_model(spec, args) for spec in specs]
-    torch._dynamo.reset()
+    torch.compiler.reset()
     total = time.perf_counter() - started
 
     report = {
@@ -904,9 +787,9 @@ def main(argv: list[str] | None = None) -> int:
                     "before each step",
             "peak": "memfit.measure of one step after two warm-up steps (exact CPU allocator "
                     "accounting, deterministic)",
-            "time": "median of `rounds` steps timed with perf_counter (no profiler), "
-                    "round-robin over all of a model's points, start rotated each round; "
-                    "gc.collect() before each round, gc disabled during it",
+            "time": "median of `rounds` steps timed by memfit.measure(profile_memory=False) "
+                    "(no profiler), round-robin over all of a model's points, start rotated "
+                    "each round; gc.collect() before each step, gc disabled during a round",
             "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
                              "around compilation and the whole first step; each point its own "
                              "code object (no dynamo reset between points)",

@@ -11,7 +11,9 @@ graph, median of ``--repeats``:
 * ``workspace_s``: measuring op scratch memory on real tensors (done once per graph when memfit
   captures a model; it runs each distinct op signature once, so it is reported separately).
 
-Writes benchmarks/results/planning_time.{json,md}. Run: ``python benchmarks/planning_time.py``.
+Writes benchmarks/results/planning_time.{json,md}. Run with the Python of the environment memfit
+is installed in (``pip install -e .``; the Makefile's ``.venv``):
+``python benchmarks/planning_time.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,12 +35,10 @@ import torch.nn as nn  # noqa: E402
 
 from memfit.analysis.graph import JointGraph  # noqa: E402
 from memfit.analysis.workspace import measure_workspace  # noqa: E402
+from memfit.bench.graphs import joint_graphs  # noqa: E402
 from memfit.planning.frontier import choose, pareto_frontier  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from graphs import joint_graphs  # noqa: E402  (the tests' capture helper: one way to trace)
-
 RESULTS = ROOT / "benchmarks" / "results"
 
 

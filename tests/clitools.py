@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -25,8 +27,11 @@ def memfit_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "memfit", *args]
 
 
-def run_memfit(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(memfit_command(*args), env=cli_env(), cwd=cwd, capture_output=True,
+def run_memfit(*args: str, cwd: Path = ROOT, timeout: float = 300,
+               tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+    """``memfit ARGS`` in ``cwd``; ``tmpdir`` becomes its temporary directory (``TMPDIR``)."""
+    env = cli_env() if tmpdir is None else {**cli_env(), "TMPDIR": str(tmpdir)}
+    return subprocess.run(memfit_command(*args), env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -34,6 +39,22 @@ def start_memfit(*args: str, cwd: Path = ROOT, unset: tuple[str, ...] = ()) -> s
     env = {k: v for k, v in cli_env().items() if k not in unset}
     return subprocess.Popen(memfit_command(*args), env=env, cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+#: The smallest depth sweep: one depth (3 blocks), tiny model, one timed round.
+TINY_SWEEP = ("--quick", "--depths", "1", "--batch", "2", "--width", "4", "--repeats", "1")
+
+
+def check_tiny_sweep(out: Path) -> dict[str, Any]:
+    """Assert that ``out`` holds the results of :data:`TINY_SWEEP`; return its JSON report."""
+    report = json.loads((out / "depth_sweep_quick.json").read_text())
+    (res,) = report["results"]
+    assert res["blocks"] == 3 and set(res["methods"]) == {
+        "eager", "memfit-none", "memfit-speed", "memfit-memory", "checkpoint_sequential"}
+    assert all("peak_bytes" in rec and "time_s" in rec for rec in res["methods"].values())
+    height, width = png_size(out / "depth_sweep_quick.png")
+    assert height > 300 and width > 800
+    return report
 
 
 def png_size(path: Path) -> tuple[int, int]:

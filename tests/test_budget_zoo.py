@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memfit
-from zoo import ZOO, ZooCase, measured_step_peak
+from memfit.bench.zoo import ZOO, ZooCase, measured_step_peak
 
 FRACTIONS = (1.0, 0.5, 0.25)
 

@@ -3,8 +3,8 @@
 import torch
 import torch.nn as nn
 
-from graphs import joint_graphs
 from memfit.analysis.cost import is_compute_heavy, node_flops
+from memfit.bench.graphs import joint_graphs
 
 
 def test_matmul_flops_and_heaviness() -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphs import joint_graphs
 from memfit.analysis.simulate import simulate_step
+from memfit.bench.graphs import joint_graphs
+from memfit.bench.zoo import cifar_resnet, tanh_chain, unet
 from memfit.planning.budget import BudgetError
 from memfit.planning.frontier import choose, pareto_frontier
 from memfit.planning.policies import keep_all, keep_min_peak
-from zoo import cifar_resnet, tanh_chain, unet
 
 
 @pytest.fixture(scope="module", params=["tanh", "resnet", "unet"])

@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from graphs import joint_graphs
+from memfit.bench.graphs import joint_graphs
 
 
 def test_forward_backward_split_and_storage_bytes() -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import memfit
-from zoo import ZOO, ZooCase
+from memfit.bench.zoo import ZOO, ZooCase
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 20

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import memfit
-from zoo import cifar_resnet, lstm, tanh_chain, unet
+from memfit.bench.zoo import cifar_resnet, lstm, tanh_chain, unet
 
 MB = 2**20
 

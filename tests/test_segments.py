@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from graphs import joint_graphs
+from memfit.bench.graphs import joint_graphs
+from memfit.bench.zoo import cifar_resnet, tanh_chain
 from memfit.planning.policies import always_kept, keep_all
 from memfit.planning.segments import SEGMENT_KINDS, SegmentModel
-from zoo import cifar_resnet, tanh_chain
 
 
 def _model(jg, **kw) -> SegmentModel:

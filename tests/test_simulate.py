@@ -4,8 +4,8 @@ import torch
 import torch.nn as nn
 
 import memfit
-from graphs import joint_graphs
 from memfit.analysis.simulate import simulate_step, walk
+from memfit.bench.graphs import joint_graphs
 from memfit.planning.policies import keep_all
 
 

@@ -3,8 +3,8 @@
 import torch
 import torch.nn as nn
 
-from graphs import joint_graphs
 from memfit.analysis.workspace import measure_workspace
+from memfit.bench.graphs import joint_graphs
 
 
 def test_convolution_scratch_is_measured_and_rng_untouched() -> None:

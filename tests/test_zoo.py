@@ -1,4 +1,4 @@
-"""Checks of the model zoo itself (tests/zoo.py), independent of memfit.
+"""Checks of the model zoo itself (``memfit.bench.zoo``), independent of memfit's checkpointing.
 
 If a zoo model is broken, nondeterministic or does not compile cleanly, every memfit test
 built on it fails for the wrong reason; these tests say so directly.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,8 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from zoo import (
+from clitools import cli_env
+from memfit.bench.zoo import (
     ZOO,
     ZooCase,
     case,
@@ -31,7 +31,6 @@ from zoo import (
 )
 
 NAMES = [c.name for c in ZOO]
-TESTS_DIR = Path(__file__).resolve().parent
 
 
 def _assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
@@ -85,9 +84,9 @@ def test_names_unique_and_lookup() -> None:
 
 
 def test_import_does_not_import_transformers() -> None:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import zoo; "
+    code = ("import sys; import memfit.bench.zoo; "
             "assert 'transformers' not in sys.modules, 'zoo imported transformers'")
-    subprocess.run([sys.executable, "-c", code, str(TESTS_DIR)], check=True)
+    subprocess.run([sys.executable, "-c", code], env=cli_env(), check=True)
 
 
 # --------------------------------------------------------------------------------------

@@ -44,6 +44,11 @@ __all__ = [
     "tree_map",
     "tree_map_only",
     "unique_graph_count",
+    # added for benchmarks
+    "activation_memory_budget",
+    "default_partition",
+    "inductor_post_grad_pass",
+    "make_boxed_func",
 ]
 
 #: The torch releases every entry below was checked on (the test suite runs on these, and the
@@ -201,3 +206,40 @@ def profiler_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, i
         return out
     except (AttributeError, ImportError, RuntimeError):
         return None
+
+
+# ---- added for benchmarks (checked 2.13.0) -------------------------------------------------------
+# What the benchmarks and the test zoo's graph capture (``memfit.bench``, ``benchmarks/``) need
+# beyond the package itself: AOTAutograd's own default partition, to record joint graphs without
+# changing them, and the knobs of ``torch.compile``, the peer memfit's budget is compared with.
+from collections.abc import Callable  # noqa: E402
+from contextlib import AbstractContextManager  # noqa: E402
+
+# make_boxed_func: a forward compiler's result in AOTAutograd's boxed calling convention.
+from functorch.compile import make_boxed_func  # noqa: E402
+from torch._functorch.partitioners import default_partition  # noqa: E402
+
+
+def activation_memory_budget(fraction: float) -> AbstractContextManager[Any]:
+    """A context in which ``torch.compile`` saves at most ``fraction`` of its activations.
+
+    ``torch._functorch.config.activation_memory_budget`` (checked 2.13.0): the min-cut
+    partitioner's knapsack budget, as a fraction of the activations its default partition saves;
+    read when a graph is partitioned, so the context must span compilation and the first backward.
+    """
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(activation_memory_budget=fraction)
+
+
+def inductor_post_grad_pass(
+    graph_pass: Callable[[fx.Graph], None],
+) -> AbstractContextManager[Any]:
+    """A context in which Inductor shows ``graph_pass`` every forward and backward graph.
+
+    ``torch._inductor.config.post_grad_custom_post_pass`` (checked 2.13.0). A plain callable (not
+    a ``CustomGraphPass``) also makes Inductor bypass its FX graph cache, so every graph compiles.
+    """
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(post_grad_custom_post_pass=graph_pass)

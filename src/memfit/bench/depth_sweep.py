@@ -15,29 +15,29 @@ Methods, all training one step (forward, cross-entropy loss, backward) on the sa
 * ``checkpoint_sequential`` ``torch.utils.checkpoint.checkpoint_sequential`` over ``model.blocks``
                             with round(sqrt(n)) segments, ``use_reentrant=False`` (eager).
 
-How: one process; per depth, Dynamo is reset once and each memfit mode wraps its own freshly
-seeded copy of the model and compiles it with one warm-up step (timed: "first step", which is
-capture + planning + one step). Every other method also gets one warm-up step. Then one run per
-method with ``memfit.measure`` gives the peak (exact allocator accounting, deterministic), then
-``--repeats`` rounds, round-robin over the methods (starting method rotated each round), of
-``memfit.measure(..., profile_memory=False)`` give the step times; medians are reported.
-Gradients are set to ``None`` before every measured step, as ``optimizer.zero_grad()`` does, so
-each step allocates its gradients. A change in memfit's plan object or in Dynamo's graph count
-during the measured runs (a recompile) is recorded in the JSON.
+How: one process; per depth, Dynamo is reset once and each method trains its own freshly seeded
+copy of the model, measured by ``memfit.bench.runner``: one first step (for memfit: capture,
+planning and compilation, timed as "first step"), one step under ``memfit.measure`` for the peak
+(exact allocator accounting, deterministic), then ``--repeats`` rounds of
+``memfit.measure(..., profile_memory=False)``, round-robin over the methods with the starting
+method rotated each round, for the step times; medians are reported. Gradients are set to
+``None`` before every step, as ``optimizer.zero_grad()`` does, so each step allocates its
+gradients. A change in memfit's plan object or in Dynamo's graph count during the measured runs
+(a recompile) is recorded in the JSON.
 
-Outputs, in ``--out`` (default ``benchmarks/results``; a suffix such as ``_cuda`` for non-CPU
-devices, ``_quick`` for ``--quick``): ``depth_sweep.json`` (machine, versions, parameters, every
-number), ``depth_sweep.md`` (the full table, ratios to eager) and ``depth_sweep.png``. The README's
-summary table, between ``<!-- depth-sweep:begin -->`` and ``<!-- depth-sweep:end -->`` (for CUDA
-``depth-sweep_cuda``), is rewritten from the JSON when ``--readme``
-names a README (default ``README.md`` for a full sweep, none for ``--quick``).
+Outputs, in ``--out`` and nowhere else (``memfit bench depth-sweep``: default
+``memfit-bench`` in the temporary directory; a suffix such as ``_cuda`` for non-CPU devices,
+``_quick`` for ``--quick``): ``depth_sweep.json`` (machine, versions, parameters, every number),
+``depth_sweep.md`` (the full table, ratios to eager) and ``depth_sweep.png``. The repository's
+script ``benchmarks/depth_sweep.py`` writes to ``benchmarks/results`` and also rewrites the
+README's summary table; the installed package never touches a README.
 
 Timings on a shared CPU need ``OMP_WAIT_POLICY=PASSIVE`` (read when torch loads): with the default
 (active) waiting, OpenMP threads spin at every barrier, and where another process holds a core a
 2-thread step measured 40x slower (3 s instead of 75 ms). The ``memfit`` script and
 ``benchmarks/depth_sweep.py`` set it unless the environment already does.
 
-Run: ``memfit bench depth-sweep [--quick] [--device cuda]`` or ``python benchmarks/depth_sweep.py``.
+Run: ``memfit bench depth-sweep [--quick] [--device cuda] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -48,81 +48,47 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
-from memfit.bench.failure import record_failure
-from memfit.bench.resnet import CifarResNet, cifar_resnet
+from memfit.bench.peers import SequentialCheckpointed
+from memfit.bench.resnet import cifar_resnet
+from memfit.bench.runner import Method, Snapshot, measure_peaks, time_interleaved, warm_up
+from memfit.units import MIB
 
-RESULTS = Path("benchmarks") / "results"
-README = Path("README.md")
+__all__ = ["DEFAULT_OUT", "METHODS", "add_arguments", "build_methods", "format_ratio",
+           "markdown_table", "run", "run_depth", "write_plot"]
+
+#: Where ``memfit bench depth-sweep`` writes without ``--out``: outside the working tree.
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "memfit-bench"
 
 METHODS = ("eager", "memfit-none", "memfit-speed", "memfit-memory", "checkpoint_sequential")
 DEFAULT_DEPTHS = (3, 6, 11, 22, 43)  # blocks per stage: 9, 18, 33, 66, 129 residual blocks
 QUICK_DEPTHS = (2, 4, 8)
-MIB = 2**20
 
 
-class SequentialCheckpointed(nn.Module):
-    """The peer: ``checkpoint_sequential`` over the model's residual blocks, sqrt(n) segments."""
+def _train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        F.cross_entropy(module(x), y).backward()
 
-    def __init__(self, model: CifarResNet, segments: int) -> None:
-        super().__init__()
-        self.model = model
-        self.segments = segments
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.stem(x)
-        h = checkpoint_sequential(self.model.blocks, self.segments, h, use_reentrant=False)
-        return self.model.head(h)
+    return step
 
 
-# ----------------------------------------------------------------------------------- environment
-
-
-def _graph_count() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Method:
-    """One way of training the model: its module, its step, and what was measured."""
-
-    def __init__(self, name: str, params: nn.Module, module: nn.Module,
-                 x: torch.Tensor, y: torch.Tensor) -> None:
-        self.name = name
-        self.params = params  # the plain model whose gradients are reset
-        self.module = module
-        self.x, self.y = x, y
-        self.record: dict[str, Any] = {"times_s": []}
-        self.failed = False
-
-    def step(self) -> None:
-        loss = F.cross_entropy(self.module(self.x), self.y)
-        loss.backward()
-
-    def zero_grad(self) -> None:
-        self.params.zero_grad(set_to_none=True)
-
-    def fail(self, phase: str, err: BaseException) -> None:
-        self.failed = True
-        record_failure(self.record, self.name, phase, err)
+# ----------------------------------------------------------------------------------- one depth
 
 
 def build_methods(bps: int, width: int, batch: int, device: torch.device,
                   segments: int) -> list[Method]:
+    """One method per entry of ``METHODS``, each on its own identically seeded ResNet."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
     y = torch.randint(0, 10, (batch,), generator=gen).to(device)
@@ -136,90 +102,40 @@ def build_methods(bps: int, width: int, batch: int, device: torch.device,
             module = SequentialCheckpointed(model, segments)
         else:
             module = model
-        methods.append(Method(name, model, module, x, y))
+        methods.append(Method(name, model, _train_step(module, x, y), module))
     return methods
 
 
-def warm_up(m: Method, device: torch.device) -> None:
-    try:
-        m.zero_grad()
-        _sync(device)
-        t0 = time.perf_counter()
-        m.step()
-        _sync(device)
-        m.record["first_step_s"] = time.perf_counter() - t0
-        if m.name.startswith("memfit-"):
-            plan = m.module.plan
-            m.record.update(
-                predicted_peak_bytes=plan.predicted_peak_bytes,
-                baseline_peak_bytes=plan.baseline_peak_bytes,
-                kept_bytes=plan.kept_bytes,
-                recompute_flops=plan.recompute_flops,
-                forward_flops=plan.forward_flops,
-                graphs=len(plan.graphs),
-            )
-    except Exception as err:  # noqa: BLE001 - recorded and reported, the sweep goes on
-        m.fail("compiling (first step)", err)
-
-
-def measure_peak(m: Method, device: torch.device) -> None:
-    try:
-        m.zero_grad()
-        r = memfit.measure(m.step, device=device)
-        m.record["peak_bytes"] = r.peak_bytes
-        m.record["end_bytes"] = r.end_bytes
-        m.record["profiled_time_s"] = r.time_s
-    except Exception as err:  # noqa: BLE001
-        m.fail("measuring memory", err)
-
-
-def measure_time(m: Method, device: torch.device) -> None:
-    try:
-        m.zero_grad()
-        r = memfit.measure(m.step, device=device, profile_memory=False)
-        m.record["times_s"].append(r.time_s)
-    except Exception as err:  # noqa: BLE001
-        m.fail("timing", err)
-
-
 def run_depth(bps: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Every method at ``bps`` blocks per stage: first step, peak, interleaved step times."""
     n_blocks = 3 * bps
     segments = max(1, round(math.sqrt(n_blocks)))
-    torch._dynamo.reset()  # once per depth; the three memfit wraps below then coexist
+    torch.compiler.reset()  # once per depth; the three memfit wraps below then coexist
     methods = build_methods(bps, args.width, args.batch, device, segments)
     t_depth = time.perf_counter()
     for m in methods:
         warm_up(m, device)
-    plans = {m.name: m.module.plan for m in methods
-             if m.name.startswith("memfit-") and not m.failed}
-    graphs_before = _graph_count()
+    before = Snapshot(methods)
+    measure_peaks(methods, device)
+    time_interleaved(methods, args.repeats, device)
 
-    for m in methods:
-        if not m.failed:
-            measure_peak(m, device)
-    for rep in range(args.repeats):
-        shift = rep % len(methods)
-        for m in methods[shift:] + methods[:shift]:
-            if not m.failed:
-                measure_time(m, device)
-
-    recompiled = _graph_count() != graphs_before
     out: dict[str, Any] = {
         "blocks_per_stage": bps,
         "blocks": n_blocks,
         "layers": 6 * bps + 2,
         "segments": segments,
-        "parameters": sum(p.numel() for p in methods[0].params.parameters()),
-        "dynamo_recompiled_during_measurement": recompiled,
+        "parameters": sum(p.numel() for p in methods[0].model.parameters()),
+        "dynamo_recompiled_during_measurement": before.graphs_compiled() != 0,
         "seconds": time.perf_counter() - t_depth,
         "methods": {},
     }
     for m in methods:
         rec = m.record
-        if rec["times_s"]:
-            rec["time_s"] = statistics.median(rec["times_s"])
-        if m.name in plans:
-            rec["plan_changed_during_measurement"] = m.module.plan is not plans[m.name]
+        if m.times:
+            rec["time_s"] = statistics.median(m.times)
+        changed = before.plan_changed(m)
+        if changed is not None:
+            rec["plan_changed_during_measurement"] = changed
         out["methods"][m.name] = rec
     return out
 
@@ -227,7 +143,8 @@ def run_depth(bps: int, args: argparse.Namespace, device: torch.device) -> dict[
 # ----------------------------------------------------------------------------------- reporting
 
 
-def _fmt_ratio(value: float | None, ref: float | None) -> str:
+def format_ratio(value: float | None, ref: float | None) -> str:
+    """``value / ref`` to two decimals, or ``-`` where either is missing."""
     return f"{value / ref:.2f}" if value is not None and ref else "-"
 
 
@@ -252,10 +169,10 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                 str(res["blocks"]),
                 label,
                 f"{peak / MIB:.1f}" if peak is not None else "-",
-                _fmt_ratio(peak, eager.get("peak_bytes")),
+                format_ratio(peak, eager.get("peak_bytes")),
                 f"{pred / MIB:.1f}" if pred is not None else "-",
                 f"{t * 1e3:.0f}" if t is not None else "-",
-                _fmt_ratio(t, eager.get("time_s")),
+                format_ratio(t, eager.get("time_s")),
                 f"{rec['first_step_s']:.1f}" if "first_step_s" in rec else "-",
                 frac,
             ]
@@ -322,84 +239,16 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------- README
-
-
-def _marker(suffix: str) -> tuple[str, str]:
-    name = "depth-sweep" + suffix
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-
-
-def readme_block(report: dict[str, Any]) -> str:
-    """The README's summary of a sweep: one sentence of conditions, then peak and time ratios."""
-    results = report["results"]
-    params, machine = report["parameters"], report["machine"]
-    errors = [abs(rec["predicted_peak_bytes"] - rec["peak_bytes"]) / MIB
-              for res in results for name, rec in res["methods"].items()
-              if name.startswith("memfit-") and "peak_bytes" in rec
-              and "predicted_peak_bytes" in rec]
-    worst = max(errors, default=0.0)
-    where = (machine.get("gpu") or f"a {machine.get('cpu_count')}-core "
-             f"{machine.get('cpu_model') or machine.get('processor')}")
-    lines = [
-        f"Peak memory of one training step relative to plain eager PyTorch (measured; memfit's "
-        f"prediction is within {max(worst, 0.1):.1f} MiB of the measurement in every row), batch "
-        f"{params['batch']}, width {params['width']}, {report['date_utc'][:10]}, torch "
-        f"{report['software']['torch']} on {where}, {machine.get('torch_threads')} threads. "
-        f"Step time is the median of {params['repeats']} interleaved runs.",
-        "",
-        "| blocks | eager peak | `none` | `speed` | `memory` | `checkpoint_sequential` (√n) | "
-        "step time `none` / `speed` / `memory` / `checkpoint_sequential` vs eager |",
-        "|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    compared = METHODS[1:]
-    for res in results:
-        eager = res["methods"].get("eager", {})
-        peaks = [_fmt_ratio(res["methods"].get(m, {}).get("peak_bytes"), eager.get("peak_bytes"))
-                 for m in compared]
-        times = [_fmt_ratio(res["methods"].get(m, {}).get("time_s"), eager.get("time_s"))
-                 for m in compared]
-        eager_peak = f"{eager['peak_bytes'] / MIB:.1f} MiB" if "peak_bytes" in eager else "-"
-        lines.append(f"| {res['blocks']} | {eager_peak} | " + " | ".join(peaks)
-                     + f" | {' / '.join(times)} |")
-    return "\n".join(lines)
-
-
-def replace_block(text: str, block: str, suffix: str = "") -> str:
-    """``text`` with what lies between the sweep's markers replaced by ``block``.
-
-    Raises ``ValueError`` if the markers are missing or out of order.
-    """
-    begin, end = _marker(suffix)
-    i, j = text.find(begin), text.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"no {begin} ... {end} markers in the README")
-    return text[: i + len(begin)] + "\n" + block.strip("\n") + "\n" + text[j:]
-
-
-def update_readme(path: Path, report: dict[str, Any], suffix: str = "") -> bool:
-    """Rewrite the README's table from ``report``; False (and nothing written) without markers."""
-    text = path.read_text()
-    try:
-        new = replace_block(text, readme_block(report), suffix)
-    except ValueError:
-        return False
-    if new != text:
-        path.write_text(new)
-    return True
-
-
 # ----------------------------------------------------------------------------------- main
 
 
-def add_arguments(p: argparse.ArgumentParser, out: Path = RESULTS,
-                  readme: Path | None = README) -> None:
+def add_arguments(p: argparse.ArgumentParser, out: Path = DEFAULT_OUT) -> None:
     """The sweep's options, shared by ``memfit bench depth-sweep`` and the script."""
     p.add_argument("--depths", type=int, nargs="+", default=None, metavar="N",
                    help=f"blocks per stage (default {' '.join(map(str, DEFAULT_DEPTHS))}; "
                         f"--quick: {' '.join(map(str, QUICK_DEPTHS))})")
     p.add_argument("--quick", action="store_true",
-                   help="small depths; outputs get '_quick' and the README is left alone")
+                   help="small depths; outputs get '_quick'")
     p.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
     p.add_argument("--width", type=int, default=16, help="channels of the first stage (16)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per method (median)")
@@ -408,14 +257,11 @@ def add_arguments(p: argparse.ArgumentParser, out: Path = RESULTS,
                    help="torch.set_num_threads (CPU); default: torch's default")
     p.add_argument("--out", "--out-dir", dest="out", type=Path, default=out, metavar="DIR",
                    help=f"directory for the JSON, Markdown and PNG (default {out})")
-    p.add_argument("--readme", type=Path, default=None, metavar="PATH",
-                   help=f"README whose table to rewrite (default {readme} for a full sweep, "
-                        "none for --quick)")
-    p.set_defaults(default_readme=readme)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Run the sweep described by ``args`` on ``device`` and write its files; returns the report."""
+    """Run the sweep described by ``args`` on ``device`` and write its files in ``args.out``
+    (nowhere else); returns the report."""
     if args.threads:
         torch.set_num_threads(args.threads)
     depths = args.depths or (QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS)
@@ -441,7 +287,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         print(f"  {res['blocks']:4d} blocks ({res['seconds']:.0f} s): {summary}", flush=True)
 
     total = time.perf_counter() - started
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "depth_sweep",
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
@@ -486,25 +332,4 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     print(f"\nwrote {json_path}, {stem.with_suffix('.md')}, {stem.with_suffix('.png')} "
           f"in {total:.0f} s total")
 
-    readme = args.readme or (None if args.quick else args.default_readme)
-    if readme is not None:
-        if not readme.is_file():
-            print(f"no README at {readme}: its table was not rewritten")
-        elif update_readme(readme, report, device_suffix):
-            print(f"rewrote the depth-sweep table in {readme}")
-        else:
-            begin, end = _marker(device_suffix)
-            print(f"{readme} has no {begin} ... {end} markers: its table was not rewritten")
     return report
-
-
-def main(argv: list[str] | None = None, out: Path = RESULTS, readme: Path | None = README) -> int:
-    """Run the sweep as a script (``benchmarks/depth_sweep.py``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p, out, readme)
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    run(args, device)
-    return 0

@@ -1,9 +1,11 @@
 """``memfit bench depth-sweep``: the depth benchmark (``memfit.bench.depth_sweep``) from the CLI.
 
-It writes ``depth_sweep.{json,md,png}`` under ``--out`` (default ``benchmarks/results``) and
-rewrites the README's table between its ``<!-- depth-sweep:begin/end -->`` markers (default
-``README.md`` for a full sweep). Its timings on a shared CPU need ``OMP_WAIT_POLICY=PASSIVE``,
-which the ``memfit`` script sets unless the environment does (see ``memfit.cli``).
+It writes ``depth_sweep.{json,md,png}`` under ``--out`` and nowhere else: the default is
+``memfit-bench`` in the temporary directory, never the working tree, and the path is printed at
+the end. (The repository's ``benchmarks/depth_sweep.py`` runs the same sweep into
+``benchmarks/results`` and rewrites the README's table.) Its timings on a shared CPU need
+``OMP_WAIT_POLICY=PASSIVE``, which the ``memfit`` script sets unless the environment does (see
+``memfit.cli``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ EXAMPLES = """\
 examples:
   memfit bench depth-sweep                 # 9 to 129 blocks, ~5 min on 2 CPU cores
   memfit bench depth-sweep --quick         # 6, 12, 24 blocks; writes depth_sweep_quick.*
+                                           # in memfit-bench in the temporary directory
   memfit bench depth-sweep --device cuda --out results/gpu
 """
 
@@ -36,7 +39,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
         description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
                     "129 residual blocks: plain PyTorch, memfit's modes, checkpoint_sequential. "
-                    "Writes JSON, Markdown and PNG, and the README's table.",
+                    "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
+                    "temporary directory, not the working directory).",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
     depth_sweep.add_arguments(d)
     d.set_defaults(run=run_depth_sweep)
@@ -51,7 +55,5 @@ def run_depth_sweep(args: argparse.Namespace, console: Any) -> int:
                          ("--width", [args.width]), ("--repeats", [args.repeats])):
         if min(values) < 1:
             raise CliError(f"{flag} {' '.join(map(str, values))}: must be at least 1")
-    if args.readme is not None and not args.readme.is_file():
-        raise CliError(f"--readme {args.readme}: no such file")
     depth_sweep.run(args, device)
     return 0

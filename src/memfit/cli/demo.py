@@ -14,7 +14,9 @@ of model gradient checkpointing is usually sold on) under each mode (``none``, `
   ratio to ``"none"``, and the FLOPs memfit recomputes, as a fraction of one forward.
 
 It writes one figure: live tensor memory over one step per mode (forward/backward boundary
-marked), and peak memory per mode. It runs on CUDA if available, else on CPU; the measuring is
+marked), and peak memory per mode, to ``--out`` (default ``memfit-demo`` in the temporary
+directory: a demo leaves the working directory as it found it) and prints where it went. It
+runs on CUDA if available, else on CPU; the measuring is
 ``memfit.cli.steps``, the figure ``memfit.cli.figures``.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +56,12 @@ FULL = Config(blocks_per_stage=5, width=16, batch=32)  # ResNet-32, 15 residual 
 # ResNet-14: too shallow for memfit to reach half of plain autograd, so a looser budget.
 QUICK = Config(blocks_per_stage=2, width=8, batch=8, timing_runs=2, budget=0.8)
 
-EXAMPLES = """\
+#: Where the figure goes without ``--out``: outside the working tree.
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "memfit-demo"
+
+EXAMPLES = f"""\
 examples:
-  memfit demo                 # about 20 s on 2 CPU cores; writes memfit-demo/demo.png
+  memfit demo                 # about 20 s on 2 CPU cores; writes {DEFAULT_OUT / "demo.png"}
   memfit demo --out figures   # the figure goes to figures/demo.png
 """
 
@@ -72,8 +78,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         description="Train one step of a CIFAR ResNet-32 in each memfit mode; print measured peak "
                     "memory and step time per mode and write a figure of memory over the step.",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("memfit-demo"), metavar="DIR",
-                   help="directory for demo.png (default: ./memfit-demo)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for demo.png (default: {DEFAULT_OUT}, in the temporary "
+                        "directory, so nothing is written to the working directory)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model and fewer timing runs (for tests)")
     p.set_defaults(run=run)

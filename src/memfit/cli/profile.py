@@ -11,6 +11,9 @@ For the model a factory builds (see ``memfit.cli.target``) this reports, all mea
 4. with ``--pareto``: the budget planner's frontier of predicted peak against recompute cost, as a
    PNG (``memfit.plan(..., budget=1.0).pareto()``);
 5. with ``--json``: all of it as ``profile.json`` (schema in ``memfit.cli.report``).
+
+Files go to ``--out`` (default ``memfit-profile`` in the temporary directory, never the working
+directory), and the paths are printed at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,9 @@ from memfit.cli.target import build_target, move_inputs
 from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]
+
+#: Where the figures and the JSON go without ``--out``: outside the working tree.
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "memfit-profile"
 
 EXAMPLES = """\
 examples:
@@ -96,8 +103,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
                    help="also plot the budget planner's predicted peak vs recompute frontier")
     p.add_argument("--json", action="store_true", help="write OUT/profile.json (schema: "
                                                        "memfit.cli.report.REPORT_SCHEMA)")
-    p.add_argument("--out", type=Path, default=Path("memfit-profile"), metavar="DIR",
-                   help="directory for the figures and the JSON (default ./memfit-profile)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                   help=f"directory for the figures and the JSON (default: {DEFAULT_OUT}, in "
+                        "the temporary directory, so nothing is written to the working "
+                        "directory)")
     p.set_defaults(run=run)
     return p
 

@@ -1,7 +1,8 @@
 """One training step per memfit mode, measured the same way by ``memfit demo`` and ``memfit profile``.
 
 A *step* is forward, loss, backward, with gradients set to ``None`` first (as
-``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Per mode:
+``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Each mode
+is a method of ``memfit.bench.runner``, measured as the benchmarks measure theirs:
 
 1. wrap the model (``memfit.checkpoint``) and run one step: capture, plan, compile ("first step");
 2. run one step under ``memfit.measure``: the exact peak and the memory timeline, with the end of
@@ -12,6 +13,7 @@ A *step* is forward, loss, backward, with gradients set to ``None`` first (as
 All modes wrap the *same* model object (wrappers share its parameters), so nothing is copied.
 Dynamo is reset once before the wraps: each wrapper has its own backend, so they coexist in
 Dynamo's cache and none is recompiled while it is measured (a recompile is detected and reported).
+The first error stops the command (``record_failures=False``): a CLI reports it, not a table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import memfit
+from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
 from memfit.planning.budget import Budget
 from memfit.planning.plan import Plan
@@ -183,19 +186,6 @@ class ModeResult:
         return self.plan.recompute_flops / fwd if fwd else 0.0
 
 
-@dataclass
-class _Run:
-    spec: ModeSpec
-    wrapped: memfit.CheckpointedModule
-    compile_s: float
-    times: list[float] = field(default_factory=list)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
               timing_runs: int = 3, progress: Any = None) -> list[ModeResult]:
     """Compile every mode, measure each one's memory, then time them round-robin (see above).
@@ -210,46 +200,41 @@ def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
         if progress is not None:
             progress.update(task, description=text, advance=1 if advance else 0)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = work.model
-    runs = []
+    methods = []
     for spec in specs:
         doing(f"{spec.label}: capturing, planning, compiling (first step)")
         wrapped = spec.wrap(model)
-        model.zero_grad(set_to_none=True)
-        _sync(device)
-        t0 = time.perf_counter()
+        method = Method(spec.label, model, work.step(wrapped), wrapped, record_failures=False)
         try:
-            work.step(wrapped)()
+            first_step(method, device)
         except memfit.BudgetError as err:
             raise CliError(f"mode {spec.label!r}: {err}") from err
-        _sync(device)
-        runs.append(_Run(spec, wrapped, time.perf_counter() - t0))
+        methods.append(method)
         doing(spec.label, advance=True)
-    plans = [run.wrapped.plan for run in runs]
+    before = Snapshot(methods)
 
     results = []
-    for run, plan in zip(runs, plans):
-        doing(f"{run.spec.label}: measuring the memory of one step")
-        model.zero_grad(set_to_none=True)
+    for spec, method in zip(specs, methods):
+        doing(f"{spec.label}: measuring the memory of one step")
         marks: list[float] = []
-        m = memfit.measure(work.step(run.wrapped, marks), device=device)
+        m = measure_peak(method, device, step=work.step(method.module, marks))
         forward_end = (marks[1] - marks[0]) / m.time_s if m.time_s > 0 else 0.5
         results.append(ModeResult(
-            spec=run.spec, peak_bytes=int(m.peak_bytes or 0), plan=plan, step_times=run.times,
-            compile_s=run.compile_s, timeline=list(m.timeline),
-            forward_end=min(max(forward_end, 0.0), 1.0), measured_s=m.time_s,
+            spec=spec, peak_bytes=int(m.peak_bytes or 0), plan=before.plans[method],
+            step_times=method.times, compile_s=method.record["first_step_s"],
+            timeline=list(m.timeline), forward_end=min(max(forward_end, 0.0), 1.0),
+            measured_s=m.time_s,
         ))
-        doing(run.spec.label, advance=True)
-    for i in range(timing_runs):
-        for run in runs:
-            doing(f"{run.spec.label}: timing step {i + 1} of {timing_runs}")
-            model.zero_grad(set_to_none=True)
-            t = memfit.measure(work.step(run.wrapped), device=device, profile_memory=False).time_s
-            run.times.append(t)
-            doing(run.spec.label, advance=True)
+        doing(spec.label, advance=True)
+
+    def timing(method: Method, rnd: int) -> None:
+        doing(f"{method.name}: timing step {rnd + 1} of {timing_runs}", advance=True)
+
+    time_interleaved(methods, timing_runs, device, before_step=timing)
     model.zero_grad(set_to_none=True)
-    for run, plan, result in zip(runs, plans, results):
-        result.recaptured = run.wrapped.plan is not plan
+    for method, result in zip(methods, results):
+        result.recaptured = bool(before.plan_changed(method))
     doing("modes measured")
     return results

@@ -27,10 +27,12 @@ enough that one fp32 forward+backward on two CPU cores takes well under 0.2 s (1
 
 The factories :func:`cifar_resnet`, :func:`unet`, :func:`lstm` and :func:`tanh_chain` are
 exported for tests and benchmarks that need bigger or differently shaped versions
-(ResNet-110 is ``cifar_resnet(18)``; the O(sqrt n) memory test uses ``tanh_chain``).
+(ResNet-110 is ``cifar_resnet(18)``; the O(sqrt n) memory test uses ``tanh_chain``), with
+:func:`seeded` and :func:`randn` to make them as deterministic as the zoo's own cases.
 
-Importing this module imports torch only; ``transformers`` is imported lazily by the
-``gpt2`` case.
+It lives in the package (``memfit.bench.zoo``) because the tests and the benchmark scripts
+both train it, and both import it like any installed module. Importing it imports torch and
+memfit only; ``transformers`` is imported lazily by the ``gpt2`` case.
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memfit
 from memfit.bench.resnet import CifarResNet, PreActBlock, cifar_resnet  # noqa: F401  (re-exported)
 
 __all__ = [
     "SEED",
+    "Inputs",
     "ZOO",
     "ZooCase",
     "case",
     "measured_step_peak",
+    "randn",
+    "seeded",
     "cifar_resnet",
     "densenet_block",
     "lstm",
@@ -63,6 +69,7 @@ __all__ = [
 #: (via a private ``torch.Generator``).
 SEED = 0
 
+#: What a case's ``make_inputs`` returns: ``(args, kwargs)`` for ``model(*args, **kwargs)``.
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
@@ -96,11 +103,11 @@ def _gen(seed: int = SEED) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _randn(*shape: int, seed: int = SEED) -> torch.Tensor:
+def randn(*shape: int, seed: int = SEED) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen(seed))
 
 
-def _seeded(build: Callable[[], nn.Module], seed: int = SEED) -> Callable[[], nn.Module]:
+def seeded(build: Callable[[], nn.Module], seed: int = SEED) -> Callable[[], nn.Module]:
     """Wrap a model constructor so that it seeds the global RNG first and returns train mode."""
 
     def make_model() -> nn.Module:
@@ -384,7 +391,7 @@ def _structured_loss(out: dict[str, Any]) -> torch.Tensor:
 
 
 def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel  # lazy: keep `import zoo` cheap
+    from transformers import GPT2Config, GPT2LMHeadModel  # lazy: keep importing the zoo cheap
 
     # bos/eos default to 50256, outside this vocabulary (transformers warns): unset them.
     config = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=100,
@@ -430,7 +437,7 @@ class TanhChain(nn.Module):
 
     def make_input(self, requires_grad: bool = True) -> torch.Tensor:
         """A deterministic (width, width) input; requires grad since the chain has no weights."""
-        return _randn(self.width, self.width).requires_grad_(requires_grad)
+        return randn(self.width, self.width).requires_grad_(requires_grad)
 
 
 def tanh_chain(n: int, width: int = 512) -> TanhChain:
@@ -445,7 +452,7 @@ def tanh_chain_case(n: int, width: int = 512) -> ZooCase:
     """
     return ZooCase(
         name=f"tanh_chain_{n}x{width}",
-        make_model=_seeded(lambda: tanh_chain(n, width)),
+        make_model=seeded(lambda: tanh_chain(n, width)),
         make_inputs=lambda: ((tanh_chain(n, width).make_input(),), {}),
         loss=lambda out: out.sum(),
     )
@@ -458,73 +465,73 @@ def tanh_chain_case(n: int, width: int = 512) -> ZooCase:
 ZOO: list[ZooCase] = [
     ZooCase(
         name="mlp",
-        make_model=_seeded(lambda: MLP(depth=8, width=64, d_in=32, d_out=10)),
-        make_inputs=lambda: ((_randn(16, 32),), {}),
+        make_model=seeded(lambda: MLP(depth=8, width=64, d_in=32, d_out=10)),
+        make_inputs=lambda: ((randn(16, 32),), {}),
         loss=_xent0,
     ),
     ZooCase(
         name="resnet",
-        make_model=_seeded(lambda: cifar_resnet(blocks_per_stage=2, width=8)),
-        make_inputs=lambda: ((_randn(4, 3, 32, 32),), {}),
+        make_model=seeded(lambda: cifar_resnet(blocks_per_stage=2, width=8)),
+        make_inputs=lambda: ((randn(4, 3, 32, 32),), {}),
         loss=_xent0,
         has_batchnorm=True,
     ),
     ZooCase(
         name="transformer",
-        make_model=_seeded(lambda: Encoder(d_model=32, nhead=4, num_layers=2)),
-        make_inputs=lambda: ((_randn(2, 16, 32),), {}),
+        make_model=seeded(lambda: Encoder(d_model=32, nhead=4, num_layers=2)),
+        make_inputs=lambda: ((randn(2, 16, 32),), {}),
         loss=lambda out: out.square().mean(),
     ),
     ZooCase(
         name="unet",
-        make_model=_seeded(lambda: unet(depth=3, width=8)),
-        make_inputs=lambda: ((_randn(2, 1, 32, 32),), {}),
+        make_model=seeded(lambda: unet(depth=3, width=8)),
+        make_inputs=lambda: ((randn(2, 1, 32, 32),), {}),
         loss=lambda out: out.square().mean(),
     ),
     ZooCase(
         name="lstm",
-        make_model=_seeded(lambda: lstm(steps=32, input_size=16, hidden_size=32)),
-        make_inputs=lambda: ((_randn(4, 32, 16),), {}),
+        make_model=seeded(lambda: lstm(steps=32, input_size=16, hidden_size=32)),
+        make_inputs=lambda: ((randn(4, 32, 16),), {}),
         loss=_xent0,
     ),
     ZooCase(
         name="densenet",
-        make_model=_seeded(lambda: densenet_block(num_layers=6, c_in=16, growth=8)),
-        make_inputs=lambda: ((_randn(4, 3, 16, 16),), {}),
+        make_model=seeded(lambda: densenet_block(num_layers=6, c_in=16, growth=8)),
+        make_inputs=lambda: ((randn(4, 3, 16, 16),), {}),
         loss=_xent0,
         has_batchnorm=True,
     ),
     ZooCase(
         name="dropout",
-        make_model=_seeded(lambda: MLP(depth=4, width=64, d_in=32, d_out=10, dropout=0.5)),
-        make_inputs=lambda: ((_randn(16, 32),), {}),
+        make_model=seeded(lambda: MLP(depth=4, width=64, d_in=32, d_out=10, dropout=0.5)),
+        make_inputs=lambda: ((randn(16, 32),), {}),
         loss=_xent0,
         has_dropout=True,
     ),
     ZooCase(
         name="inplace_relu",
-        make_model=_seeded(lambda: InplaceNet(c=8, blocks=3)),
-        make_inputs=lambda: ((_randn(4, 3, 16, 16),), {}),
+        make_model=seeded(lambda: InplaceNet(c=8, blocks=3)),
+        make_inputs=lambda: ((randn(4, 3, 16, 16),), {}),
         loss=_xent0,
     ),
     ZooCase(
         name="shared",
-        make_model=_seeded(lambda: SharedNet()),
-        make_inputs=lambda: ((_randn(16, 32),), {}),
+        make_model=seeded(lambda: SharedNet()),
+        make_inputs=lambda: ((randn(16, 32),), {}),
         loss=_xent0,
     ),
     ZooCase(
         name="structured",
-        make_model=_seeded(lambda: StructuredNet()),
+        make_model=seeded(lambda: StructuredNet()),
         make_inputs=lambda: (
-            (_randn(8, 32),),
+            (randn(8, 32),),
             {"mask": torch.rand(8, 32, generator=_gen(SEED + 1)) > 0.25, "scale": 0.5},
         ),
         loss=_structured_loss,
     ),
     ZooCase(
         name="gpt2",
-        make_model=_seeded(_gpt2),
+        make_model=seeded(_gpt2),
         make_inputs=_gpt2_inputs,
         loss=_hf_loss,
     ),
@@ -546,8 +553,6 @@ def measured_step_peak(case: ZooCase, model: nn.Module, args: Any, kwargs: Any) 
 
     Gradients are cleared before and after, so the peak is that of a step on a fresh model.
     """
-    import memfit  # the zoo itself needs only torch
-
     case.loss(model(*args, **kwargs)).backward()
     model.zero_grad(set_to_none=True)
 

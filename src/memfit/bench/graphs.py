@@ -1,0 +1,38 @@
+"""The joint graphs AOTAutograd builds for a model, unchanged: inputs for the analysis and planning
+layers in tests and in ``benchmarks/planning_time.py``.
+
+memfit captures through its own backend (``memfit.execution.backend``), which plans as it goes;
+tests of the analysis and planning layers, and the planner's timing benchmark, need the joint
+graph alone. Recording it inside AOTAutograd's own default partition gives exactly the graph
+``torch.compile`` would partition, without memfit's capture in the way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit._compat import aot_autograd, default_partition, make_boxed_func
+from memfit.analysis.graph import JointGraph
+
+__all__ = ["joint_graphs"]
+
+
+def joint_graphs(model: nn.Module, *args: Any) -> list[JointGraph]:
+    """The joint graphs AOTAutograd builds for ``model(*args)`` (one per graph-break piece).
+
+    Resets Dynamo first (``torch.compiler.reset()``), so earlier compilations cannot stand in.
+    """
+    graphs: list[JointGraph] = []
+
+    def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        graphs.append(JointGraph(joint, kwargs["num_fwd_outputs"]))
+        return default_partition(joint, inputs, **kwargs)
+
+    torch.compiler.reset()
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                           partition_fn=record)
+    torch.compile(model, backend=backend, dynamic=False)(*args)
+    return graphs

@@ -1,0 +1,249 @@
+"""One runner for training-step benchmarks: the first step, the exact peak, interleaved timing.
+
+Why one: the depth sweep, the budget frontier and the CLI's ``demo`` and ``profile`` all compare
+ways of running the same training step, and a comparison is only fair if every way is measured
+alike. The protocol, for each :class:`Method` (a named way to run one step of a model):
+
+1. **first step** (:func:`first_step`): for memfit or ``torch.compile`` this is capture,
+   planning and compilation; timed as ``first_step_s`` (the device synchronised around it);
+2. **peak** (:func:`measure_peak`): one step under ``memfit.measure``, exact allocator
+   accounting on CPU and deterministic, so one run is enough;
+3. **time** (:func:`time_interleaved`): ``rounds`` rounds of one step per method, each under
+   ``memfit.measure(..., profile_memory=False)`` (the memory profiler inflates CPU time), the
+   starting method rotated each round (:func:`rotation`) so a busy machine's slow moments fall
+   on every method alike. ``memfit.measure`` collects garbage before each step, outside the
+   timed span, and automatic collection is off during a round, so none lands inside a step.
+
+Every step starts with the gradients set to ``None``, as ``optimizer.zero_grad()`` does, so each
+step allocates its gradients as a real one does. A method that raises is recorded in its
+``record`` (``memfit.bench.failure.record_failure``) and skipped from then on, so one failure
+never ends a sweep; the CLI, which stops at the first error, has it raised instead
+(``record_failures=False``). :class:`Snapshot` catches recompilation during measurement: a change
+in Dynamo's graph count, or a memfit wrapper that planned again.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+import memfit
+from memfit._compat import unique_graph_count
+from memfit.bench.failure import record_failure
+from memfit.planning.plan import Plan
+
+__all__ = [
+    "Method",
+    "Snapshot",
+    "attempt",
+    "first_step",
+    "measure_peak",
+    "measure_peaks",
+    "plan_record",
+    "rotation",
+    "time_interleaved",
+    "warm_up",
+]
+
+#: The phases a failure is recorded under (``record["error_phase"]``).
+FIRST_STEP = "compiling (first step)"
+PEAK = "measuring memory"
+TIMING = "timing"
+
+
+class Method:
+    """A named way to run one training step of a model, and what was measured of it.
+
+    ``model`` is the plain model whose parameters the step trains (its gradients are reset before
+    every step); ``step`` runs forward, loss and backward once; ``module`` is what runs it, the
+    model or a wrapper of it (a ``memfit.CheckpointedModule``'s plan is watched by
+    :class:`Snapshot`). ``record`` collects the results, step times under ``"times_s"``.
+    """
+
+    def __init__(self, name: str, model: nn.Module, step: Callable[[], object],
+                 module: nn.Module | None = None, record: dict[str, Any] | None = None,
+                 record_failures: bool = True) -> None:
+        self.name = name
+        self.model = model
+        self.step = step
+        self.module = model if module is None else module
+        self.record: dict[str, Any] = {} if record is None else record
+        self.record.setdefault("times_s", [])
+        #: On an exception: record it and skip this method from then on (a benchmark sweep), or
+        #: raise it (the CLI).
+        self.record_failures = record_failures
+        self.failed = False
+
+    def __repr__(self) -> str:
+        return f"Method({self.name!r}{', failed' if self.failed else ''})"
+
+    @property
+    def times(self) -> list[float]:
+        """Seconds of each timed step, in the order they ran."""
+        return self.record["times_s"]
+
+    def zero_grad(self) -> None:
+        """Set the model's gradients to ``None``, as ``optimizer.zero_grad()`` does."""
+        self.model.zero_grad(set_to_none=True)
+
+    def run_step(self) -> None:
+        """One untimed step, gradients reset first (a warm-up step)."""
+        self.zero_grad()
+        self.step()
+
+    def fail(self, phase: str, err: BaseException) -> None:
+        """Record ``err``, raised while ``phase``; the method is skipped from now on.
+
+        Called inside the ``except`` block, so the traceback recorded is ``err``'s.
+        """
+        self.failed = True
+        record_failure(self.record, self.name, phase, err)
+
+
+def attempt(method: Method, phase: str, action: Callable[[], object]) -> bool:
+    """Run ``action`` for ``method``: True if it returned, False if it raised and was recorded.
+
+    An exception is recorded with ``phase`` (:meth:`Method.fail`), or re-raised unchanged when
+    ``method.record_failures`` is False.
+    """
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - recorded and reported, the sweep goes on
+        if not method.record_failures:
+            raise
+        method.fail(phase, err)
+        return False
+    return True
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_step(method: Method, device: torch.device | None = None) -> float:
+    """Run ``method``'s first step and record its seconds as ``first_step_s``; raises on error."""
+    method.zero_grad()
+    _sync(device)
+    t0 = time.perf_counter()
+    method.step()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    method.record["first_step_s"] = seconds
+    return seconds
+
+
+def plan_record(plan: Plan) -> dict[str, int]:
+    """What a benchmark records of the plan a memfit wrapper made on its first step."""
+    return {
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "baseline_peak_bytes": plan.baseline_peak_bytes,
+        "kept_bytes": plan.kept_bytes,
+        "recompute_flops": int(plan.recompute_flops),
+        "forward_flops": int(plan.forward_flops),
+        "graphs": len(plan.graphs),
+    }
+
+
+def warm_up(method: Method, device: torch.device | None = None) -> bool:
+    """The first step, and for a memfit wrapper what its plan decided; False if it failed."""
+
+    def run() -> None:
+        first_step(method, device)
+        if isinstance(method.module, memfit.CheckpointedModule):
+            method.record.update(plan_record(method.module.plan))
+
+    return attempt(method, FIRST_STEP, run)
+
+
+def measure_peak(method: Method, device: torch.device | None = None,
+                 step: Callable[[], object] | None = None) -> memfit.Measurement[Any]:
+    """One step under ``memfit.measure``: records ``peak_bytes``, ``end_bytes`` and
+    ``profiled_time_s`` and returns the measurement (timeline included); raises on error.
+
+    ``step`` replaces ``method.step`` for this run: the same step, instrumented (the CLI marks
+    where the forward ends).
+    """
+    method.zero_grad()
+    m = memfit.measure(method.step if step is None else step, device=device)
+    method.record["peak_bytes"] = m.peak_bytes
+    method.record["end_bytes"] = m.end_bytes
+    method.record["profiled_time_s"] = m.time_s
+    return m
+
+
+def measure_peaks(methods: Sequence[Method], device: torch.device | None = None) -> None:
+    """:func:`measure_peak` for every method not failed so far, recording failures."""
+    for method in methods:
+        if not method.failed:
+            attempt(method, PEAK, partial(measure_peak, method, device))
+
+
+def rotation(count: int, rounds: int) -> list[list[int]]:
+    """The order of each timing round over ``count`` methods: round r starts at r mod count.
+
+    >>> rotation(3, 4)
+    [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    """
+    return [[(r + i) % count for i in range(count)] for r in range(rounds)]
+
+
+def _time_step(method: Method, device: torch.device | None) -> None:
+    method.zero_grad()
+    method.times.append(memfit.measure(method.step, device=device, profile_memory=False).time_s)
+
+
+def time_interleaved(methods: Sequence[Method], rounds: int, device: torch.device | None = None,
+                     before_step: Callable[[Method, int], object] | None = None) -> None:
+    """``rounds`` timed steps of every method not failed so far, interleaved (see the module).
+
+    Appends to each method's ``times_s``; a method that fails is recorded and not timed again.
+    ``before_step(method, round)`` is called before each step (progress reporting).
+    """
+    live = [m for m in methods if not m.failed]
+    for rnd, order in enumerate(rotation(len(live), rounds)):
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for i in order:
+                method = live[i]
+                if method.failed:
+                    continue
+                if before_step is not None:
+                    before_step(method, rnd)
+                attempt(method, TIMING, partial(_time_step, method, device))
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+
+class Snapshot:
+    """Dynamo's graph count and every memfit wrapper's plan, taken before measuring.
+
+    Compared afterwards, a change means something was compiled or planned again while it was
+    being measured, so its numbers include that work.
+    """
+
+    def __init__(self, methods: Sequence[Method]) -> None:
+        self.graphs = unique_graph_count()
+        #: The plan of each memfit wrapper among ``methods`` (not failed) at the snapshot.
+        self.plans: dict[Method, Plan] = {
+            m: m.module.plan for m in methods
+            if not m.failed and isinstance(m.module, memfit.CheckpointedModule)}
+
+    def graphs_compiled(self) -> int:
+        """Graphs Dynamo compiled since the snapshot."""
+        return unique_graph_count() - self.graphs
+
+    def plan_changed(self, method: Method) -> bool | None:
+        """Whether ``method``'s wrapper planned again since the snapshot; None if it is none."""
+        plan = self.plans.get(method)
+        if plan is None or not isinstance(method.module, memfit.CheckpointedModule):
+            return None
+        return method.module.plan is not plan

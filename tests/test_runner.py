@@ -1,0 +1,129 @@
+"""The benchmark runner (``memfit.bench.runner``): what it measures is what ``memfit.measure``
+measures, timing rounds rotate, and one failing method is recorded while the others go on."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.bench.runner import (
+    Method,
+    Snapshot,
+    attempt,
+    first_step,
+    measure_peak,
+    measure_peaks,
+    rotation,
+    time_interleaved,
+    warm_up,
+)
+
+CPU = torch.device("cpu")
+
+
+def _method(name: str = "mlp", log: list[str] | None = None, fail_on_call: int | None = None,
+            wrap: Callable[[nn.Module], nn.Module] | None = None, **kwargs: Any) -> Method:
+    """A tiny MLP's training step, of ``wrap(model)`` if given. Each call appends ``name`` and
+    whether automatic garbage collection was on to ``log``; call ``fail_on_call`` raises."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    module = model if wrap is None else wrap(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def step() -> None:
+        calls.append(gc.isenabled())
+        if log is not None:
+            log.append(name)
+        if len(calls) == fail_on_call:
+            raise RuntimeError(f"{name} broke on call {len(calls)}")
+        module(x).square().mean().backward()
+
+    method = Method(name, model, step, module, **kwargs)
+    method.gc_enabled_in_steps = calls  # type: ignore[attr-defined]
+    return method
+
+
+def test_rotation_starts_each_round_one_later() -> None:
+    assert rotation(3, 4) == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert rotation(1, 2) == [[0], [0]]
+    assert rotation(0, 2) == [[], []]
+
+
+def test_peak_is_memfit_measure_of_a_step_with_fresh_gradients() -> None:
+    m = _method()
+    first_step(m, CPU)  # leaves gradients behind; measure_peak must reset them
+    assert m.record["first_step_s"] > 0
+    measurement = measure_peak(m, CPU)
+
+    m.zero_grad()
+    direct = memfit.measure(m.step, device=CPU)
+    assert m.record["peak_bytes"] == measurement.peak_bytes == direct.peak_bytes
+    assert m.record["end_bytes"] == direct.end_bytes
+    # the gradients a fresh step allocates (Linear weights and biases) are part of that peak
+    grads = sum(p.numel() * 4 for p in m.model.parameters())
+    assert direct.peak_bytes >= grads
+
+
+def test_interleaved_rounds_rotate_and_time_every_step() -> None:
+    log: list[str] = []
+    methods = [_method(name, log) for name in "abc"]
+    time_interleaved(methods, rounds=4, device=CPU)
+    assert log == list("abcbcacababc")
+    assert all(len(m.times) == 4 and min(m.times) > 0 for m in methods)
+    # no automatic collection inside a timed step, and the collector is back on afterwards
+    assert all(m.gc_enabled_in_steps == [False] * 4 for m in methods) and gc.isenabled()
+
+
+def test_a_failing_method_is_recorded_and_the_others_go_on(capsys) -> None:
+    log: list[str] = []
+    ok, broken = _method("ok", log), _method("broken", log, fail_on_call=2)
+    never = _method("never", log, fail_on_call=1)
+    for m in (ok, broken, never):
+        warm_up(m, CPU)
+    assert never.failed and never.record["error_phase"] == "compiling (first step)"
+    assert "RuntimeError: never broke on call 1" in never.record["error"]
+    assert "never broke on call 1" in never.record["traceback"]
+
+    time_interleaved([ok, broken, never], rounds=3, device=CPU)
+    assert broken.failed and broken.record["error_phase"] == "timing"
+    assert broken.times == [] and len(ok.times) == 3
+    measure_peaks([ok, broken, never], CPU)
+    assert "peak_bytes" in ok.record
+    assert "peak_bytes" not in broken.record and "peak_bytes" not in never.record
+    # first steps; timing round 1; rounds 2 and 3 without "broken"; the peak of "ok" alone
+    assert log == ["ok", "broken", "never"] + ["ok", "broken"] + ["ok"] * 2 + ["ok"]
+    out = capsys.readouterr().out
+    assert "! never failed while compiling (first step): RuntimeError" in out
+    assert "! broken failed while timing: RuntimeError" in out
+
+
+def test_without_recording_the_error_is_raised() -> None:
+    m = _method(fail_on_call=1, record_failures=False)
+    with pytest.raises(RuntimeError, match="broke on call 1"):
+        attempt(m, "compiling (first step)", m.step)
+    assert not m.failed and "error" not in m.record
+
+
+def test_memfit_wrapper_plan_recorded_and_watched() -> None:
+    m = _method("plain")
+    wrapped = _method("memfit-none", wrap=lambda model: memfit.checkpoint(model, "none"))
+    for method in (m, wrapped):
+        assert warm_up(method, CPU)
+    plan = wrapped.module.plan
+    assert wrapped.record["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    assert wrapped.record["graphs"] == len(plan.graphs) == 1
+    assert "predicted_peak_bytes" not in m.record
+
+    before = Snapshot([m, wrapped])
+    measure_peaks([m, wrapped], CPU)
+    time_interleaved([m, wrapped], rounds=2, device=CPU)
+    assert before.graphs_compiled() == 0
+    assert before.plan_changed(wrapped) is False and before.plan_changed(m) is None
+    assert before.plans == {wrapped: plan}
