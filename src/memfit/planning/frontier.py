@@ -112,12 +112,19 @@ def pareto_frontier(jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.
 
 
 def _pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
-    """Points no other point beats in both peak and cost, at least ``gap`` bytes apart."""
+    """Points no other point beats in both peak and cost, at least ``gap`` bytes apart.
+
+    The least peak of all is always kept, even within ``gap`` of a cheaper point: it is what
+    ``"memory"`` promises and the smallest budget memfit can meet.
+    """
     by_cost = sorted(points, key=lambda p: (p.recompute_seconds, p.peak_bytes))
     kept: list[FrontierPoint] = []
     for p in by_cost:
         if not kept or p.peak_bytes < kept[-1].peak_bytes - gap:
             kept.append(p)
+    lowest = min(by_cost, key=lambda p: p.peak_bytes)
+    if lowest.peak_bytes < kept[-1].peak_bytes:
+        kept.append(lowest)
     return sorted(kept, key=lambda p: p.peak_bytes)
 
 
