@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.nn as nn
 
 import memfit
-from memfit._compat import aot_autograd
 from memfit.analysis.graph import JointGraph
+from memfit.bench.graphs import joint_graphs
 from memfit.capture.batchnorm import FORWARD_TWIN, add_batchnorm_twins, is_training_batchnorm
 from memfit.execution import backend
-from functorch.compile import default_partition, make_boxed_func
 
 FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
 NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
@@ -26,24 +24,9 @@ def _net() -> nn.Module:
                          nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
 
 
-def _joint() -> tuple[torch.fx.GraphModule, int]:
-    """The joint graph AOTAutograd hands a partition function for ``_net()``, unrewritten."""
-    captured: list[tuple[torch.fx.GraphModule, int]] = []
-
-    def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        captured.append((torch.fx.GraphModule(joint, joint.graph.__deepcopy__()),
-                         kwargs["num_fwd_outputs"]))
-        return default_partition(joint, inputs, **kwargs)
-
-    torch.compiler.reset()
-    compiled = torch.compile(_net(), backend=aot_autograd(
-        fw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=record), dynamic=False)
-    compiled(torch.randn(2, 3, 8, 8)).sum().backward()
-    return captured[0]
-
-
 def test_every_training_batchnorm_gets_a_twin_sharing_its_storage() -> None:
-    joint, num_fwd_outputs = _joint()
+    (raw,) = joint_graphs(_net(), torch.randn(2, 3, 8, 8), prepared=False)
+    joint, num_fwd_outputs = raw.module, raw.num_fwd_outputs
     bns = [n for n in joint.graph.nodes if is_training_batchnorm(n)]
     assert len(bns) == 2
     assert add_batchnorm_twins(joint) == 2

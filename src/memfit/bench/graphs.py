@@ -1,10 +1,12 @@
-"""The joint graphs AOTAutograd builds for a model, unchanged: inputs for the analysis and planning
-layers in tests and in ``benchmarks/planning_time.py``.
+"""The joint graphs AOTAutograd builds for a model: inputs for the analysis and planning layers in
+tests and in ``benchmarks/planning_time.py``.
 
 memfit captures through its own backend (``memfit.execution.backend``), which plans as it goes;
 tests of the analysis and planning layers, and the planner's timing benchmark, need the joint
 graph alone. Recording it inside AOTAutograd's own default partition gives exactly the graph
-``torch.compile`` would partition, without memfit's capture in the way.
+``torch.compile`` would partition, without memfit's capture in the way; by default the rewrites
+memfit applies before planning (``capture.passes``) are applied too, so the graph is the one
+memfit's planner sees.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from torch import nn
 
 from memfit._compat import aot_autograd, default_partition, make_boxed_func
 from memfit.analysis.graph import JointGraph
+from memfit.capture.passes import prepare_joint_graph
 
 __all__ = ["joint_graphs"]
 
 
-def joint_graphs(model: nn.Module, *args: Any) -> list[JointGraph]:
+def joint_graphs(model: nn.Module, *args: Any, prepared: bool = True) -> list[JointGraph]:
     """The joint graphs AOTAutograd builds for ``model(*args)`` (one per graph-break piece).
 
-    Resets Dynamo first (``torch.compiler.reset()``), so earlier compilations cannot stand in.
+    ``prepared``: apply memfit's pre-planning rewrites (marks, BatchNorm twins) first. Resets
+    Dynamo first (``torch.compiler.reset()``), so earlier compilations cannot stand in.
     """
     graphs: list[JointGraph] = []
 
     def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        if prepared:
+            prepare_joint_graph(joint)
         graphs.append(JointGraph(joint, kwargs["num_fwd_outputs"]))
         return default_partition(joint, inputs, **kwargs)
 
