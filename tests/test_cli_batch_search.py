@@ -13,7 +13,8 @@ from torch import nn
 from memfit.cli.batch_search import (Probe, batch_size_of, measure_probe, resize_batch,
                                      search_max_batch)
 from memfit.cli.errors import CliError
-from memfit.cli.steps import ModeSpec, Workload
+from memfit.cli.steps import Workload
+from memfit.planning.policy import Policy
 
 
 def threshold_probe(limit: int, calls: list[int]):
@@ -63,10 +64,10 @@ def test_measured_max_batch_fits_and_one_more_step_does_not() -> None:
     model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
                           nn.Linear(256, 10))
     work = Workload(model, (torch.randn(16, 32),))
-    spec, device, budget, step = ModeSpec.plain("memory"), torch.device("cpu"), 2**20, 16
+    policy, device, budget, step = Policy("memory"), torch.device("cpu"), 2**20, 16
 
     def probe(batch: int) -> Probe:
-        return measure_probe(work, spec, device, budget, 0, batch)
+        return measure_probe(work, policy, device, budget, 0, batch)
 
     result = search_max_batch(probe, label="memory", budget_bytes=budget, start=16, step=step)
     assert result.max_batch > 16 and not result.capped

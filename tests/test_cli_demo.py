@@ -2,7 +2,7 @@
 
 Runs the demo's ``--quick`` configuration in a subprocess (as a user would run it, with the
 package importable from ``src``), then checks the exit status, that the printed table has a row
-per mode with its measured peak, and that the figure is a real PNG of a sensible size.
+per policy with its measured peak, and that the figure is a real PNG of a sensible size.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) 
         assert cells[1].endswith(("MiB", "KiB")), cells  # measured peak
         assert cells[2].endswith("x") and cells[5].endswith("x"), cells  # ratios to none
     assert rows["none"][2] == "1.00x"
-    peak = {mode: float(cells[1].split()[0]) for mode, cells in rows.items()}
+    peak = {policy: float(cells[1].split()[0]) for policy, cells in rows.items()}
     assert peak["memory"] < peak["none"], peak
     assert peak["budget 80%"] <= 0.8 * peak["none"] + 0.1, peak  # the budget holds, measured
 

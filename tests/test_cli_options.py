@@ -1,4 +1,4 @@
-"""Command-line values: budgets, devices, dtypes, modes, shapes; each bad one a CliError."""
+"""Command-line values: budgets, devices, dtypes, policies, shapes; each bad one a CliError."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memfit.cli.errors import CliError
-from memfit.cli.options import (parse_batch_budget, parse_device, parse_dtype, parse_modes,
+from memfit.cli.options import (parse_batch_budget, parse_device, parse_dtype, parse_policies,
                                 parse_shape)
 
 
@@ -42,12 +42,12 @@ def test_dtypes_modes_shapes() -> None:
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(None) is None
     with pytest.raises(CliError, match="floating-point"):
         parse_dtype("int8")
-    labels = [m.label for m in parse_modes("memory, speed,memory,budget=0.5,budget=64MiB")]
+    labels = [m.label for m in parse_policies("memory, speed,memory,budget=0.5,budget=64MiB")]
     assert labels == ["none", "memory", "speed", "budget 50%", "budget 64.00 MiB"]
-    assert parse_modes("none")[0].call() == "memfit.checkpoint(model, 'none')"
-    assert parse_modes("budget=0.25")[1].call() == "memfit.checkpoint(model, budget=0.25)"
-    with pytest.raises(CliError, match="'fast' is not a mode"):
-        parse_modes("fast")
+    assert parse_policies("none")[0].call() == "memfit.checkpoint(model, 'none')"
+    assert parse_policies("budget=0.25")[1].call() == "memfit.checkpoint(model, budget=0.25)"
+    with pytest.raises(CliError, match="'fast' is not a policy"):
+        parse_policies("fast")
     assert parse_shape("8,3,32,32") == parse_shape("8x3x32x32") == (8, 3, 32, 32)
     for bad in ("", "8,0", "8,x", "a"):
         with pytest.raises(CliError, match="is not a shape"):

@@ -2,7 +2,7 @@
 
 The JSON report is checked against its own published schema (``REPORT_SCHEMA``), and then for
 what its numbers must say: the saved activations of this MLP are exactly its two Tanh outputs,
-every mode's measured peak is recorded, and the largest-batch search's answer was measured to fit
+every policy's measured peak is recorded, and the largest-batch search's answer was measured to fit
 the budget while the batch one step above it was measured not to.
 """
 
@@ -23,7 +23,7 @@ BUDGET = 2**20  # 1 MiB: the tiny MLP fits a few hundred rows
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
     out = tmp_path_factory.mktemp("profile")
-    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--device", "cpu", "--modes",
+    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--device", "cpu", "--policies",
                       "none,memory", "--budget", "1MiB", "--batch-step", "32", "--timing-runs",
                       "1", "--pareto", "--json", "--out", str(out))
     return proc, out
@@ -33,7 +33,7 @@ def test_exit_status_and_tables(profiled) -> None:
     proc, _ = profiled
     assert proc.returncode == 0, explain(proc)
     for title in ("activation memory by submodule", "largest tensors kept for backward",
-                  "one training step per mode", "largest batch within 1MiB"):
+                  "one training step per policy", "largest batch within 1MiB"):
         assert title in proc.stdout, proc.stdout
     assert "Next:" in proc.stdout
 
@@ -54,9 +54,9 @@ def test_report_matches_its_schema_and_the_model(profiled) -> None:
     assert all(t["shape"] == [16, 128] and "TanhBackward0" in t["saved_by"]
                for t in acts["largest_tensors"])
 
-    modes = {m["label"]: m for m in report["modes"]}
-    assert list(modes) == ["none", "memory"]
-    assert modes["none"]["peak_ratio"] == 1.0 and modes["none"]["peak_bytes"] > 2 * tanh_out
+    policies = {m["label"]: m for m in report["policies"]}
+    assert list(policies) == ["none", "memory"]
+    assert policies["none"]["peak_ratio"] == 1.0 and policies["none"]["peak_bytes"] > 2 * tanh_out
     assert report["pareto"] and all(p["peak_bytes"] > 0 for p in report["pareto"])
 
 
@@ -85,7 +85,7 @@ def test_figures_are_pngs_of_sensible_size(profiled) -> None:
 
 def test_model_only_factory_with_input_shape(tmp_path: Path) -> None:
     proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp_model", "--input-shape", "8,32",
-                      "--modes", "none", "--timing-runs", "1", "--json", "--out", str(tmp_path))
+                      "--policies", "none", "--timing-runs", "1", "--json", "--out", str(tmp_path))
     assert proc.returncode == 0, explain(proc)
     report = json.loads((tmp_path / "profile.json").read_text())
     assert validate(report) == []

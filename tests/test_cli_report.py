@@ -27,5 +27,7 @@ def test_nullable_and_enum_parts_of_the_report_schema() -> None:
     props = REPORT_SCHEMA["properties"]
     assert validate(None, props["max_batch"]) == [] and validate(None, props["pareto"]) == []
     assert validate("x", props["max_batch"]) != []
-    assert validate("memfit-profile/2", props["schema"]) != []
+    assert validate("memfit-profile/1", props["schema"]) != []  # the old layout ("modes")
+    policy = props["policies"]["items"]["properties"]["policy"]
+    assert validate("budget", policy) == [] and validate("fast", policy) != []
     assert set(REPORT_SCHEMA["required"]) == set(props)  # every key is always present

@@ -3,7 +3,7 @@
 Why: gradient checkpointing is about how activation memory grows with depth. Keeping everything
 grows linearly in the number of blocks n; the textbook alternative, ``checkpoint_sequential`` with
 sqrt(n) segments, keeps O(sqrt n) block boundaries plus one segment's activations. This benchmark
-measures where memfit's modes land between those, and what they cost in time, on CIFAR-shaped
+measures where memfit's policies land between those, and what they cost in time, on CIFAR-shaped
 pre-activation ResNets (``memfit.bench.resnet.cifar_resnet``) from 9 to 129 residual blocks.
 
 Methods, all training one step (forward, cross-entropy loss, backward) on the same batch:

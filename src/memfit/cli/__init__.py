@@ -1,7 +1,7 @@
 """``memfit``: the command line. ``memfit demo``, ``memfit profile TARGET``, ``memfit bench``.
 
 One module per command (``demo``, ``profile``, ``bench``), each with ``add_parser`` and ``run``;
-the measuring they share is in ``steps`` (a training step per mode), ``activations`` (saved
+the measuring they share is in ``steps`` (a training step per policy), ``activations`` (saved
 tensors by submodule), ``batch_search`` (largest batch within a budget), ``figures``, ``tables``
 and ``report`` (the JSON report and its schema). Input checks raise ``errors.CliError``, which
 :func:`main` prints as one line ``memfit: error: ...`` with exit status 2; ``--debug`` adds the

@@ -8,7 +8,7 @@ state is not included. So a budget below the parameters can never fit, and is re
 How: the batch is a multiple of ``step`` (default 1). Starting at the example batch, the batch is
 doubled while it fits (halved while it does not), then bisected between the largest batch that fit
 and the smallest that did not, until they are one ``step`` apart. Every probe is a real step: the
-model is wrapped afresh in the mode (shapes are static, so each batch size is captured and planned
+model is wrapped afresh in the policy (shapes are static, so each batch size is captured and planned
 for itself), run once to compile, then run once under ``memfit.measure``. So the result ``b`` was
 measured to fit and ``b + step`` was measured not to, assuming memory grows with the batch. A probe
 that runs out of device memory (CUDA) counts as not fitting. Inputs of another batch size are made
@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+
+from memfit._compat import tree_flatten, tree_map
 
 import memfit
 from memfit.cli.errors import CliError
-from memfit.cli.steps import ModeSpec, Workload, resident_bytes
+from memfit.cli.steps import Workload, resident_bytes
+from memfit.planning.policy import Policy
 
 __all__ = ["Probe", "SearchResult", "batch_size_of", "resize_batch", "measure_probe",
            "search_max_batch"]
@@ -81,14 +83,14 @@ def resize_batch(value: Any, batch_dim: int, old: int, new: int) -> Any:
     return tree_map(resize, value)
 
 
-def measure_probe(work: Workload, spec: ModeSpec, device: torch.device, budget_bytes: int,
+def measure_probe(work: Workload, policy: Policy, device: torch.device, budget_bytes: int,
                   batch_dim: int, batch: int) -> Probe:
-    """Wrap ``work.model`` in ``spec``, compile at ``batch`` rows, measure one step's total."""
+    """Wrap ``work.model`` with ``policy``, compile at ``batch`` rows, measure one step's total."""
     old = batch_size_of(work.args, work.kwargs, batch_dim)
     probe_work = Workload(work.model, resize_batch(work.args, batch_dim, old, batch),
                           resize_batch(work.kwargs, batch_dim, old, batch), work.loss)
-    torch._dynamo.reset()
-    wrapped = spec.wrap(work.model)
+    torch.compiler.reset()
+    wrapped = memfit.checkpoint(work.model, policy)
     try:
         work.model.zero_grad(set_to_none=True)
         probe_work.step(wrapped)()
@@ -96,8 +98,8 @@ def measure_probe(work: Workload, spec: ModeSpec, device: torch.device, budget_b
         m = memfit.measure(probe_work.step(wrapped), device=device)
     except torch.OutOfMemoryError as err:
         return Probe(batch, None, False, f"out of memory: {str(err).splitlines()[0]}")
-    except memfit.BudgetError as err:  # a budget mode with no plan at this batch size
-        return Probe(batch, None, False, f"no plan within the mode's budget: {err}")
+    except memfit.BudgetError as err:  # a budget policy with no plan at this batch size
+        return Probe(batch, None, False, f"no plan within the policy's budget: {err}")
     finally:
         work.model.zero_grad(set_to_none=True)
         del wrapped

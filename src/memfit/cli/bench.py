@@ -38,7 +38,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "depth-sweep", parents=parents,
         help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
         description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
-                    "129 residual blocks: plain PyTorch, memfit's modes, checkpoint_sequential. "
+                    "129 residual blocks: plain PyTorch, memfit's policies, checkpoint_sequential. "
                     "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
                     "temporary directory, not the working directory).",
         epilog=EXAMPLES, formatter_class=HelpFormatter)

@@ -3,7 +3,7 @@
 Why this exists: a new user's first question is "how much memory does this save, and what does it
 cost?". The honest answer is a measurement, not a prediction, so the demo trains one step of a
 CIFAR-shaped ResNet (``memfit.bench.resnet``: pre-activation ResNet v2 with BatchNorm, the kind
-of model gradient checkpointing is usually sold on) under each mode (``none``, ``speed``,
+of model gradient checkpointing is usually sold on) under each policy (``none``, ``speed``,
 ``memory``, and a budget of half of plain autograd's activation memory) and reports side by side:
 
 * the **measured** peak tensor memory of one training step (``memfit.measure``: exact allocator
@@ -13,8 +13,8 @@ of model gradient checkpointing is usually sold on) under each mode (``none``, `
 * the step time (median of 3, measured without the memory profiler, which inflates CPU time), its
   ratio to ``"none"``, and the FLOPs memfit recomputes, as a fraction of one forward.
 
-It writes one figure: live tensor memory over one step per mode (forward/backward boundary
-marked), and peak memory per mode, to ``--out`` (default ``memfit-demo`` in the temporary
+It writes one figure: live tensor memory over one step per policy (forward/backward boundary
+marked), and peak memory per policy, to ``--out`` (default ``memfit-demo`` in the temporary
 directory: a demo leaves the working directory as it found it) and prints where it went. It
 runs on CUDA if available, else on CPU; the measuring is
 ``memfit.cli.steps``, the figure ``memfit.cli.figures``.
@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from memfit.bench.resnet import cifar_resnet
 from memfit.cli.figures import timeline_figure
 from memfit.cli.options import HelpFormatter
-from memfit.cli.steps import ModeSpec, Workload, run_modes
-from memfit.cli.tables import duration, mode_table
+from memfit.cli.steps import Workload, run_policies
+from memfit.cli.tables import duration, policy_table
 from memfit.planning.budget import Budget
+from memfit.planning.policy import BUDGET, Policy
 
-__all__ = ["add_parser", "run", "demo_modes", "FULL", "QUICK"]
+__all__ = ["add_parser", "run", "demo_policies", "FULL", "QUICK"]
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,17 @@ examples:
 """
 
 
-def demo_modes(budget: float = 0.5) -> list[ModeSpec]:
+def demo_policies(budget: float = 0.5) -> list[Policy]:
     """``none`` (the baseline), ``speed``, ``memory``, and a budget (fraction of ``none``)."""
-    return [*(ModeSpec.plain(m) for m in ("none", "speed", "memory")),
-            ModeSpec.budget_of(Budget(fraction=budget))]
+    return [*(Policy(name) for name in ("none", "speed", "memory")),
+            Policy(BUDGET, budget=Budget(fraction=budget))]
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "demo", parents=parents, help="one training step per mode on a ResNet: table and figure",
-        description="Train one step of a CIFAR ResNet-32 in each memfit mode; print measured peak "
-                    "memory and step time per mode and write a figure of memory over the step.",
+        "demo", parents=parents, help="one training step per policy on a ResNet: table and figure",
+        description="Train one step of a CIFAR ResNet-32 in each memfit policy; print measured peak "
+                    "memory and step time per policy and write a figure of memory over the step.",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                    help=f"directory for demo.png (default: {DEFAULT_OUT}, in the temporary "
@@ -96,8 +97,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     title = (f"ResNet-{6 * cfg.blocks_per_stage + 2} ({n_blocks} residual blocks, width "
              f"{cfg.width}), batch {cfg.batch}x3x32x32, one training step on {device.type}")
     console.print(f"[bold]memfit demo[/bold]: {title}")
-    console.print("Each mode: one first step (capture, plan, compile), one step measured for "
-                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the modes"
+    console.print("Each policy: one first step (capture, plan, compile), one step measured for "
+                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the policies"
                   + (f" ({torch.get_num_threads()} threads, OMP_WAIT_POLICY="
                      f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})." if device.type == "cpu"
                      else "."))
@@ -111,8 +112,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     work = Workload(model, (x,), loss=lambda out: F.cross_entropy(out, y))
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TimeElapsedColumn(), console=console) as progress:
-        results = run_modes(work, demo_modes(cfg.budget), device, cfg.timing_runs, progress)
-    console.print(mode_table(results, title="one training step (forward + loss + backward)"))
+        results = run_policies(work, demo_policies(cfg.budget), device, cfg.timing_runs, progress)
+    console.print(policy_table(results, title="one training step (forward + loss + backward)"))
     for r in results:
         if r.recaptured:
             console.print(f"[yellow]warning: {r.label} was captured again while being measured; "
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     spread = max(max(r.step_times) / min(r.step_times) for r in results)
     if spread > 1.5:
-        console.print(f"[yellow]Step times of one mode varied up to {spread:.1f}x between runs: "
+        console.print(f"[yellow]Step times of one policy varied up to {spread:.1f}x between runs: "
                       "the machine is probably busy, so read the times with care.[/yellow]")
 
     png = timeline_figure(results, args.out / "demo.png", title)

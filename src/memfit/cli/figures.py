@@ -1,9 +1,9 @@
 """The figures the command line writes (matplotlib, Agg backend: no display needed).
 
-``timeline_figure``: (a) live tensor memory over one training step for every mode on one set of
-axes, time as a fraction of each mode's step so that modes of different speed line up, with a
-dashed line where each mode's forward (and loss) ended and backward began; (b) measured peak per
-mode as bars, memfit's prediction as a black tick. ``pareto_figure``: the trade-off the budget
+``timeline_figure``: (a) live tensor memory over one training step for every policy on one set of
+axes, time as a fraction of each policy's step so that policies of different speed line up, with a
+dashed line where each policy's forward (and loss) ended and backward began; (b) measured peak per
+policy as bars, memfit's prediction as a black tick. ``pareto_figure``: the trade-off the budget
 planner sees, predicted peak against estimated recompute cost, one point per plan on the frontier.
 """
 
@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.cli.steps import ModeResult
+from memfit.cli.steps import PolicyResult
 
-__all__ = ["timeline_figure", "pareto_figure", "MODE_COLORS"]
+__all__ = ["timeline_figure", "pareto_figure", "POLICY_COLORS"]
 
 MIB = 2**20
 
-#: Colours by mode; budget modes and others take the remaining ones in order.
-MODE_COLORS = {"none": "tab:gray", "speed": "tab:blue", "memory": "tab:green",
+#: Colours by policy; budget policies and others take the remaining ones in order.
+POLICY_COLORS = {"none": "tab:gray", "speed": "tab:blue", "memory": "tab:green",
                "collection": "tab:purple"}
 _OTHER_COLORS = ("tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
@@ -37,11 +37,11 @@ def _pyplot() -> Any:
 def _colors(labels: Sequence[str]) -> dict[str, str]:
     out, others = {}, iter(_OTHER_COLORS * 4)
     for label in labels:
-        out[label] = MODE_COLORS.get(label) or next(others)
+        out[label] = POLICY_COLORS.get(label) or next(others)
     return out
 
 
-def timeline_figure(results: Sequence[ModeResult], path: Path, title: str) -> Path:
+def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> Path:
     plt = _pyplot()
     colors = _colors([r.label for r in results])
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=[2, 1])
@@ -70,7 +70,7 @@ def timeline_figure(results: Sequence[ModeResult], path: Path, title: str) -> Pa
                  s=600, zorder=3, label="predicted by memfit")
     ax_b.set_xticks(xs, [r.label for r in results])
     ax_b.set_ylabel("peak tensor memory (MiB)")
-    ax_b.set_title("(b) peak memory per mode")
+    ax_b.set_title("(b) peak memory per policy")
     ax_b.legend(loc="upper right", framealpha=0.9)
     fig.suptitle(title)
     fig.tight_layout()
@@ -81,10 +81,10 @@ def timeline_figure(results: Sequence[ModeResult], path: Path, title: str) -> Pa
 
 
 def pareto_figure(points: Sequence[Any], path: Path, title: str,
-                  modes: Sequence[ModeResult] = ()) -> Path:
+                  policies: Sequence[PolicyResult] = ()) -> Path:
     """``points``: the planner's frontier (``peak_bytes``, ``recompute_seconds``, sorted by peak).
 
-    ``modes``, if given, are drawn as vertical lines at their predicted peaks for orientation.
+    ``policies``, if given, are drawn as vertical lines at their predicted peaks for orientation.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -92,8 +92,8 @@ def pareto_figure(points: Sequence[Any], path: Path, title: str,
     ys = [p.recompute_seconds * 1e3 for p in points]
     ax.step(xs, ys, where="post", color="black", alpha=0.4)
     ax.plot(xs, ys, "o", color="black", label=f"plans on the frontier ({len(points)})")
-    colors = _colors([r.label for r in modes])
-    for r in modes:
+    colors = _colors([r.label for r in policies])
+    for r in policies:
         ax.axvline(r.predicted_peak_bytes / MIB, color=colors[r.label], linestyle="--",
                    linewidth=1, label=f"{r.label} (predicted peak)")
     ax.set_xlabel("predicted peak tensor memory of one step (MiB)")

@@ -13,10 +13,10 @@ import re
 import torch
 
 from memfit.cli.errors import CliError
-from memfit.cli.steps import ModeSpec
 from memfit.planning.budget import parse_budget
+from memfit.planning.policy import NAMED, Policy, parse_policy
 
-__all__ = ["HelpFormatter", "parse_batch_budget", "parse_device", "parse_dtype", "parse_modes",
+__all__ = ["HelpFormatter", "parse_batch_budget", "parse_device", "parse_dtype", "parse_policies",
            "parse_shape", "DTYPES"]
 
 
@@ -35,9 +35,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
-
-#: Modes ``--modes`` accepts besides ``budget=VALUE``.
-PLAIN_MODES = ("none", "speed", "memory", "collection")
 
 
 def parse_device(text: str | None) -> torch.device:
@@ -91,29 +88,24 @@ def parse_batch_budget(text: str) -> int:
     return budget.bytes
 
 
-def parse_modes(text: str) -> list[ModeSpec]:
-    """``--modes``: comma-separated ``none``, ``speed``, ``memory``, ``collection``, ``budget=B``.
+def parse_policies(text: str) -> list[Policy]:
+    """``--policies``: comma-separated policies as ``memfit.parse_policy`` reads them.
 
     ``none`` (plain autograd, nothing recomputed) is always run first: every ratio is taken to it.
     """
-    specs: list[ModeSpec] = [ModeSpec.plain("none")]
+    policies: list[Policy] = [Policy("none")]
     for raw in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = raw.partition("=")
-        name = name.strip().lower()
-        if name in PLAIN_MODES and not sep:
-            spec = ModeSpec.plain(name)
-        elif name == "budget" and sep:
-            try:
-                spec = ModeSpec.budget_of(parse_budget(value.strip()))
-            except (TypeError, ValueError) as err:
-                raise CliError(f"--modes {raw!r}: {err}") from None
-        else:
-            raise CliError(f"--modes: {raw!r} is not a mode; use a comma-separated list of "
-                           f"{', '.join(PLAIN_MODES)} and budget=B (B: bytes such as 2GiB, or a "
-                           "fraction such as 0.5 of plain autograd's activation memory)")
-        if spec not in specs:
-            specs.append(spec)
-    return specs
+        try:
+            policy = parse_policy(raw)
+        except (TypeError, ValueError) as err:
+            raise CliError(f"--policies {raw!r}: {err}") from None
+        if policy not in policies:
+            policies.append(policy)
+    return policies
+
+
+#: The policies ``--policies`` names in its help.
+POLICY_NAMES = ", ".join(NAMED)
 
 
 _SHAPE_SPLIT = re.compile(r"[,\s]+|(?<=\d)x(?=\d)")

@@ -4,9 +4,9 @@ For the model a factory builds (see ``memfit.cli.target``) this reports, all mea
 
 1. activation memory by submodule and the largest tensors kept for backward (one eager step of
    plain PyTorch with saved-tensor hooks; ``memfit.cli.activations`` says exactly how);
-2. per mode (``--modes``, ``none`` always first): measured and predicted peak, step time, recomputed
-   FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per mode;
-3. with ``--budget``: the largest batch whose whole training step fits, per mode, searched with real
+2. per policy (``--policies``, ``none`` always first): measured and predicted peak, step time, recomputed
+   FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per policy;
+3. with ``--budget``: the largest batch whose whole training step fits, per policy, searched with real
    steps (``memfit.cli.batch_search``);
 4. with ``--pareto``: the budget planner's frontier of predicted peak against recompute cost, as a
    PNG (``memfit.plan(..., budget=1.0).pareto()``);
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from memfit._compat import keystr, tree_flatten_with_path
 
 import memfit
 from memfit.cli import report as rep
@@ -36,9 +36,9 @@ from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_bat
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
 from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device, parse_dtype,
-                                parse_modes, parse_shape)
-from memfit.cli.steps import Workload, resident_bytes, run_modes
-from memfit.cli.tables import batch_table, mib, mode_table, module_table, tensor_table
+                                parse_policies, parse_shape, POLICY_NAMES)
+from memfit.cli.steps import Workload, resident_bytes, run_policies
+from memfit.cli.tables import batch_table, mib, policy_table, module_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
 from memfit.units import format_bytes
 
@@ -50,7 +50,7 @@ DEFAULT_OUT = Path(tempfile.gettempdir()) / "memfit-profile"
 EXAMPLES = """\
 examples:
   memfit profile examples/resnet.py:make --budget 128MiB --pareto
-  memfit profile mypkg.models:build --input-shape 16,3,224,224 --modes none,memory --json
+  memfit profile mypkg.models:build --input-shape 16,3,224,224 --policies none,memory --json
   memfit profile train.py:model_and_batch --device cuda --dtype bfloat16 --budget 20GiB
 
 The factory takes no arguments and returns (model, example_inputs), example_inputs being a
@@ -73,7 +73,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     p = sub.add_parser(
         "profile", parents=parents, help="measure where your model's training memory goes",
         description="Measure a training step of your model: activation memory by submodule, "
-                    "the largest tensors kept, peak and step time per memfit mode, and with "
+                    "the largest tensors kept, peak and step time per memfit policy, and with "
                     "--budget the largest batch that fits.",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
     p.add_argument("target", metavar="TARGET",
@@ -84,11 +84,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", help="cast parameters and floating inputs: float32, bfloat16, "
                                    "float16, float64 (default: as the factory made them)")
-    p.add_argument("--modes", default="none,speed,memory",
-                   help="comma-separated modes: none, speed, memory, collection, budget=B "
-                        "(default: none,speed,memory; none is always run, as the baseline)")
+    p.add_argument("--policies", "--modes", default="none,speed,memory",
+                   help=f"comma-separated policies: {POLICY_NAMES}, budget=B "
+                        "(default: none,speed,memory; none is always run, as the baseline; "
+                        "--modes is the old name)")
     p.add_argument("--budget", metavar="BYTES",
-                   help="find the largest batch per mode whose training step fits in this much "
+                   help="find the largest batch per policy whose training step fits in this much "
                         "device memory (weights + batch + measured peak): e.g. 2GiB, 800MB, "
                         "512KiB or bytes")
     p.add_argument("--batch-dim", type=int, default=0, metavar="DIM",
@@ -98,7 +99,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     p.add_argument("--max-batch", type=int, default=65536, metavar="N",
                    help="largest batch the search tries (default 65536)")
     p.add_argument("--timing-runs", type=int, default=3, metavar="N",
-                   help="timed steps per mode; the median is reported (default 3)")
+                   help="timed steps per policy; the median is reported (default 3)")
     p.add_argument("--pareto", action="store_true",
                    help="also plot the budget planner's predicted peak vs recompute frontier")
     p.add_argument("--json", action="store_true", help="write OUT/profile.json (schema: "
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype)
-    specs = parse_modes(args.modes)
+    policies = parse_policies(args.policies)
     budget = parse_batch_budget(args.budget) if args.budget is not None else None
     shapes = [parse_shape(s) for s in args.input_shape]
     _check_ints(args)
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             raise CliError(f"{args.target}: a training step of the model on its example inputs "
                            f"raised {first_line(err)}") from err
         progress.update(task, advance=1, description="activations attributed")
-        results = run_modes(work, specs, device, args.timing_runs, progress)
+        results = run_policies(work, policies, device, args.timing_runs, progress)
         frontier = None
         if args.pareto:
             task = progress.add_task("pareto: planning with budget=1.0", total=1)
@@ -198,21 +199,21 @@ def run(args: argparse.Namespace, console: Any) -> int:
             progress.update(task, advance=1, description="pareto frontier planned")
         searches = []
         if budget is not None:
-            for spec in specs:
-                task = progress.add_task(f"{spec.label}: largest batch within {args.budget}",
+            for policy in policies:
+                task = progress.add_task(f"{policy.label}: largest batch within {args.budget}",
                                          total=None)
 
-                def on_probe(p: Any, task: Any = task, spec: Any = spec) -> None:
+                def on_probe(p: Any, task: Any = task, policy: Any = policy) -> None:
                     state = "fits" if p.fits else "over"
-                    progress.update(task, description=f"{spec.label}: batch {p.batch} {state}")
+                    progress.update(task, description=f"{policy.label}: batch {p.batch} {state}")
 
                 searches.append(search_max_batch(
-                    lambda b, spec=spec: measure_probe(work, spec, device, budget,
+                    lambda b, policy=policy: measure_probe(work, policy, device, budget,
                                                        args.batch_dim, b),
-                    label=spec.label, budget_bytes=budget, start=batch or 1,
+                    label=policy.label, budget_bytes=budget, start=batch or 1,
                     step=args.batch_step, limit=args.max_batch, on_probe=on_probe))
                 progress.update(task, total=1, completed=1,
-                                description=f"{spec.label}: largest batch "
+                                description=f"{policy.label}: largest batch "
                                             f"{searches[-1].max_batch}")
 
     console.print(module_table(acts, name))
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(f"Plain autograd saves {mib(acts.total_bytes)} for backward; memfit's 'none' "
                   f"plan keeps {mib(none_kept)}.", highlight=False)
     console.print(tensor_table(acts, name))
-    console.print(mode_table(results, title="one training step per mode (forward + loss + "
+    console.print(policy_table(results, title="one training step per policy (forward + loss + "
                                             "backward)"))
     for r in results:
         if r.recaptured:
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             "buffers_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
             "inputs": _input_entries(work.args, work.kwargs),
             "activations": rep.activations_entry(acts, ACTIVATIONS_METHOD, none_kept),
-            "modes": [rep.mode_entry(r, base) for r in results],
+            "policies": [rep.policy_entry(r, base) for r in results],
             "max_batch": None if budget is None else {
                 "budget_bytes": budget, "covers": BUDGET_COVERS, "batch_step": args.batch_step,
                 "limit": args.max_batch, "results": [rep.search_entry(s) for s in searches]},
@@ -279,9 +280,9 @@ def _next_step(results: list[Any], searched: bool) -> str:
     base, others = results[0], results[1:]
     best = min(others, key=lambda r: r.peak_bytes, default=None)
     if best is None:
-        return "Next: add --modes none,speed,memory to compare memfit's modes."
+        return "Next: add --policies none,speed,memory to compare memfit's policies."
     if best.peak_bytes > 0.9 * base.peak_bytes:
-        return (f"Next: activations are a small part of this step (the best mode, {best.label}, "
+        return (f"Next: activations are a small part of this step (the best policy, {best.label}, "
                 f"peaks at {mib(best.peak_bytes)} against {mib(base.peak_bytes)}); try a larger "
                 "batch (--budget finds the largest that fits) or a deeper model.")
     hint = "" if searched else ", or add --budget 2GiB to find the largest batch that fits"

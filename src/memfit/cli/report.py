@@ -4,7 +4,8 @@ The report is one JSON object (``REPORT_SCHEMA`` below is its JSON Schema, draft
 Sizes are bytes (integers), times seconds, FLOPs counts; every number is measured unless its name
 says ``predicted``. Top-level keys:
 
-``schema``          ``"memfit-profile/1"``; the number changes when a key changes meaning.
+``schema``          ``"memfit-profile/2"``; the number changes when a key changes meaning (2: the
+                    per-policy list is ``policies``, each entry naming its ``policy``).
 ``memfit_version``, ``torch_version``, ``target`` (as given), ``model`` (class name),
 ``device``, ``dtype`` (of the parameters), ``batch_dim``, ``batch_size`` (of the example inputs)
 ``parameters``      ``count``, ``bytes``; ``buffers_bytes``; ``inputs``: ``name``, ``shape``,
@@ -15,15 +16,16 @@ says ``predicted``. Top-level keys:
                     ``self_bytes`` made by its own code, ``total_bytes`` with its children,
                     ``tensors``), ``largest_tensors`` (the 20 largest: ``bytes``, ``shape``,
                     ``dtype``, producing ``module``, ``saved_by`` backward nodes).
-``modes``           one entry per mode: ``label``, how it was wrapped (``checkpoints`` or
-                    ``budget_bytes``/``budget_fraction``), ``peak_bytes`` (measured, above the
+``policies``        one entry per policy: ``label``, ``policy`` (its name: ``none``, ``speed``,
+                    ``memory``, ``collection`` or ``budget``), ``budget_bytes``/``budget_fraction``
+                    (budgets only), ``call`` (the Python call), ``peak_bytes`` (measured, above the
                     step's start), ``predicted_peak_bytes``, ``peak_ratio`` and ``time_ratio`` (to
                     ``none``), ``step_time_s`` (median of ``step_times_s``), ``first_step_s``
                     (capture, planning, compilation and one step), ``recompute_flops``,
                     ``forward_flops``, ``kept_tensors``, ``kept_bytes``, ``recomputed_ops``,
                     ``graphs`` (captured pieces), ``recaptured`` (planned again while measured).
 ``max_batch``       ``null`` without ``--budget``; else ``budget_bytes``, ``covers`` (what the budget
-                    counts), ``batch_step``, ``limit`` and per mode ``max_batch`` (0: none fits),
+                    counts), ``batch_step``, ``limit`` and per policy ``max_batch`` (0: none fits),
                     ``total_bytes`` at it, ``first_not_fitting`` (measured), ``capped``, ``probes``
                     (every measured ``batch``, ``total_bytes``, ``fits``, ``error``).
 ``pareto``          ``null`` without ``--pareto``; else the planner's frontier, by peak:
@@ -39,9 +41,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["REPORT_SCHEMA", "SCHEMA_ID", "validate", "mode_entry", "activations_entry", "search_entry"]
+from memfit.cli.steps import PolicyResult
+from memfit.planning.policy import BUDGET, NAMED
 
-SCHEMA_ID = "memfit-profile/1"
+__all__ = ["REPORT_SCHEMA", "SCHEMA_ID", "validate", "policy_entry", "activations_entry", "search_entry"]
+
+SCHEMA_ID = "memfit-profile/2"
 
 _INT = {"type": "integer", "minimum": 0}
 _INT_OR_NULL = {"type": ["integer", "null"], "minimum": 0}
@@ -65,8 +70,8 @@ _MODULE = _object({"module": _STR, "type": _STR, "self_bytes": _INT, "total_byte
                    "tensors": _INT})
 _TENSOR = _object({"bytes": _INT, "shape": _SHAPE, "dtype": _STR, "module": _STR,
                    "saved_by": {"type": "array", "items": _STR}})
-_MODE = _object({
-    "label": _STR, "checkpoints": _STR_OR_NULL,
+_POLICY = _object({
+    "label": _STR, "policy": {"type": "string", "enum": [*NAMED, BUDGET]}, "call": _STR,
     "budget_bytes": _INT_OR_NULL, "budget_fraction": {"type": ["number", "null"], "minimum": 0},
     "peak_bytes": _INT, "predicted_peak_bytes": _INT, "peak_ratio": _NUM,
     "step_time_s": _NUM, "step_times_s": {"type": "array", "items": _NUM}, "time_ratio": _NUM,
@@ -105,7 +110,7 @@ REPORT_SCHEMA: dict[str, Any] = {
             "by_module": {"type": "array", "items": _MODULE},
             "largest_tensors": {"type": "array", "items": _TENSOR},
         }),
-        "modes": {"type": "array", "items": _MODE},
+        "policies": {"type": "array", "items": _POLICY},
         "max_batch": _or_null(_object({
             "budget_bytes": _INT, "covers": _STR, "batch_step": _INT, "limit": _INT,
             "results": {"type": "array", "items": _SEARCH},
@@ -165,11 +170,15 @@ def _ratio(value: float, base: float) -> float:
     return value / base if base else 0.0
 
 
-def mode_entry(r: Any, base: Any) -> dict[str, Any]:
-    """One ``modes`` entry from a ``memfit.cli.steps.ModeResult`` and the ``none`` result."""
-    plan = r.plan
+def policy_entry(r: PolicyResult, base: PolicyResult) -> dict[str, Any]:
+    """One ``policies`` entry from a ``memfit.cli.steps.PolicyResult`` and the ``none`` result."""
+    plan, budget = r.plan, r.policy.budget
     return {
-        **r.spec.to_json(),
+        "label": r.policy.label,
+        "policy": r.policy.name,
+        "budget_bytes": budget.bytes if budget else None,
+        "budget_fraction": budget.fraction if budget else None,
+        "call": r.policy.call(),
         "peak_bytes": r.peak_bytes,
         "predicted_peak_bytes": int(plan.predicted_peak_bytes),
         "peak_ratio": _ratio(r.peak_bytes, base.peak_bytes),

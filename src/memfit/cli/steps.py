@@ -1,16 +1,18 @@
-"""One training step per memfit mode, measured the same way by ``memfit demo`` and ``memfit profile``.
+"""One training step per memfit policy, measured the same way by ``memfit demo`` and ``memfit profile``.
 
 A *step* is forward, loss, backward, with gradients set to ``None`` first (as
-``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Each mode
-is a method of ``memfit.bench.runner``, measured as the benchmarks measure theirs:
+``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Each
+policy (``memfit.Policy``) is a method of ``memfit.bench.runner``, measured as the benchmarks
+measure theirs:
 
 1. wrap the model (``memfit.checkpoint``) and run one step: capture, plan, compile ("first step");
 2. run one step under ``memfit.measure``: the exact peak and the memory timeline, with the end of
    the forward (loss included) marked so figures can show where backward starts;
 3. time ``timing_runs`` steps without the memory profiler (it inflates CPU time), round-robin over
-   the modes so a busy machine's slow moments are spread over all of them; the median is reported.
+   the policies so a busy machine's slow moments are spread over all of them; the median is
+   reported.
 
-All modes wrap the *same* model object (wrappers share its parameters), so nothing is copied.
+All policies wrap the *same* model object (wrappers share its parameters), so nothing is copied.
 Dynamo is reset once before the wraps: each wrapper has its own backend, so they coexist in
 Dynamo's cache and none is recompiled while it is measured (a recompile is detected and reported).
 The first error stops the command (``record_failures=False``): a CLI reports it, not a table.
@@ -26,57 +28,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import memfit
+from memfit._compat import tree_flatten
 from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
-from memfit.planning.budget import Budget
 from memfit.planning.plan import Plan
-from memfit.units import format_bytes
+from memfit.planning.policy import Policy
 
-__all__ = ["ModeSpec", "ModeResult", "Workload", "default_loss", "resident_bytes", "run_modes"]
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    """A way to wrap a model: one of memfit's named modes, or a budget."""
-
-    label: str
-    checkpoints: str | None = None
-    budget: Budget | None = None
-
-    @classmethod
-    def plain(cls, name: str) -> "ModeSpec":
-        return cls(label=name, checkpoints=name)
-
-    @classmethod
-    def budget_of(cls, budget: Budget) -> "ModeSpec":
-        if budget.fraction is not None:
-            label = f"budget {budget.fraction:.0%}"
-        else:
-            label = f"budget {format_bytes(budget.bytes or 0)}"
-        return cls(label=label, budget=budget)
-
-    def wrap(self, model: nn.Module) -> memfit.CheckpointedModule:
-        if self.budget is not None:
-            return memfit.checkpoint(model, budget=self.budget)
-        return memfit.checkpoint(model, self.checkpoints or "none")
-
-    def call(self, model: str = "model") -> str:
-        """The Python call that wraps a model this way."""
-        if self.budget is not None:
-            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
-            return f"memfit.checkpoint({model}, budget={value!r})"
-        return f"memfit.checkpoint({model}, {self.checkpoints or 'none'!r})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "checkpoints": self.checkpoints,
-            "budget_bytes": self.budget.bytes if self.budget else None,
-            "budget_fraction": self.budget.fraction if self.budget else None,
-        }
+__all__ = ["PolicyResult", "Workload", "default_loss", "resident_bytes", "run_policies"]
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -155,10 +115,10 @@ def resident_bytes(model: nn.Module, args: Sequence[Any] = (),
 
 
 @dataclass
-class ModeResult:
-    """What one mode's step cost, measured."""
+class PolicyResult:
+    """What one policy's step cost, measured."""
 
-    spec: ModeSpec
+    policy: Policy
     peak_bytes: int
     plan: Plan
     step_times: list[float]
@@ -170,7 +130,7 @@ class ModeResult:
 
     @property
     def label(self) -> str:
-        return self.spec.label
+        return self.policy.label
 
     @property
     def step_time(self) -> float:
@@ -186,15 +146,15 @@ class ModeResult:
         return self.plan.recompute_flops / fwd if fwd else 0.0
 
 
-def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
-              timing_runs: int = 3, progress: Any = None) -> list[ModeResult]:
-    """Compile every mode, measure each one's memory, then time them round-robin (see above).
+def run_policies(work: Workload, policies: Sequence[Policy], device: torch.device,
+                 timing_runs: int = 3, progress: Any = None) -> list[PolicyResult]:
+    """Compile every policy, measure each one's memory, then time them round-robin (see above).
 
     ``progress`` is an optional ``rich.progress.Progress`` to report on.
     """
     task = None
     if progress is not None:
-        task = progress.add_task("modes", total=len(specs) * (2 + timing_runs))
+        task = progress.add_task("policies", total=len(policies) * (2 + timing_runs))
 
     def doing(text: str, advance: bool = False) -> None:
         if progress is not None:
@@ -203,31 +163,31 @@ def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
     torch.compiler.reset()
     model = work.model
     methods = []
-    for spec in specs:
-        doing(f"{spec.label}: capturing, planning, compiling (first step)")
-        wrapped = spec.wrap(model)
-        method = Method(spec.label, model, work.step(wrapped), wrapped, record_failures=False)
+    for policy in policies:
+        doing(f"{policy.label}: capturing, planning, compiling (first step)")
+        wrapped = memfit.checkpoint(model, policy)
+        method = Method(policy.label, model, work.step(wrapped), wrapped, record_failures=False)
         try:
             first_step(method, device)
         except memfit.BudgetError as err:
-            raise CliError(f"mode {spec.label!r}: {err}") from err
+            raise CliError(f"policy {policy.label!r}: {err}") from err
         methods.append(method)
-        doing(spec.label, advance=True)
+        doing(policy.label, advance=True)
     before = Snapshot(methods)
 
     results = []
-    for spec, method in zip(specs, methods):
-        doing(f"{spec.label}: measuring the memory of one step")
+    for policy, method in zip(policies, methods):
+        doing(f"{policy.label}: measuring the memory of one step")
         marks: list[float] = []
         m = measure_peak(method, device, step=work.step(method.module, marks))
         forward_end = (marks[1] - marks[0]) / m.time_s if m.time_s > 0 else 0.5
-        results.append(ModeResult(
-            spec=spec, peak_bytes=int(m.peak_bytes or 0), plan=before.plans[method],
+        results.append(PolicyResult(
+            policy=policy, peak_bytes=int(m.peak_bytes or 0), plan=before.plans[method],
             step_times=method.times, compile_s=method.record["first_step_s"],
             timeline=list(m.timeline), forward_end=min(max(forward_end, 0.0), 1.0),
             measured_s=m.time_s,
         ))
-        doing(spec.label, advance=True)
+        doing(policy.label, advance=True)
 
     def timing(method: Method, rnd: int) -> None:
         doing(f"{method.name}: timing step {rnd + 1} of {timing_runs}", advance=True)
@@ -236,5 +196,5 @@ def run_modes(work: Workload, specs: Sequence[ModeSpec], device: torch.device,
     model.zero_grad(set_to_none=True)
     for method, result in zip(methods, results):
         result.recaptured = bool(before.plan_changed(method))
-    doing("modes measured")
+    doing("policies measured")
     return results

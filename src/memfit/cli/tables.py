@@ -1,4 +1,4 @@
-"""The rich tables the command line prints: per mode, per submodule, per tensor, per budget."""
+"""The rich tables the command line prints: per policy, per submodule, per tensor, per budget."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from rich.table import Table
 
 from memfit.cli.activations import LOSS, Activations
 from memfit.cli.batch_search import SearchResult
-from memfit.cli.steps import ModeResult
+from memfit.cli.steps import PolicyResult
 from memfit.units import format_bytes
 
-__all__ = ["mib", "duration", "mode_table", "module_table", "tensor_table", "batch_table"]
+__all__ = ["mib", "duration", "policy_table", "module_table", "tensor_table", "batch_table"]
 
 MIB = 2**20
 
@@ -35,10 +35,10 @@ def _table(title: str, columns: Sequence[tuple[str, str]]) -> Table:
     return table
 
 
-def mode_table(results: Sequence[ModeResult], title: str) -> Table:
-    """Measured peak and step time per mode, each also as a ratio to ``none``."""
+def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
+    """Measured peak and step time per policy, each also as a ratio to ``none``."""
     base = next((r for r in results if r.label == "none"), results[0])
-    table = _table(title, [("mode", "left"), ("measured peak", "right"), ("vs none", "right"),
+    table = _table(title, [("policy", "left"), ("measured peak", "right"), ("vs none", "right"),
                            ("predicted peak", "right"), ("step time", "right"),
                            ("vs none", "right"), ("recomputed", "right"),
                            ("first step", "right")])
@@ -81,9 +81,9 @@ def tensor_table(acts: Activations, model_name: str, top: int = 10) -> Table:
 
 
 def batch_table(searches: Sequence[SearchResult], budget_text: str) -> Table:
-    """Largest batch per mode within the budget, and the measured batch just above it."""
+    """Largest batch per policy within the budget, and the measured batch just above it."""
     table = _table(f"largest batch within {budget_text} (weights + batch + measured step peak)",
-                   [("mode", "left"), ("max batch", "right"), ("memory at it", "right"),
+                   [("policy", "left"), ("max batch", "right"), ("memory at it", "right"),
                     ("first batch over", "right"), ("memory there", "right"),
                     ("steps measured", "right")])
     for s in searches:

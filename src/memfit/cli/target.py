@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from memfit._compat import tree_map
 
 from memfit.cli.errors import CliError, first_line
 
