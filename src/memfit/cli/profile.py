@@ -27,7 +27,6 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 import memfit
 from memfit.cli import report as rep
-from memfit.cli.activations import saved_activations
 from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_batch
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
@@ -36,6 +35,7 @@ from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device,
 from memfit.cli.steps import Workload, resident_bytes, run_modes
 from memfit.cli.tables import batch_table, mib, mode_table, module_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
+from memfit.measurement.activations import saved_activations
 from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit._compat import TorchDispatchMode, tree_flatten
 
 __all__ = ["Activations", "ModuleActivations", "SavedTensor", "saved_activations", "LOSS"]
 
