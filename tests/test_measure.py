@@ -59,7 +59,8 @@ def test_measurement_is_frozen_and_readable():
 
 
 def test_str_of_negative_end():
-    m = Measurement(peak_bytes=0, end_bytes=-3 * 1024 * 1024, time_s=0.041, device="cpu", result=None)
+    m = Measurement(peak_bytes=0, end_bytes=-3 * 1024 * 1024, time_s=0.041, device="cpu",
+                    result=None)
     assert str(m) == "peak 0 B, end -3.00 MiB, 41 ms on cpu"
 
 

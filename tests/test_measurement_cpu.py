@@ -173,6 +173,18 @@ def test_exception_propagates_and_profiler_is_stopped():
     assert measure(lambda: torch.empty(FLOATS_PER_MB)).peak_bytes == MB
 
 
+def test_nested_cpu_measure_refuses():
+    with pytest.raises(RuntimeError, match="another torch profiler"):
+        measure(lambda: measure(lambda: torch.empty(10)))
+    # ...and time-only nesting is fine.
+    outer = measure(lambda: measure(lambda: torch.empty(FLOATS_PER_MB), profile_memory=False))
+    assert outer.peak_bytes == MB
+
+
+# --------------------------------------------------------------------------- other sessions
+# See NOTE [Why CPU recordings do not nest by pausing] in memfit/measurement/cpu.py.
+
+
 def test_cpu_measure_inside_a_user_profiler_refuses_and_leaves_it_intact():
     with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with pytest.raises(RuntimeError, match="another torch profiler"):
@@ -180,78 +192,19 @@ def test_cpu_measure_inside_a_user_profiler_refuses_and_leaves_it_intact():
         kept = torch.empty(FLOATS_PER_MB)
     assert MB in [ev.nbytes() for ev in profiler_events(prof) if ev.name() == "[memory]"]
     del kept
-    # ...and time-only nesting is fine.
-    outer = measure(lambda: measure(lambda: torch.empty(FLOATS_PER_MB), profile_memory=False))
-    assert outer.peak_bytes == MB
 
 
-# --------------------------------------------------------------------------- nesting
-
-
-def test_nested_cpu_measure_counts_for_both():
-    held = []
-
-    def inner():
-        scratch = torch.empty(3 * FLOATS_PER_MB)
-        del scratch
-        return torch.empty(FLOATS_PER_MB)
-
-    def outer():
-        held.append(torch.empty(2 * FLOATS_PER_MB))  # what the outer holds while inner runs
-        m = measure(inner)
-        held.append(m.result)
-        later = torch.empty(FLOATS_PER_MB)  # 2 + 1 + 1 MB: below the peak inside inner
-        del later
-        return m
-
-    m = measure(outer)
-    inner_m = m.result
-    assert (inner_m.peak_bytes, inner_m.end_bytes) == (3 * MB, MB)
-    assert m.peak_bytes == 2 * MB + inner_m.peak_bytes == 5 * MB
-    assert m.end_bytes == 3 * MB
-    times = [t for t, _ in m.timeline]
-    assert times == sorted(times) and max(v for _, v in m.timeline) == m.peak_bytes
-
-
-def test_nested_cpu_free_of_an_outer_block_counts_once_in_each():
-    def outer():
-        holder = [torch.empty(FLOATS_PER_MB)]  # allocated in the outer's session
-        return measure(holder.clear)  # freed in the inner's: reported by the profiler too
-
-    m = measure(outer)
-    assert (m.result.peak_bytes, m.result.end_bytes) == (0, -MB)
-    assert (m.peak_bytes, m.end_bytes) == (MB, 0)
-
-
-def test_three_levels_and_an_inner_exception():
-    def boom():
-        torch.empty(FLOATS_PER_MB)
-        raise KeyError("boom")
-
-    def middle():
-        a = torch.empty(FLOATS_PER_MB)
-        with pytest.raises(KeyError, match="boom"):
-            measure(boom)
-        return a, measure(lambda: torch.empty(2 * FLOATS_PER_MB))
-
-    m = measure(middle)
-    a, innermost = m.result
-    assert (innermost.peak_bytes, innermost.end_bytes) == (2 * MB, 2 * MB)
-    assert (m.peak_bytes, m.end_bytes) == (3 * MB, 3 * MB)
-    assert cpu_recording_blocked() is None  # every session was stopped
-
-
-def test_recordings_nest_directly():
+def test_recordings_do_not_nest():
     with CpuRecording() as outer:
+        with pytest.raises(RuntimeError, match="cannot record CPU memory now"):
+            with CpuRecording():
+                pass
+        with pytest.raises(RuntimeError, match="once the recording has ended"):
+            outer.memory()
         kept = torch.empty(FLOATS_PER_MB)
-        with CpuRecording() as inner:
-            with pytest.raises(RuntimeError, match="once the recording has ended"):
-                inner.memory()
-            more = torch.empty(2 * FLOATS_PER_MB)
-        del kept
-    assert (inner.memory().peak_bytes, inner.memory().end_bytes) == (2 * MB, 2 * MB)
-    assert (outer.memory().peak_bytes, outer.memory().end_bytes) == (3 * MB, 2 * MB)
-    del more
+    assert (outer.memory().peak_bytes, outer.memory().end_bytes) == (MB, MB)
+    assert cpu_recording_blocked() is None
+    del kept
 
 
 def _on_thread(fn):
@@ -264,16 +217,16 @@ def _on_thread(fn):
         except Exception as err:  # noqa: BLE001 - handed back to the test
             out.append(err)
 
-    thread = threading.Thread(target=run, name="other")
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     return out[0]
 
 
-def test_cpu_measure_on_a_second_thread_refuses_instead_of_crashing():
-    # A second profiler session on another thread would crash the process; memfit refuses.
+def test_cpu_measure_beside_a_session_on_another_thread_refuses_instead_of_crashing():
+    # A second profiler session on another thread would crash the process.
     err = measure(lambda: _on_thread(lambda: measure(lambda: torch.empty(10)))).result
-    assert isinstance(err, RuntimeError) and "recording CPU memory on thread" in str(err)
+    assert isinstance(err, RuntimeError) and "another torch profiler" in str(err)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
         err = _on_thread(lambda: measure(lambda: torch.empty(10)))
     assert isinstance(err, RuntimeError) and "another torch profiler" in str(err)

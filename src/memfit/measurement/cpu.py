@@ -40,29 +40,27 @@ Limits
       thread-local; autograd's threads inherit it).
     * Resizing a pre-existing storage in place (``Tensor.resize_``, ``untyped_storage().resize_``)
       frees its old block without a report.
-    * Only one profiler session can be active: a session someone else started (a
-      ``torch.profiler.profile`` context) cannot be paused, so a recording refuses to begin inside
-      it (:func:`cpu_recording_blocked` says why), as it does on a second thread, where opening a
-      session while one is active crashes the process.
+    * Only one profiler session can be active, so a recording cannot begin while another one
+      runs: memfit's own, one a user started (a ``torch.profiler.profile`` context), or one on
+      another thread (opening a second session there crashes the process).
+      :func:`cpu_recording_blocked` says which; callers that must measure anyway do it in another
+      process (``memfit.analysis.op_scratch``).
 
-NOTE [Nested recordings pause the enclosing session]
-    Two sessions cannot be active at once (a second one silently breaks both), but sessions in
-    sequence compose: c10's allocator keeps its table of block sizes across sessions, so a block
-    allocated in one session and freed in a later one is reported, with its size, in the later
-    one, and the concatenated events of consecutive sessions give the exact running total. So
-    :class:`CpuRecording` objects share one session at a time: a recording that begins inside
-    another stops the running session, runs its own, and when it ends the enclosing recording
-    starts a new one. Each stopped session's events belong to every recording that was open while
-    it ran. The enclosing recording therefore sees everything the inner one saw, and the inner
-    call's own allocations count for the enclosing call, which is the truth of that call. Nothing
-    runs between a stop and the next start but this module's bookkeeping, which allocates no
-    tensor memory.
+NOTE [Why CPU recordings do not nest by pausing]
+    Sessions in sequence do compose: c10's allocator keeps its table of block sizes across
+    sessions, so stopping an enclosing session, running an inner one and starting a third gives
+    the exact running total when the three event lists are concatenated. But it is not safe. A
+    C++ ``RecordFunction`` range (every ATen op, autograd node, Dynamo's "Torch-Compiled Region")
+    that begins in one session keeps a pointer into that session's event buffer; if it ends while
+    a *later* session is active, the profiler writes through the pointer into freed memory.
+    Checked on torch 2.13: an inner recording inside a tensor's backward hook segfaults, one inside
+    ``torch.compile``'s capture corrupts the heap (``free(): invalid next size``), while the same
+    pause in plain Python code works. Python cannot see which ranges are open, so memfit never
+    pauses a session, and a recording refuses to begin inside another.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -108,113 +106,23 @@ class CpuMemory:
     timeline: list[tuple[float, int]]
 
 
-class _Session:
-    """One profiler session recording CPU allocator events; its events are read lazily, once."""
-
-    def __init__(self) -> None:
-        self._prof = profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
-            with_stack=False,
-        )
-        self._prof.start()
-
-    def stop(self) -> None:
-        self._prof.stop()
-
-    @functools.cached_property
-    def events(self) -> list[tuple[int, int]]:
-        """``(start_ns, signed bytes)`` of every CPU allocator event."""
-        cpu = cpu_memory_device_types()
-        out = []
-        for ev in profiler_events(self._prof):
-            if ev.name() == _MEMORY_EVENT_NAME and ev.device_type() in cpu:
-                n = int(ev.nbytes())
-                if n:
-                    out.append((int(ev.start_ns()), n))
-        return out
-
-    @functools.cached_property
-    def allocations(self) -> list[tuple[int, int, int]] | None:
-        """``(start_ns, signed bytes, address)`` of the same events, or None if unavailable."""
-        return profiler_allocations(self._prof)
-
-
-# The recordings now open (outermost first), the thread they run on and the session running for
-# them: see NOTE [Nested recordings pause the enclosing session].
-_open: list[CpuRecording] = []
-_owner: threading.Thread | None = None
-_session: _Session | None = None
-_lock = threading.Lock()
-
-
 def cpu_recording_blocked() -> str | None:
-    """Why a :class:`CpuRecording` cannot begin on this thread now, or None when it can.
+    """Why a :class:`CpuRecording` cannot begin now, or None when it can.
 
-    It can inside another memfit recording on the same thread (it pauses that one), not inside a
-    profiler session someone else started, nor while a recording runs on another thread.
+    It cannot while any torch profiler session runs in the process, memfit's own included (see
+    NOTE [Why CPU recordings do not nest by pausing]).
     """
-    if _open:
-        if _owner is not threading.current_thread():
-            name = _owner.name if _owner is not None else "?"
-            return (
-                f"memfit is recording CPU memory on thread {name!r}, and a second profiler "
-                f"session on another thread ({threading.current_thread().name!r}) would crash "
-                f"the process"
-            )
-        return None
     if profiler_enabled() or profiler_started_anywhere():
         return (
-            "another torch profiler is running (a torch.profiler.profile context, on this or "
-            "another thread), and a second session would corrupt both"
+            "another torch profiler is running (a torch.profiler.profile context, an enclosing "
+            "CPU measurement, or a session on another thread), and a second session would "
+            "corrupt both"
         )
     return None
 
 
-def _pause() -> None:
-    """Stop the running session and hand it to every open recording (it ran inside each)."""
-    global _session
-    if _session is not None:
-        session, _session = _session, None
-        session.stop()
-        for rec in _open:
-            rec._sessions.append(session)
-
-
-def _begin(rec: CpuRecording) -> None:
-    global _owner, _session
-    with _lock:
-        reason = cpu_recording_blocked()
-        if reason is not None:
-            raise RuntimeError(f"memfit cannot record CPU memory now: {reason}.")
-        _pause()
-        _open.append(rec)
-        _owner = threading.current_thread()
-        try:
-            _session = _Session()
-        except BaseException:
-            _end(rec, locked=True)
-            raise
-
-
-def _end(rec: CpuRecording, *, locked: bool = False) -> None:
-    global _owner, _session
-    if not locked:
-        with _lock:
-            _end(rec, locked=True)
-        return
-    _pause()
-    _open.remove(rec)
-    if _open:
-        _session = _Session()
-    else:
-        _owner = None
-
-
 class CpuRecording:
     """Records CPU tensor memory from ``__enter__`` to ``__exit__``; read it with :meth:`memory`.
-
-    Recordings nest (see NOTE [Nested recordings pause the enclosing session]): one opened inside
-    another on the same thread counts for both.
 
     Args:
         watch: tensors alive before the recording whose frees should be seen (see "Pre-existing
@@ -227,18 +135,21 @@ class CpuRecording:
     def __init__(self, watch: Iterable[torch.Tensor] = ()) -> None:
         self._watch = watch
         self._storages: _PreexistingStorages | None = None
-        self._sessions: list[_Session] = []
+        self._prof: profile | None = None
         self._begin_ns = 0
         self._end_ns: int | None = None
 
     def __enter__(self) -> CpuRecording:
+        reason = cpu_recording_blocked()
+        if reason is not None:
+            raise RuntimeError(f"memfit cannot record CPU memory now: {reason}.")
         # Weak references first: making them allocates no tensor memory.
         self._storages = _PreexistingStorages(self._watch)
-        try:
-            _begin(self)
-        except BaseException:
-            self._storages.close()
-            raise
+        self._prof = profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
+            with_stack=False,
+        )
+        self._prof.start()
         self._begin_ns = time.time_ns()
         return self
 
@@ -253,7 +164,8 @@ class CpuRecording:
             if self._storages is not None:
                 self._storages.close()
         finally:
-            _end(self)
+            if self._prof is not None:
+                self._prof.stop()
 
     def memory(self, *, duration_s: float | None = None) -> CpuMemory:
         """The recorded memory; timeline times are clamped to ``[0, duration_s]`` when given.
@@ -261,19 +173,19 @@ class CpuRecording:
         Raises:
             RuntimeError: the recording has not ended yet.
         """
-        if self._end_ns is None or self._storages is None or self in _open:
+        prof, storages = self._prof, self._storages
+        if self._end_ns is None or prof is None or storages is None:
             raise RuntimeError("CpuRecording.memory() is available once the recording has ended")
         begin_ns, end_ns = self._begin_ns, self._end_ns
-        events = [e for s in self._sessions for e in s.events]
+        events = _cpu_memory_events(prof)
         # Kineto stamps events on the Unix-epoch clock that time.time_ns() reads; check it.
         tol = _CLOCK_TOLERANCE_NS
         aligned = all(begin_ns - tol <= t <= end_ns + tol for t, _ in events)
         if not aligned:  # unknown clock: keep the order, count time from the first event
             begin_ns = min(t for t, _ in events)
             end_ns = max(t for t, _ in events) + 1
-        freed = self._storages.freed
-        if freed:
-            events = _merge_preexisting_frees(self._sessions, events, freed, aligned, end_ns)
+        if storages.freed:
+            events = _merge_preexisting_frees(prof, events, storages.freed, aligned, end_ns)
 
         events.sort(key=lambda e: (e[0], e[1] < 0))  # on ties, allocations first (upper bound)
         running = peak = 0
@@ -317,8 +229,20 @@ class _PreexistingStorages:
         self._refs = {}
 
 
+def _cpu_memory_events(prof: profile) -> list[tuple[int, int]]:
+    """``(start_ns, signed bytes)`` of every CPU allocator event of a finished session."""
+    cpu = cpu_memory_device_types()
+    out = []
+    for ev in profiler_events(prof):
+        if ev.name() == _MEMORY_EVENT_NAME and ev.device_type() in cpu:
+            n = int(ev.nbytes())
+            if n:
+                out.append((int(ev.start_ns()), n))
+    return out
+
+
 def _merge_preexisting_frees(
-    sessions: list[_Session],
+    prof: profile,
     events: list[tuple[int, int]],
     freed: list[tuple[int, int, int]],
     aligned: bool,
@@ -336,13 +260,7 @@ def _merge_preexisting_frees(
     ``_SAME_FREE_WINDOW_NS`` after the callback.
     """
     extra = [((t if aligned else end_ns), -nbytes) for t, _, nbytes in freed]
-    with_ptrs: list[tuple[int, int, int]] | None = []
-    for session in sessions:
-        allocations = session.allocations
-        if allocations is None or with_ptrs is None:
-            with_ptrs = None
-            break
-        with_ptrs.extend(allocations)
+    with_ptrs = profiler_allocations(prof)
     if with_ptrs is not None:
         watched = {ptr for _, ptr, _ in freed}
         allocated_here: set[int] = set()

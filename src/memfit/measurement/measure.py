@@ -7,11 +7,14 @@ accounting per device: :mod:`memfit.measurement.cpu` (exact, from the profiler's
 and :mod:`memfit.measurement.cuda` (exact, from the caching allocator's counters). Their module
 docstrings say how the numbers are obtained and where they stop being exact.
 
-Measurements nest, on CPU and on CUDA: a ``measure`` inside a measured call reports its own part,
-and the enclosing one still sees everything, the inner call's allocations included. On CPU,
-``measure`` refuses to run inside a profiler session someone else started (a
-``torch.profiler.profile`` context), since only one session can be active and a foreign one cannot
-be paused.
+On CUDA, measurements nest: a ``measure`` inside a measured call reports its own part, and the
+enclosing one still sees everything. On CPU, memory comes from a profiler session, only one can be
+active, and one cannot safely be paused for another (see the NOTE in ``cpu.py``), so a CPU
+``measure`` refuses to run inside any other profiler session, an enclosing CPU ``measure``
+included; ``profile_memory=False`` (time only) works anywhere. memfit's own measurement of op
+scratch memory, which runs inside a model's first call, steps aside to another process when a
+session is active (``memfit.analysis.op_scratch``), so ``measure`` around a first call sees that
+call's real peak.
 
 What counts as "reachable" (for device inference and pre-existing storages)
     Tensors among ``args``/``kwargs`` and, recursively, inside lists, tuples, sets, dicts,
@@ -122,9 +125,8 @@ def measure(
         TypeError: ``fn`` is not callable, or ``device`` has the wrong type.
         ValueError: ``device`` is not an accepted form, or names CUDA when CUDA is
             not available or the index does not exist.
-        RuntimeError: CPU memory measurement was asked for while a torch profiler
-            session memfit did not start is active (on any thread), or while memfit
-            records CPU memory on another thread.
+        RuntimeError: CPU memory measurement was asked for while another torch
+            profiler session (or an enclosing CPU ``measure``) is active, on any thread.
         Whatever ``fn`` raises is propagated unchanged.
 
     See the module docstring for how the numbers are obtained and their limits.
