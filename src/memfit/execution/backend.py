@@ -19,8 +19,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from memfit.analysis.graph import JointGraph
+from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.simulate import simulate_step
-from memfit.analysis.workspace import measure_workspace
 from memfit.capture.mark import strip_marks
 from memfit.execution.batchnorm import is_training_batchnorm, split_recomputed_batchnorm
 from memfit.execution.partition import split_joint_graph
@@ -81,7 +81,7 @@ def make_backend(policy: str, on_plan: Callable[[GraphPlan], None],
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         strip_marks(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
-        jg.workspace = measure_workspace(jg.nodes, min_bytes=_largest_value(jg) // 64)
+        jg.workspace = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
         kept, recomputed, graph_plan = plan_graph(
             jg, policy,
             budget=step_budget.budget if step_budget else None,
