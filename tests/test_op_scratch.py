@@ -96,6 +96,14 @@ def test_inside_a_user_profiler_scratch_is_measured_in_another_process_alike(mon
     del kept
 
 
+def test_a_failed_worker_warns_and_leaves_scratch_out(monkeypatch) -> None:
+    monkeypatch.setattr(op_scratch, "_WORKER", "import sys; sys.exit('worker broke')")
+    jg = _conv_graph()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
+        with pytest.warns(RuntimeWarning, match="exit status 1: worker broke"):
+            assert measure_op_scratch(jg.nodes) == {}
+
+
 def _conv_net() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(

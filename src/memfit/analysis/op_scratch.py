@@ -217,9 +217,12 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
     src = str(Path(__file__).resolve().parents[2])  # the directory holding the memfit package
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    # Settings that change which kernel runs, and so its scratch (oneDNN's depends on threads).
+    settings = (torch.get_num_threads(), torch.backends.mkldnn.enabled,
+                torch.are_deterministic_algorithms_enabled())
     proc = subprocess.run(
-        [sys.executable, "-c", _WORKER], input=pickle.dumps(payload), capture_output=True,
-        env=env, check=False,
+        [sys.executable, "-c", _WORKER], input=pickle.dumps((settings, payload)),
+        capture_output=True, env=env, check=False,
     )
     try:
         results = pickle.loads(proc.stdout) if proc.returncode == 0 else None
@@ -240,10 +243,14 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
 
 
 def _serve() -> None:
-    """The worker: read pickled calls on stdin, write their scratch bytes to stdout."""
+    """The worker: read settings and pickled calls on stdin, write scratch bytes to stdout."""
     result_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else printed to stdout (by torch, by C code) goes to stderr
-    calls = [pickle.loads(blob) for blob in pickle.load(sys.stdin.buffer)]
+    (threads, mkldnn, deterministic), blobs = pickle.load(sys.stdin.buffer)
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = mkldnn
+    torch.use_deterministic_algorithms(deterministic)
+    calls = [pickle.loads(blob) for blob in blobs]
     with torch.no_grad():
         scratch = _scratch_of_calls(calls, torch.device("cpu"))
     pickle.dump(scratch, result_out)
