@@ -50,9 +50,10 @@ NOTE [Why CPU recordings do not nest by pausing]
     Sessions in sequence do compose: c10's allocator keeps its table of block sizes across
     sessions, so stopping an enclosing session, running an inner one and starting a third gives
     the exact running total when the three event lists are concatenated. But it is not safe. A
-    C++ ``RecordFunction`` range (every ATen op, autograd node, Dynamo's "Torch-Compiled Region")
-    that begins in one session keeps a pointer into that session's event buffer; if it ends while
-    a *later* session is active, the profiler writes through the pointer into freed memory.
+    C++ ``RecordFunction`` range (every ATen op and autograd node; the ranges Dynamo and
+    AOTAutograd open with ``_RecordFunctionFast`` around compilation) that begins in one session
+    keeps a pointer into that session's event buffer; if it ends while a *later* session is
+    active, the profiler writes through the pointer into freed memory.
     Checked on torch 2.13: an inner recording inside a tensor's backward hook segfaults, one inside
     ``torch.compile``'s capture corrupts the heap (``free(): invalid next size``), while the same
     pause in plain Python code works. Python cannot see which ranges are open, so memfit never
