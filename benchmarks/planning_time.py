@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from memfit.analysis.graph import JointGraph  # noqa: E402
-from memfit.analysis.workspace import measure_workspace  # noqa: E402
+from memfit.analysis.op_scratch import measure_op_scratch  # noqa: E402
 from memfit.bench.graphs import joint_graphs  # noqa: E402
 from memfit.planning.frontier import choose, pareto_frontier  # noqa: E402
 
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         jg = capture(model, *inputs)
         capture_s = time.perf_counter() - t
         workspace_s, workspace = _median_time(
-            lambda: measure_workspace(jg.nodes, min_bytes=max(jg.storage_bytes.values()) // 64),
+            lambda: measure_op_scratch(jg.nodes, min_bytes=max(jg.storage_bytes.values()) // 64),
             1)
-        jg.workspace = workspace
+        jg.op_scratch = workspace
 
         def plan() -> Any:
             points = pareto_frontier(jg)

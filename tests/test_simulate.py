@@ -34,7 +34,7 @@ def test_walk_counts_scratch_and_skips_uncounted() -> None:
     a = _Node("a", [])
     b = _Node("b", [a])
     result = walk([a, b], lambda n: [n.name], {"a": 5, "b": 7}, uncounted=["a"],
-                  workspace={b: 100})  # type: ignore[dict-item]
+                  op_scratch={b: 100})  # type: ignore[dict-item]
     assert result.peak_bytes == 107
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "profiler_enabled",
     "profiler_events",
     "profiler_allocations",
+    "profiler_started_anywhere",
     "cpu_memory_device_types",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -243,3 +244,13 @@ def inductor_post_grad_pass(
     import torch._inductor.config
 
     return torch._inductor.config.patch(post_grad_custom_post_pass=graph_pass)
+# ---- added for measurement -----------------------------------------------------------------------
+# Refusing to open a profiler session while another thread has one (that crashes); checked 2.13.0.
+def profiler_started_anywhere() -> bool:
+    """Whether a torch profiler started from Python is active on *any* thread (checked 2.13.0).
+
+    ``torch.autograd.profiler._is_profiler_enabled`` is the process-wide flag every Python-started
+    session (``torch.profiler.profile``, the legacy profiler) sets; ``profiler_enabled`` sees only
+    this thread. Starting a second session on another thread crashes the process, so memfit looks.
+    """
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))

@@ -73,8 +73,8 @@ class JointGraph:
 
     module: fx.GraphModule
     num_fwd_outputs: int
-    #: scratch bytes per node while it runs (``analysis.workspace``); empty: outputs only
-    workspace: dict[fx.Node, int] = field(default_factory=dict)
+    #: scratch bytes per node while it runs (``analysis.op_scratch``); empty: outputs only
+    op_scratch: dict[fx.Node, int] = field(default_factory=dict)
     nodes: list[fx.Node] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
     primals: list[fx.Node] = field(init=False)

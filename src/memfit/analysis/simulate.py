@@ -45,17 +45,17 @@ def walk(
     start_live: Iterable[Any] = (),
     keep: Iterable[Any] = (),
     uncounted: Iterable[Any] = (),
-    workspace: dict[fx.Node, int] | None = None,
+    op_scratch: dict[fx.Node, int] | None = None,
     record_curve: bool = False,
     inputs: Callable[[fx.Node], Sequence[fx.Node]] | None = None,
 ) -> Walk:
     """Replay ``order``: allocate each node's new storages, free storages after their last use.
 
     ``start_live`` storages are alive at the start; ``keep`` storages are never freed during the
-    walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing; ``workspace`` is the
+    walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing; ``op_scratch`` is the
     scratch memory a node holds while it runs, on top of its inputs and outputs.
     """
-    scratch = workspace or {}
+    scratch = op_scratch or {}
     uncounted_set = set(uncounted)
     keep_set = set(keep)
     inputs_of = inputs or (lambda n: n.all_input_nodes)
@@ -181,7 +181,7 @@ def simulate_step(
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
     fw = walk(
         fwd, storages, jg.storage_bytes,
-        keep=saved_keys | out_keys, uncounted=primal_keys, workspace=jg.workspace,
+        keep=saved_keys | out_keys, uncounted=primal_keys, op_scratch=jg.op_scratch,
         record_curve=record_curve, inputs=jg.inputs.__getitem__,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
@@ -189,7 +189,7 @@ def simulate_step(
     bw = walk(
         bwd, storages, jg.storage_bytes,
         start_live=fw.end_live | tangent_keys,
-        keep=out_keys | grad_keys, uncounted=primal_keys, workspace=jg.workspace,
+        keep=out_keys | grad_keys, uncounted=primal_keys, op_scratch=jg.op_scratch,
         record_curve=record_curve, inputs=jg.inputs.__getitem__,
     )
     return StepSimulation(

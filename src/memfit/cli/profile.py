@@ -3,7 +3,7 @@
 For the model a factory builds (see ``memfit.cli.target``) this reports, all measured:
 
 1. activation memory by submodule and the largest tensors kept for backward (one eager step of
-   plain PyTorch with saved-tensor hooks; ``memfit.cli.activations`` says exactly how);
+   plain PyTorch with saved-tensor hooks; ``memfit.measurement.activations`` says exactly how);
 2. per policy (``--policies``, ``none`` always first): measured and predicted peak, step time, recomputed
    FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per policy;
 3. with ``--budget``: the largest batch whose whole training step fits, per policy, searched with real
@@ -31,7 +31,6 @@ from memfit._compat import keystr, tree_flatten_with_path
 
 import memfit
 from memfit.cli import report as rep
-from memfit.cli.activations import saved_activations
 from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_batch
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
@@ -40,6 +39,7 @@ from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device,
 from memfit.cli.steps import Workload, resident_bytes, run_policies
 from memfit.cli.tables import batch_table, mib, policy_table, module_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
+from memfit.measurement.activations import saved_activations
 from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]

@@ -198,7 +198,7 @@ def policy_entry(r: PolicyResult, base: PolicyResult) -> dict[str, Any]:
 
 def activations_entry(a: Any, method: str, none_kept_bytes: int | None,
                       top: int = 20) -> dict[str, Any]:
-    """The ``activations`` entry from a ``memfit.cli.activations.Activations``."""
+    """The ``activations`` entry from a ``memfit.measurement.activations.Activations``."""
     return {
         "method": method,
         "total_bytes": a.total_bytes,

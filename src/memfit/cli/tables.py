@@ -7,9 +7,9 @@ from typing import Any
 
 from rich.table import Table
 
-from memfit.cli.activations import LOSS, Activations
 from memfit.cli.batch_search import SearchResult
 from memfit.cli.steps import PolicyResult
+from memfit.measurement.activations import LOSS, Activations
 from memfit.units import format_bytes
 
 __all__ = ["mib", "duration", "policy_table", "module_table", "tensor_table", "batch_table"]

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from memfit._compat import aot_autograd, boxed_codegen
 from memfit.analysis.graph import JointGraph
-from memfit.analysis.workspace import measure_workspace
+from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.partition import split_joint_graph
@@ -74,7 +74,7 @@ def make_backend(policy: Policy, on_plan: Callable[[GraphPlan], None],
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
-        jg.workspace = measure_workspace(jg.nodes, min_bytes=_largest_value(jg) // 64)
+        jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
         graph_plan = plan_graph(jg, policy, spent_bytes=step_budget.spent if step_budget else 0)
         if step_budget is not None:
             step_budget.spent += graph_plan.kept_bytes

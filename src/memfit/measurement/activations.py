@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit._compat import TorchDispatchMode, tree_flatten
 
 __all__ = ["Activations", "ModuleActivations", "SavedTensor", "saved_activations", "LOSS"]
 
@@ -167,7 +167,7 @@ def saved_activations(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
                      module=module, saved_by=tuple(readers.get(p, ())))
          for p, (t, n, module) in saved.items()),
         key=lambda s: (-s.bytes, s.module))
-    del saved
+    saved.clear()  # drop the references to the saved tensors
     self_bytes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
     for s in tensors:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.cli.activations import LOSS, saved_activations
+from memfit.measurement.activations import LOSS, saved_activations
 from memfit.cli.steps import default_loss
 
 

@@ -1,0 +1,257 @@
+"""Scratch memory of each op, measured by running it once on inputs of the right shape.
+
+Why measure: an op may allocate far more than its outputs while it runs. On CPU, oneDNN's
+convolution allocates a second output-sized buffer in forward, its backward about twice its
+input, a transposed convolution three times its output; on CUDA, cuDNN picks workspaces at run
+time. A simulator that counted outputs alone mispredicted a U-Net's peak by 40%, and a planner
+that cannot see scratch memory happily recomputes a convolution at the very moment of the peak.
+No table of op costs stays true across libraries and devices, so memfit measures.
+
+Each distinct signature (op, shapes, strides, dtypes, constant arguments) runs once, on fresh
+tensors filled from a private generator (floats random, integers zero: valid indices for pooling
+and embedding backward). Random ops are never run, so the user's RNG stream is untouched. Ops
+whose tensors are all small are skipped: their scratch cannot move a peak. One op at a time is
+materialised, run and freed, so what the measurement itself holds at its peak is the largest
+single op's inputs, outputs and scratch, not the sum over ops.
+
+Where it runs
+    This runs inside the user's first call of a ``memfit.checkpoint`` model (AOTAutograd calls the
+    partitioner while it traces, under its fake-tensor mode, which is left for real memory), so
+    it must not disturb a measurement around that call. On CUDA each op runs inside a
+    ``CudaRecording`` (``memfit.measurement``), whose nested frames keep an enclosing
+    ``memfit.measure`` intact. On CPU each op runs inside a ``CpuRecording``, a profiler session;
+    while another session is active (``memfit.measure`` around the call, a user's
+    ``torch.profiler.profile``, either on any thread) a second one would break it and pausing it
+    is unsafe (see the NOTE in ``memfit/measurement/cpu.py``), so the ops run in a fresh Python
+    process instead (``python -c`` importing this module; about 4 s, mostly importing torch and
+    memfit). It receives each op's name, tensor specs and constant arguments, runs the same code
+    with the same private generator, and sends back scratch bytes, so the numbers are the same.
+    The enclosing session then sees only the step itself, which is the truth of this process.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from memfit._compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from memfit.analysis.graph import is_random, node_tensors
+from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
+from memfit.measurement.cuda import CudaRecording
+
+__all__ = ["measure_op_scratch"]
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """What an input tensor looks like; a dataclass, so pytree functions treat it as a leaf."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _OpCall:
+    """One op to run, picklable: its qualified name (``aten.mm.default``) and spec arguments."""
+
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def measure_op_scratch(
+    nodes: Iterable[fx.Node], *, min_bytes: int = 0, device: torch.device | None = None
+) -> dict[fx.Node, int]:
+    """Bytes each node allocates while running beyond its outputs (nodes with 0 are left out).
+
+    Args:
+        nodes: nodes of a traced graph whose values carry fake tensors (``meta["val"]``).
+        min_bytes: skip ops none of whose input or output tensors is at least this large.
+        device: where to run the ops; by default the device of the first op's output.
+    """
+    candidates: dict[Any, list[fx.Node]] = {}
+    for n in nodes:
+        if not _runnable(n):
+            continue
+        touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
+        if not touched or max(t.numel() * t.element_size() for t in touched) < min_bytes:
+            continue
+        candidates.setdefault(_signature(n), []).append(n)
+    if not candidates:
+        return {}
+    first = next(iter(candidates.values()))[0]
+    dev = device or node_tensors(first)[0].device
+    calls = [_op_call(group[0]) for group in candidates.values()]
+    if dev.type == "cpu" and cpu_recording_blocked() is not None:
+        scratch = _scratch_in_subprocess(calls)
+    else:
+        with disable_current_modes(), torch.no_grad():
+            scratch = _scratch_of_calls(calls, dev)
+    out: dict[fx.Node, int] = {}
+    for group, nbytes in zip(candidates.values(), scratch):
+        if nbytes:
+            for n in group:
+                out[n] = nbytes
+    return out
+
+
+def _runnable(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem or is_random(node):
+        return False
+    if not isinstance(node.target, OpOverload):
+        return False
+    schema = node.target._schema
+    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        return False  # in-place ops and views allocate nothing of their own
+    return all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+
+
+def _signature(node: fx.Node) -> Any:
+    def key(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type)
+            return ("N", repr(v))
+        return repr(a)
+
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return (str(node.target), tuple(key(a) for a in flat))
+
+
+def _op_call(node: fx.Node) -> _OpCall:
+    def spec(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            return _TensorSpec(tuple(v.shape), tuple(v.stride()), v.dtype)
+        return a
+
+    return _OpCall(str(node.target), tree_map(spec, node.args), tree_map(spec, dict(node.kwargs)))
+
+
+def _resolve(name: str) -> Any:
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def _materialize(spec: _TensorSpec, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A real tensor with ``spec``'s shape, strides (overlapping ones too) and dtype."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(spec.shape, spec.stride))
+    span = max(span, 0) if all(spec.shape) else 0
+    if spec.dtype.is_floating_point or spec.dtype.is_complex:
+        base = torch.randn(span, generator=gen, dtype=spec.dtype).to(device)
+    else:
+        base = torch.zeros(span, dtype=spec.dtype, device=device)
+    return base.as_strided(spec.shape, spec.stride)
+
+
+def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[int | None]:
+    """Scratch bytes of each call, run one at a time; None where it could not run."""
+    gen = torch.Generator().manual_seed(0)
+    return [_scratch_of_call(call, dev, gen) for call in calls]
+
+
+_FAILED = object()
+
+
+def _scratch_of_call(call: _OpCall, dev: torch.device, gen: torch.Generator) -> int | None:
+    def real(a: Any) -> Any:
+        return _materialize(a, dev, gen) if isinstance(a, _TensorSpec) else a
+
+    try:
+        op = _resolve(call.op)
+        args = tree_map(real, call.args)
+        kwargs = tree_map(real, call.kwargs)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None  # not materializable (exotic dtype or layout): counted as no scratch
+    if dev.type == "cuda":
+        with CudaRecording(dev) as cuda:
+            result = _run(op, args, kwargs)
+        peak = cuda.peak_bytes
+    else:
+        with CpuRecording() as cpu:
+            result = _run(op, args, kwargs)
+        peak = cpu.memory().peak_bytes
+    if result is _FAILED:
+        return None
+    outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    return max(0, peak - sum(t.untyped_storage().nbytes() for t in outputs))
+
+
+def _run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return op(*args, **kwargs)
+    except Exception:  # an op that cannot run on made-up values: counted as no scratch
+        return _FAILED
+
+
+# ----------------------------------------------------------------------------- subprocess
+
+_WORKER = "from memfit.analysis.op_scratch import _serve; _serve()"
+
+
+def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
+    """:func:`_scratch_of_calls` on CPU in a fresh process (see "Where it runs" above)."""
+    sendable: list[int] = []
+    payload = []
+    for i, call in enumerate(calls):
+        try:
+            payload.append(pickle.dumps(call))
+        except Exception:  # a constant argument that does not pickle: counted as no scratch
+            continue
+        sendable.append(i)
+    out: list[int | None] = [None] * len(calls)
+    if not payload:
+        return out
+    src = str(Path(__file__).resolve().parents[2])  # the directory holding the memfit package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    # Settings that change which kernel runs, and so its scratch (oneDNN's depends on threads).
+    settings = (torch.get_num_threads(), torch.backends.mkldnn.enabled,
+                torch.are_deterministic_algorithms_enabled())
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER], input=pickle.dumps((settings, payload)),
+        capture_output=True, env=env, check=False,
+    )
+    try:
+        results = pickle.loads(proc.stdout) if proc.returncode == 0 else None
+    except Exception:
+        results = None
+    if not isinstance(results, list) or len(results) != len(sendable):
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-5:]
+        warnings.warn(
+            f"memfit: measuring op scratch memory outside the active profiler session failed "
+            f"(worker exit status {proc.returncode}: {' | '.join(tail) or 'no output'}); "
+            f"planning without scratch memory for {len(calls)} ops.",
+            RuntimeWarning, stacklevel=2,
+        )
+        return out
+    for i, nbytes in zip(sendable, results):
+        out[i] = nbytes
+    return out
+
+
+def _serve() -> None:
+    """The worker: read settings and pickled calls on stdin, write scratch bytes to stdout."""
+    result_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything else printed to stdout (by torch, by C code) goes to stderr
+    (threads, mkldnn, deterministic), blobs = pickle.load(sys.stdin.buffer)
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = mkldnn
+    torch.use_deterministic_algorithms(deterministic)
+    calls = [pickle.loads(blob) for blob in blobs]
+    with torch.no_grad():
+        scratch = _scratch_of_calls(calls, torch.device("cpu"))
+    pickle.dump(scratch, result_out)
+    result_out.close()

@@ -1,0 +1,181 @@
+"""Scratch memory is measured on real tensors, without touching the user's RNG stream, and without
+disturbing a measurement or a profiler session around the first (capturing) call."""
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from graphs import joint_graphs
+from measuring import FLOATS_PER_MB, MB
+from torch.profiler import ProfilerActivity
+from zoo import case
+
+import memfit
+from memfit._compat import cpu_memory_device_types, profiler_events
+from memfit.analysis import op_scratch
+from memfit.analysis.op_scratch import measure_op_scratch
+
+
+def _conv_graph():
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Dropout(0.5))
+    (jg,) = joint_graphs(model, torch.randn(4, 8, 32, 32))
+    return jg
+
+
+def test_convolution_scratch_is_measured_and_rng_untouched() -> None:
+    jg = _conv_graph()
+    state = torch.get_rng_state()
+    scratch = measure_op_scratch(jg.nodes)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(v > 0 for v in scratch.values())
+    assert not any(n.target is torch.ops.aten.native_dropout.default for n in scratch)
+    conv_bwd = [n for n in jg.backward if n.target is torch.ops.aten.convolution_backward.default]
+    assert conv_bwd and all(n in scratch for n in conv_bwd)  # oneDNN keeps buffers on CPU
+
+
+def test_inputs_are_materialised_one_op_at_a_time(monkeypatch) -> None:
+    c = case("unet")
+    (jg,) = joint_graphs(c.make_model(), *c.make_inputs()[0])
+    alive: list[tuple[weakref.ref, int]] = []
+    held: list[int] = []
+    materialize = op_scratch._materialize
+
+    def watched(spec, device, gen):
+        t = materialize(spec, device, gen)
+        alive.append((weakref.ref(t.untyped_storage()), t.untyped_storage().nbytes()))
+        held.append(sum(n for ref, n in alive if ref() is not None))
+        return t
+
+    monkeypatch.setattr(op_scratch, "_materialize", watched)
+    assert measure_op_scratch(jg.nodes)
+
+    def input_bytes(node):
+        return sum(a.meta["val"].untyped_storage().nbytes() for a in node.args
+                   if isinstance(a, torch.fx.Node))
+
+    per_op = {op_scratch._signature(n): input_bytes(n) for n in jg.nodes if op_scratch._runnable(n)}
+    # What the measurement holds is one op's inputs at a time, not every op's at once.
+    assert max(held) == max(per_op.values()) < sum(per_op.values()) / 4
+
+
+def _memory_peak(prof) -> tuple[int, int]:
+    """(peak, end) of the CPU ``[memory]`` events of a finished torch.profiler session."""
+    cpu = cpu_memory_device_types()
+    events = sorted((ev.start_ns(), ev.nbytes()) for ev in profiler_events(prof)
+                    if ev.name() == "[memory]" and ev.device_type() in cpu)
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak, live
+
+
+def _spy_on_subprocess(monkeypatch) -> list[int]:
+    """Counts the ops each call of the out-of-process measurement was given."""
+    sizes: list[int] = []
+    run = op_scratch._scratch_in_subprocess
+
+    def spy(calls):
+        sizes.append(len(calls))
+        return run(calls)
+
+    monkeypatch.setattr(op_scratch, "_scratch_in_subprocess", spy)
+    return sizes
+
+
+def test_inside_a_user_profiler_scratch_is_measured_in_another_process_alike(monkeypatch) -> None:
+    jg = _conv_graph()
+    here = measure_op_scratch(jg.nodes)
+    sizes = _spy_on_subprocess(monkeypatch)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = torch.empty(FLOATS_PER_MB)
+        there = measure_op_scratch(jg.nodes)
+    assert sizes == [3] and there == here
+    assert _memory_peak(prof) == (MB, MB)  # the user's session saw its own tensor, and only it
+    del kept
+
+
+def test_a_failed_worker_warns_and_leaves_scratch_out(monkeypatch) -> None:
+    monkeypatch.setattr(op_scratch, "_WORKER", "import sys; sys.exit('worker broke')")
+    jg = _conv_graph()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
+        with pytest.warns(RuntimeWarning, match="exit status 1: worker broke"):
+            assert measure_op_scratch(jg.nodes) == {}
+
+
+def _conv_net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 4, 3, padding=1),
+    )
+    return model, torch.randn(8, 3, 32, 32)
+
+
+def _first_and_later_call(wrap_first):
+    """A conv net's first (capturing) call wrapped in ``wrap_first``, then a steady-state step."""
+    model, x = _conv_net()
+    wrapped = memfit.checkpoint(model)
+
+    def step() -> None:
+        wrapped(x).square().mean().backward()
+
+    first = wrap_first(step)
+    model.zero_grad(set_to_none=True)
+    later = memfit.measure(step)
+    model.zero_grad(set_to_none=True)
+    return first, later.peak_bytes, wrapped.plan
+
+
+def _reference_plan():
+    """The plan made by a first call outside any profiler (op scratch measured in-process)."""
+    model, x = _conv_net()
+    wrapped = memfit.checkpoint(model)
+    wrapped(x).square().mean().backward()
+    return wrapped.plan
+
+
+def test_measure_around_a_first_call_reports_its_real_peak(monkeypatch) -> None:
+    sizes = _spy_on_subprocess(monkeypatch)
+    first, steady, plan = _first_and_later_call(memfit.measure)
+    assert sizes and sizes[0] > 0  # op scratch was measured, out of this process
+    # The capture allocated nothing here (the op runs happened in the worker), so the first
+    # call's peak is the step's: exactly, up to what Dynamo itself allocates.
+    assert first.peak_bytes > 0
+    assert abs(first.peak_bytes - steady) <= 0.1 * steady
+    torch._dynamo.reset()
+    assert plan == _reference_plan()  # scratch measured elsewhere planned the same
+
+
+def test_user_profiler_around_a_first_call_records_the_step(monkeypatch) -> None:
+    sizes = _spy_on_subprocess(monkeypatch)
+
+    def profiled(step):
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            step()
+        return prof
+
+    prof, steady, _ = _first_and_later_call(profiled)
+    assert sizes and sizes[0] > 0
+    peak, _ = _memory_peak(prof)
+    assert peak > 0
+    assert abs(peak - steady) <= 0.1 * steady
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_scratch_nests_inside_measure() -> None:
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1)).cuda()
+    (jg,) = joint_graphs(model, torch.randn(4, 8, 32, 32, device="cuda"))
+    alone = measure_op_scratch(jg.nodes)
+
+    def outer():
+        held = torch.empty(4 * FLOATS_PER_MB, device="cuda")
+        del held  # the outer's peak so far: 4 MB, which the inner resets must not erase
+        return measure_op_scratch(jg.nodes)
+
+    m = memfit.measure(outer, device="cuda")
+    assert m.result == alone
+    assert m.peak_bytes >= 4 * MB
