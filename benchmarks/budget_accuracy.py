@@ -51,10 +51,18 @@ def _larger() -> list[ZooCase]:
 
     return [
         tanh_chain_case(100),
-        ZooCase("resnet56-b32", seeded(lambda: cifar_resnet(9)), inputs(32, 3, 32, 32),
-                lambda out: out.square().mean()),
-        ZooCase("unet-4conv-b8", seeded(lambda: unet(depth=3, width=8, convs_per_block=4)),
-                inputs(8, 1, 128, 128), lambda out: out.square().mean()),
+        ZooCase(
+            "resnet56-b32",
+            seeded(lambda: cifar_resnet(9)),
+            inputs(32, 3, 32, 32),
+            lambda out: out.square().mean(),
+        ),
+        ZooCase(
+            "unet-4conv-b8",
+            seeded(lambda: unet(depth=3, width=8, convs_per_block=4)),
+            inputs(8, 1, 128, 128),
+            lambda out: out.square().mean(),
+        ),
     ]
 
 
@@ -78,48 +86,71 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets:
             torch.compiler.reset()
             wrapped = memfit.checkpoint(model, budget=budget)
-            label = (f"{budget:g}" if isinstance(budget, float)
-                     else "smallest" if budget == smallest else "midpoint")
+            label = (
+                f"{budget:g}"
+                if isinstance(budget, float)
+                else "smallest"
+                if budget == smallest
+                else "midpoint"
+            )
             row: dict[str, Any] = {"model": case.name, "budget": label}
             try:
                 peak = measured_step_peak(case, wrapped, args, kwargs)
             except memfit.BudgetError as err:
-                row.update(feasible=False, budget_bytes=err.budget_bytes,
-                           smallest_bytes=err.smallest_bytes)
+                row.update(
+                    feasible=False, budget_bytes=err.budget_bytes, smallest_bytes=err.smallest_bytes
+                )
                 rows.append(row)
                 continue
             plan = wrapped.plan
             predicted = plan.predicted_peak_bytes
             row.update(
-                feasible=True, budget_bytes=plan.budget_bytes, predicted_bytes=predicted,
-                measured_bytes=peak, baseline_bytes=plan.baseline_peak_bytes,
+                feasible=True,
+                budget_bytes=plan.budget_bytes,
+                predicted_bytes=predicted,
+                measured_bytes=peak,
+                baseline_bytes=plan.baseline_peak_bytes,
                 error=(peak - predicted) / predicted if predicted else 0.0,
                 over_budget=(peak - plan.budget_bytes) / plan.budget_bytes,
-                recompute_flops=plan.recompute_flops, forward_flops=plan.forward_flops,
-                graphs=len(plan.graphs), plan_s=plan_s,
+                recompute_flops=plan.recompute_flops,
+                forward_flops=plan.forward_flops,
+                graphs=len(plan.graphs),
+                plan_s=plan_s,
             )
             rows.append(row)
-            print(f"{case.name:>12} {label:>8}: predicted {predicted / MIB:7.3f} MiB, "
-                  f"measured {peak / MIB:7.3f} MiB ({row['error']:+.2%})", flush=True)
-    meta = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
-            "device": "cpu", "torch": torch.__version__,
-            "date": datetime.date.today().isoformat()}
+            print(
+                f"{case.name:>12} {label:>8}: predicted {predicted / MIB:7.3f} MiB, "
+                f"measured {peak / MIB:7.3f} MiB ({row['error']:+.2%})",
+                flush=True,
+            )
+    meta = {
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+        "device": "cpu",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
     args_ns.out.mkdir(parents=True, exist_ok=True)
-    (args_ns.out / "budget_accuracy.json").write_text(json.dumps({**meta, "rows": rows},
-                                                                 indent=2))
-    lines = [f"Budget plans, predicted vs measured peak ({meta['machine']}, torch "
-             f"{meta['torch']}, {meta['date']})", "",
-             "| model | budget | budget (MiB) | predicted (MiB) | measured (MiB) | error | "
-             "measured / none |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    (args_ns.out / "budget_accuracy.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    lines = [
+        f"Budget plans, predicted vs measured peak ({meta['machine']}, torch "
+        f"{meta['torch']}, {meta['date']})",
+        "",
+        "| model | budget | budget (MiB) | predicted (MiB) | measured (MiB) | error | "
+        "measured / none |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if not r["feasible"]:
-            lines.append(f"| {r['model']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | "
-                         f"infeasible: smallest {r['smallest_bytes'] / MIB:.2f} | | | |")
+            lines.append(
+                f"| {r['model']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | "
+                f"infeasible: smallest {r['smallest_bytes'] / MIB:.2f} | | | |"
+            )
             continue
         lines.append(
             f"| {r['model']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | "
             f"{r['predicted_bytes'] / MIB:.2f} | {r['measured_bytes'] / MIB:.2f} | "
-            f"{r['error']:+.1%} | {r['measured_bytes'] / r['baseline_bytes']:.2f} |")
+            f"{r['error']:+.1%} | {r['measured_bytes'] / r['baseline_bytes']:.2f} |"
+        )
     errors = [abs(r["error"]) for r in rows if r["feasible"]]
     lines += ["", f"Largest |error|: {max(errors):.1%} over {len(errors)} plans."]
     (args_ns.out / "budget_accuracy.md").write_text("\n".join(lines) + "\n")

@@ -91,11 +91,12 @@ import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any
 
 import torch  # noqa: E402
 import torch.fx as fx  # noqa: E402
@@ -176,9 +177,11 @@ def model_specs(quick: bool) -> list[ModelSpec]:
     return [
         ModelSpec(
             name="resnet",
-            description=(f"zoo.cifar_resnet({r['blocks_per_stage']}, width={r['width']}): "
-                         f"{3 * r['blocks_per_stage']} pre-activation residual blocks with "
-                         f"BatchNorm, batch {r['batch']}x3x32x32, cross-entropy"),
+            description=(
+                f"zoo.cifar_resnet({r['blocks_per_stage']}, width={r['width']}): "
+                f"{3 * r['blocks_per_stage']} pre-activation residual blocks with "
+                f"BatchNorm, batch {r['batch']}x3x32x32, cross-entropy"
+            ),
             build=zoo.seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"])),
             inputs=(zoo.randn(r["batch"], 3, 32, 32),),
             loss=_zoo_loss("resnet"),
@@ -187,11 +190,14 @@ def model_specs(quick: bool) -> list[ModelSpec]:
         ),
         ModelSpec(
             name="transformer",
-            description=(f"zoo.Encoder(d_model={t['d_model']}, nhead={t['nhead']}, "
-                         f"num_layers={t['num_layers']}) as SequentialEncoder, batch "
-                         f"{t['batch']}x{t['seq']} tokens, loss mean(out^2)"),
-            build=zoo.seeded(lambda: SequentialEncoder(
-                zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"]))),
+            description=(
+                f"zoo.Encoder(d_model={t['d_model']}, nhead={t['nhead']}, "
+                f"num_layers={t['num_layers']}) as SequentialEncoder, batch "
+                f"{t['batch']}x{t['seq']} tokens, loss mean(out^2)"
+            ),
+            build=zoo.seeded(
+                lambda: SequentialEncoder(zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"]))
+            ),
             inputs=(zoo.randn(t["batch"], t["seq"], t["d_model"]),),
             loss=_zoo_loss("transformer"),
             config=t,
@@ -199,8 +205,10 @@ def model_specs(quick: bool) -> list[ModelSpec]:
         ),
         ModelSpec(
             name="unet",
-            description=(f"zoo.unet(depth={u['depth']}, width={u['width']}), 2 convs per level, "
-                         f"batch {u['batch']}x1x{u['size']}x{u['size']}, loss mean(out^2)"),
+            description=(
+                f"zoo.unet(depth={u['depth']}, width={u['width']}), 2 convs per level, "
+                f"batch {u['batch']}x1x{u['size']}x{u['size']}, loss mean(out^2)"
+            ),
             build=zoo.seeded(lambda: zoo.unet(u["depth"], u["width"])),
             inputs=(zoo.randn(u["batch"], 1, u["size"], u["size"]),),
             loss=_zoo_loss("unet"),
@@ -208,7 +216,8 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             sequence_length=None,
             not_sequential_reason=(
                 "not a sequence: encoder features are concatenated into the decoder (long skips), "
-                "so no nn.Sequential of the whole model exists for checkpoint_sequential to split"),
+                "so no nn.Sequential of the whole model exists for checkpoint_sequential to split"
+            ),
         ),
     ]
 
@@ -220,10 +229,12 @@ MODELS = ("resnet", "transformer", "unet")
 #: ``FlopCounterMode``'s formulas, plus the CPU flash-attention kernels its table lacks (their
 #: arguments start like the CUDA flash kernels', whose formulas apply unchanged).
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
-FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu] = (
-    flop_registry[aten._scaled_dot_product_flash_attention])
-FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
-    flop_registry[aten._scaled_dot_product_flash_attention_backward])
+FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu] = flop_registry[
+    aten._scaled_dot_product_flash_attention
+]
+FLOP_FORMULAS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = flop_registry[
+    aten._scaled_dot_product_flash_attention_backward
+]
 
 
 def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
@@ -261,8 +272,9 @@ class GraphFlops:
             formula = FLOP_FORMULAS.get(packet)
             if formula is None:
                 continue
-            args, kwargs = tree_map_only(fx.Node, lambda n: n.meta.get("val"),
-                                         (node.args, node.kwargs))
+            args, kwargs = tree_map_only(
+                fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+            )
             try:
                 self.total += int(formula(*args, **kwargs, out_val=node.meta.get("val")))
             except Exception:  # noqa: BLE001 - a node without shapes: say so, count the rest
@@ -281,10 +293,13 @@ class Point(Method):
     is recorded with the smallest feasible bytes, which become a point of their own.
     """
 
-    def __init__(self, spec: ModelSpec, peer: str, setting: str,
-                 params: dict[str, Any]) -> None:
-        super().__init__(f"{peer} {setting}", spec.build(), self._train_step,
-                         record={"peer": peer, "setting": setting, **params})
+    def __init__(self, spec: ModelSpec, peer: str, setting: str, params: dict[str, Any]) -> None:
+        super().__init__(
+            f"{peer} {setting}",
+            spec.build(),
+            self._train_step,
+            record={"peer": peer, "setting": setting, **params},
+        )
         self.spec = spec
         self.peer = peer
         self.setting = setting
@@ -300,8 +315,11 @@ class Point(Method):
         self.failed = self.infeasible = True
         self.record["budget_error"] = str(err)
         self.record["smallest_bytes"] = err.smallest_bytes
-        print(f"    {self.name}: BudgetError (smallest feasible "
-              f"{(err.smallest_bytes or 0) / MIB:.1f} MiB)", flush=True)
+        print(
+            f"    {self.name}: BudgetError (smallest feasible "
+            f"{(err.smallest_bytes or 0) / MIB:.1f} MiB)",
+            flush=True,
+        )
 
     def ok(self) -> bool:
         return not self.failed
@@ -311,15 +329,20 @@ class Point(Method):
         return "infeasible" if self.infeasible else ("failed" if self.failed else "ok")
 
 
-def make_points(spec: ModelSpec, compile_budgets: tuple[float, ...],
-                memfit_budgets: tuple[float, ...], peers: tuple[str, ...] = PEERS) -> list[Point]:
+def make_points(
+    spec: ModelSpec,
+    compile_budgets: tuple[float, ...],
+    memfit_budgets: tuple[float, ...],
+    peers: tuple[str, ...] = PEERS,
+) -> list[Point]:
     points = [Point(spec, "eager", "plain", {})]  # the reference: always there
     if "checkpoint_sequential" in peers and spec.sequence_length is not None:
         for s in range(1, spec.sequence_length + 1):
             points.append(Point(spec, "checkpoint_sequential", f"{s} seg", {"segments": s}))
     for b in compile_budgets if "torch.compile" in peers else ():
-        points.append(Point(spec, "torch.compile", f"budget {b:g}",
-                            {"activation_memory_budget": b}))
+        points.append(
+            Point(spec, "torch.compile", f"budget {b:g}", {"activation_memory_budget": b})
+        )
     for mode in MEMFIT_MODES if "memfit" in peers else ():
         points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode}))
     for f in memfit_budgets if "memfit" in peers else ():
@@ -331,9 +354,11 @@ def _record_plan(p: Point) -> None:
     assert isinstance(p.module, memfit.CheckpointedModule), p.module
     plan = p.module.plan
     p.record.update(plan_record(plan))
-    p.record["recompute_flops_method"] = ("memfit plan.recompute_flops (flop_counter formulas "
-                                          "for matmul/conv/attention + 1 per output element of "
-                                          "other ops)")
+    p.record["recompute_flops_method"] = (
+        "memfit plan.recompute_flops (flop_counter formulas "
+        "for matmul/conv/attention + 1 per output element of "
+        "other ops)"
+    )
     if plan.budget_bytes is not None:
         p.record["budget_bytes"] = plan.budget_bytes
 
@@ -341,12 +366,17 @@ def _record_plan(p: Point) -> None:
 def memfit_predicted_frontier(points: list[Point]) -> list[dict[str, Any]] | None:
     """memfit's simulated (peak, recompute cost) frontier, from the first budget point's plan."""
     for p in points:
-        if ("budget" in p.record and p.ok()
-                and isinstance(p.module, memfit.CheckpointedModule)):
+        if "budget" in p.record and p.ok() and isinstance(p.module, memfit.CheckpointedModule):
             try:
-                return [{"peak_bytes": q.peak_bytes, "recompute_flops": int(q.recompute_flops),
-                         "recompute_seconds": q.recompute_seconds, "kept_bytes": q.kept_bytes}
-                        for q in p.module.plan.pareto()]
+                return [
+                    {
+                        "peak_bytes": q.peak_bytes,
+                        "recompute_flops": int(q.recompute_flops),
+                        "recompute_seconds": q.recompute_seconds,
+                        "kept_bytes": q.kept_bytes,
+                    }
+                    for q in p.module.plan.pareto()
+                ]
             except Exception as err:  # noqa: BLE001 - informative only
                 return [{"error": f"{type(err).__name__}: {err}"}]
     return None
@@ -420,13 +450,20 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         if p.ok():
             print(f"    {p.name}: first step {rec['first_step_s']:.1f} s", flush=True)
     if smallest is not None:
-        p = Point(spec, "memfit", "budget smallest",
-                  {"budget": smallest, "budget_is_smallest_feasible": True})
+        p = Point(
+            spec,
+            "memfit",
+            "budget smallest",
+            {"budget": smallest, "budget_is_smallest_feasible": True},
+        )
         points.append(p)
         warm_up(p)
         if p.ok():
-            print(f"    {p.name} ({smallest / MIB:.1f} MiB): first step "
-                  f"{p.record['first_step_s']:.1f} s", flush=True)
+            print(
+                f"    {p.name} ({smallest / MIB:.1f} MiB): first step "
+                f"{p.record['first_step_s']:.1f} s",
+                flush=True,
+            )
     before = Snapshot(points)
     frontier = memfit_predicted_frontier(points)
     phases = {"warm_up": time.perf_counter() - t_model}
@@ -445,13 +482,15 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             continue
         if p.peer == "checkpoint_sequential" and "step_flops" in rec:
             rec["recompute_flops"] = rec["step_flops"] - eager_flops
-            rec["recompute_flops_method"] = ("FlopCounterMode total of the step minus eager's "
-                                             "(matmul/conv/attention)")
+            rec["recompute_flops_method"] = (
+                "FlopCounterMode total of the step minus eager's (matmul/conv/attention)"
+            )
         elif p.peer == "torch.compile" and "compiled_graph_flops" in rec:
             rec["recompute_flops"] = rec["compiled_graph_flops"] - eager_flops
             rec["recompute_flops_method"] = (
                 "flop_counter formulas over Inductor's post-grad forward+backward graphs minus "
-                "eager's FlopCounterMode total (matmul/conv/attention)")
+                "eager's FlopCounterMode total (matmul/conv/attention)"
+            )
         elif p.peer == "eager":
             rec["recompute_flops"] = 0
     phases["peaks_and_flops"] = time.perf_counter() - t_phase
@@ -484,9 +523,11 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         "config": spec.config,
         "parameters": sum(q.numel() for q in eager.model.parameters()),
         "sequence_length": spec.sequence_length,
-        "checkpoint_sequential": ("applies to model.blocks, segments 1.."
-                                  f"{spec.sequence_length}" if spec.sequence_length
-                                  else f"N/A: {spec.not_sequential_reason}"),
+        "checkpoint_sequential": (
+            f"applies to model.blocks, segments 1..{spec.sequence_length}"
+            if spec.sequence_length
+            else f"N/A: {spec.not_sequential_reason}"
+        ),
         "eager_step_flops": eager_flops,
         "memfit_predicted_frontier": frontier,
         "graphs_compiled_during_measurement": graphs_during,
@@ -507,8 +548,9 @@ def _usable(rec: dict[str, Any]) -> bool:
 def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Points no other point beats on both measured peak and step time, by increasing peak."""
     front: list[dict[str, Any]] = []
-    for rec in sorted((r for r in points if _usable(r)),
-                      key=lambda r: (r["peak_bytes"], r["time_s"])):
+    for rec in sorted(
+        (r for r in points if _usable(r)), key=lambda r: (r["peak_bytes"], r["time_s"])
+    ):
         if not front or rec["time_s"] < front[-1]["time_s"]:
             front.append(rec)
     return front
@@ -525,18 +567,29 @@ def equal_peak_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in points:
         if m["peer"] != "memfit" or not _usable(m):
             continue
-        row: dict[str, Any] = {"memfit": m["setting"], "peak_bytes": m["peak_bytes"],
-                               "time_s": m["time_s"], "peers": {}}
+        row: dict[str, Any] = {
+            "memfit": m["setting"],
+            "peak_bytes": m["peak_bytes"],
+            "time_s": m["time_s"],
+            "peers": {},
+        }
         for family, peers in families.items():
-            cands = [r for r in points if r["peer"] in peers and _usable(r)
-                     and r["peak_bytes"] <= m["peak_bytes"] * PEAK_TOLERANCE]
+            cands = [
+                r
+                for r in points
+                if r["peer"] in peers
+                and _usable(r)
+                and r["peak_bytes"] <= m["peak_bytes"] * PEAK_TOLERANCE
+            ]
             if not cands:
                 row["peers"][family] = None
                 continue
             best = min(cands, key=lambda r: r["time_s"])
             row["peers"][family] = {
-                "peer": best["peer"], "setting": best["setting"],
-                "peak_bytes": best["peak_bytes"], "time_s": best["time_s"],
+                "peer": best["peer"],
+                "setting": best["setting"],
+                "peak_bytes": best["peak_bytes"],
+                "time_s": best["time_s"],
                 "time_ratio": m["time_s"] / best["time_s"],
             }
         rows.append(row)
@@ -562,14 +615,14 @@ def own_baseline(points: list[dict[str, Any]], rec: dict[str, Any]) -> dict[str,
     """The same peer with nothing recomputed: memfit ``"none"``, ``torch.compile`` at budget 1.0,
     plain eager for ``checkpoint_sequential``. Time over it separates what checkpointing costs
     from how fast the peer's executor is (Inductor fuses; memfit and eager run ATen ops)."""
+
     def find(pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
         return next((r for r in points if pred(r) and _usable(r)), None)
 
     if rec["peer"] == "memfit":
         return find(lambda r: r["peer"] == "memfit" and r.get("mode") == "none")
     if rec["peer"] == "torch.compile":
-        return find(lambda r: r["peer"] == "torch.compile"
-                    and r["activation_memory_budget"] == 1.0)
+        return find(lambda r: r["peer"] == "torch.compile" and r["activation_memory_budget"] == 1.0)
     return find(lambda r: r["peer"] == "eager")
 
 
@@ -577,51 +630,68 @@ def points_table(res: dict[str, Any]) -> str:
     eager = next(r for r in res["points"] if r["peer"] == "eager")
     e_peak, e_time = eager.get("peak_bytes"), eager.get("time_s")
     front = {id(r) for r in pareto_front(res["points"])}
-    lines = ["| peer | setting | peak MiB | peak / eager | predicted MiB | step ms (IQR) | "
-             "min ms | time / eager | time / own baseline | recomputed GFLOP | first step s | "
-             "Pareto |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+    lines = [
+        "| peer | setting | peak MiB | peak / eager | predicted MiB | step ms (IQR) | "
+        "min ms | time / eager | time / own baseline | recomputed GFLOP | first step s | "
+        "Pareto |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
+    ]
     for peer in PEERS:
         recs = [r for r in res["points"] if r["peer"] == peer]
         if peer == "checkpoint_sequential" and not recs:
-            lines.append(f"| checkpoint_sequential | N/A | {res['checkpoint_sequential']} "
-                         "| | | | | | | | | |")
+            lines.append(
+                f"| checkpoint_sequential | N/A | {res['checkpoint_sequential']} "
+                "| | | | | | | | | |"
+            )
             continue
         for r in sorted(recs, key=lambda r: r.get("peak_bytes") or math.inf):
             if r["status"] == "infeasible":
-                lines.append(f"| {peer} | {r['setting']} | BudgetError: smallest feasible "
-                             f"{_mib(r.get('smallest_bytes'))} MiB | | | | | | | | | |")
+                lines.append(
+                    f"| {peer} | {r['setting']} | BudgetError: smallest feasible "
+                    f"{_mib(r.get('smallest_bytes'))} MiB | | | | | | | | | |"
+                )
                 continue
             if r["status"] == "failed":
                 err = r["error"].splitlines()[0][:120].replace("|", "\\|")
-                lines.append(f"| {peer} | {r['setting']} | failed while {r['error_phase']}: "
-                             f"`{err}` | | | | | | | | | |")
+                lines.append(
+                    f"| {peer} | {r['setting']} | failed while {r['error_phase']}: "
+                    f"`{err}` | | | | | | | | | |"
+                )
                 continue
             setting = r["setting"]
             if r.get("budget_is_smallest_feasible"):
                 setting = f"budget = smallest ({_mib(r['budget'])} MiB)"
             peak, t = r.get("peak_bytes"), r.get("time_s")
-            spread = (f"{_ms(t)} ({_ms(r['time_q1_s'])}-{_ms(r['time_q3_s'])})"
-                      if t is not None else "-")
+            spread = (
+                f"{_ms(t)} ({_ms(r['time_q1_s'])}-{_ms(r['time_q3_s'])})" if t is not None else "-"
+            )
             base = own_baseline(res["points"], r)
-            cells = [peer, setting, _mib(peak),
-                     f"{peak / e_peak:.2f}" if peak and e_peak else "-",
-                     _mib(r.get("predicted_peak_bytes")), spread, _ms(r.get("time_min_s")),
-                     f"{t / e_time:.2f}" if t and e_time else "-",
-                     f"{t / base['time_s']:.2f}" if t and base else "-",
-                     _gflops(r.get("recompute_flops")),
-                     f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-",
-                     "*" if id(r) in front else ""]
+            cells = [
+                peer,
+                setting,
+                _mib(peak),
+                f"{peak / e_peak:.2f}" if peak and e_peak else "-",
+                _mib(r.get("predicted_peak_bytes")),
+                spread,
+                _ms(r.get("time_min_s")),
+                f"{t / e_time:.2f}" if t and e_time else "-",
+                f"{t / base['time_s']:.2f}" if t and base else "-",
+                _gflops(r.get("recompute_flops")),
+                f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-",
+                "*" if id(r) in front else "",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
     rows = equal_peak_comparison(res["points"])
-    lines = ["| memfit | peak MiB | step ms | fastest torch.compile at <= 1.05x peak | "
-             "memfit / it | fastest eager or checkpoint_sequential at <= 1.05x peak | "
-             "memfit / it |",
-             "|---|---:|---:|---|---:|---|---:|"]
+    lines = [
+        "| memfit | peak MiB | step ms | fastest torch.compile at <= 1.05x peak | "
+        "memfit / it | fastest eager or checkpoint_sequential at <= 1.05x peak | "
+        "memfit / it |",
+        "|---|---:|---:|---|---:|---|---:|",
+    ]
     losses = []
     for row in rows:
         cells = [row["memfit"], _mib(row["peak_bytes"]), _ms(row["time_s"])]
@@ -634,12 +704,16 @@ def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
                     cells += ["none this low", "-"]
                 continue
             ratio = best["time_ratio"]
-            cells += [f"{best['peer']} {best['setting']}: {_mib(best['peak_bytes'])} MiB, "
-                      f"{_ms(best['time_s'])} ms", f"**{ratio:.2f}**" if ratio > 1 else
-                      f"{ratio:.2f}"]
+            cells += [
+                f"{best['peer']} {best['setting']}: {_mib(best['peak_bytes'])} MiB, "
+                f"{_ms(best['time_s'])} ms",
+                f"**{ratio:.2f}**" if ratio > 1 else f"{ratio:.2f}",
+            ]
             if ratio > 1:
-                losses.append(f"{res['name']}: memfit {row['memfit']} is {ratio:.2f}x the time of "
-                              f"{best['peer']} {best['setting']} at equal peak")
+                losses.append(
+                    f"{res['name']}: memfit {row['memfit']} is {ratio:.2f}x the time of "
+                    f"{best['peer']} {best['setting']} at equal peak"
+                )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), losses
 
@@ -647,9 +721,11 @@ def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
 def summary_table(results: list[dict[str, Any]]) -> str:
     """Per model and peer family: how memfit's points fare against the fastest peer point at
     equal measured peak."""
-    lines = ["| model | peer | memfit points with a peer point at <= 1.05x their peak | "
-             "memfit slower | slower by > 5% | median memfit / peer | worst |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | peer | memfit points with a peer point at <= 1.05x their peak | "
+        "memfit slower | slower by > 5% | median memfit / peer | worst |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for res in results:
         rows = equal_peak_comparison(res["points"])
         for family in ("torch.compile", "eager/checkpoint_sequential"):
@@ -660,7 +736,8 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {res['name']} | {family} | {len(ratios)} of {len(rows)} | "
                 f"{sum(x > 1 for x in ratios)} | {sum(x > 1.05 for x in ratios)} | "
-                f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+                f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -669,8 +746,9 @@ _STYLE = {
     "checkpoint_sequential": dict(color="tab:orange", marker="D", markersize=5),
     "torch.compile": dict(color="tab:blue", marker="o", markersize=5),
     "memfit budget": dict(color="tab:green", marker="v", markersize=6),
-    "memfit modes": dict(color="tab:green", marker="s", markersize=8, linestyle="none",
-                         markerfacecolor="none"),
+    "memfit modes": dict(
+        color="tab:green", marker="s", markersize=8, linestyle="none", markerfacecolor="none"
+    ),
 }
 
 
@@ -709,27 +787,46 @@ def write_plot(res: dict[str, Any], path: Path, title: str) -> None:
         style = dict(_STYLE[key])
         ax.errorbar(xs, ys, yerr=[lo, hi], label=key, elinewidth=0.6, capsize=2, **style)
         for r, x, y in zip(recs, xs, ys):
-            text = {"torch.compile": lambda r: f"{r['activation_memory_budget']:g}",
-                    "checkpoint_sequential": lambda r: f"{r['segments']}",
-                    "memfit modes": lambda r: r["mode"],
-                    "memfit budget": lambda r: ("min" if r.get("budget_is_smallest_feasible")
-                                                else f"{r['budget']:g}"),
-                    "eager": lambda r: "eager"}[key](r)
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=style["color"])
+            text = {
+                "torch.compile": lambda r: f"{r['activation_memory_budget']:g}",
+                "checkpoint_sequential": lambda r: f"{r['segments']}",
+                "memfit modes": lambda r: r["mode"],
+                "memfit budget": lambda r: (
+                    "min" if r.get("budget_is_smallest_feasible") else f"{r['budget']:g}"
+                ),
+                "eager": lambda r: "eager",
+            }[key](r)
+            ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=style["color"],
+            )
     front = pareto_front(res["points"])
     if front:
         fx_ = [r["peak_bytes"] / MIB for r in front]
         fy = [r["time_s"] * 1e3 for r in front]
-        ax.step(fx_, fy, where="post", color="gray", linestyle="--", linewidth=1,
-                label="Pareto front (all peers)", zorder=0)
+        ax.step(
+            fx_,
+            fy,
+            where="post",
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label="Pareto front (all peers)",
+            zorder=0,
+        )
     ax.set_xlabel("measured peak tensor memory of one training step (MiB)")
     ax.set_ylabel("step time, median (ms); bars: interquartile range")
     ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    note = ("labels: torch.compile activation_memory_budget, checkpoint_sequential segments, "
-            "memfit budget fraction; lines follow each knob")
+    note = (
+        "labels: torch.compile activation_memory_budget, checkpoint_sequential segments, "
+        "memfit budget fraction; lines follow each knob"
+    )
     ax.set_title(f"{title}\n{note}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -741,13 +838,25 @@ def write_plot(res: dict[str, Any], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny models, few points, 3 rounds; outputs get '_quick'")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny models, few points, 3 rounds; outputs get '_quick'",
+    )
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
-                   help="peers to run (plain eager always runs: it is the reference)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="timed rounds per point (median); default 15, --quick 3")
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        choices=PEERS,
+        default=list(PEERS),
+        help="peers to run (plain eager always runs: it is the reference)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per point (median); default 15, --quick 3",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -766,9 +875,12 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     load_start = load_average()
-    print(f"budget frontier on cpu: {[s.name for s in specs]}, {args.rounds} timed rounds, "
-          f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}", flush=True)
+    print(
+        f"budget frontier on cpu: {[s.name for s in specs]}, {args.rounds} timed rounds, "
+        f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}",
+        flush=True,
+    )
     results = [run_model(spec, args) for spec in specs]
     torch.compiler.reset()
     total = time.perf_counter() - started
@@ -784,27 +896,26 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "float32",
             "rounds": args.rounds,
             "step": "loss(module(*inputs)).backward(), loss from the zoo case; grads set to None "
-                    "before each step",
+            "before each step",
             "peak": "memfit.measure of one step after two warm-up steps (exact CPU allocator "
-                    "accounting, deterministic)",
+            "accounting, deterministic)",
             "time": "median of `rounds` steps timed by memfit.measure(profile_memory=False) "
-                    "(no profiler), round-robin over all of a model's points, start rotated "
-                    "each round; gc.collect() before each step, gc disabled during a round",
+            "(no profiler), round-robin over all of a model's points, start rotated "
+            "each round; gc.collect() before each step, gc disabled during a round",
             "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
-                             "around compilation and the whole first step; each point its own "
-                             "code object (no dynamo reset between points)",
-            "torch_compile_budgets": list(QUICK_COMPILE_BUDGETS if args.quick
-                                          else COMPILE_BUDGETS),
+            "around compilation and the whole first step; each point its own "
+            "code object (no dynamo reset between points)",
+            "torch_compile_budgets": list(QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS),
             "checkpoint_sequential": "eager, model.blocks, every segment count, "
-                                     "use_reentrant=False (the last segment is not checkpointed)",
+            "use_reentrant=False (the last segment is not checkpointed)",
             "memfit_budgets": list(QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS),
             "memfit_budget_meaning": "fraction of plain autograd's predicted activation peak; "
-                                     "an int is bytes (the smallest feasible)",
+            "an int is bytes (the smallest feasible)",
             "memfit_modes": list(MEMFIT_MODES),
             "equal_peak_tolerance": PEAK_TOLERANCE,
             "recompute_flops": "see each point's recompute_flops_method; peers count "
-                               "matmul/conv/attention only (FlopCounterMode formulas + CPU flash "
-                               "attention), memfit adds 1 FLOP per element of other ops",
+            "matmul/conv/attention only (FlopCounterMode formulas + CPU flash "
+            "attention), memfit adds 1 FLOP per element of other ops",
         },
         "load_average": {"start": load_start, "end": load_average()},
         "total_runtime_s": round(total, 1),
@@ -829,35 +940,43 @@ def main(argv: list[str] | None = None) -> int:
             f"## {res['name']}\n\n{res['description']}; {res['parameters']:,} parameters. "
             f"checkpoint_sequential: {res['checkpoint_sequential']}. "
             f"{res['seconds']:.0f} s for this model"
-            + (f"; WARNING: {recompiles} graphs compiled during measurement" if recompiles
-               else "") + ".\n\n"
+            + (f"; WARNING: {recompiles} graphs compiled during measurement" if recompiles else "")
+            + ".\n\n"
             f"![{res['name']}]({png.name})\n\n"
             f"### Every point\n\n{points_table(res)}\n\n"
-            f"### memfit against the fastest peer at equal measured peak\n\n{table}\n")
-    verdict = ("memfit is slower than a peer at equal peak in these rows:\n\n"
-               + "\n".join(f"- {x}" for x in all_losses) if all_losses else
-               "memfit is no slower than either peer at equal measured peak in every row.")
-    md = (f"# Budget frontier ({report['date_utc']})\n\n"
-          f"CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average "
-          f"{load_start} at start and {report['load_average']['end']} at end. Peak is the "
-          f"measured tensor memory of one training step (exact allocator accounting); step time "
-          f"is the median of {args.rounds} steps interleaved across all points of a model "
-          f"(interquartile range in brackets); ratios are to plain eager; \"own baseline\" is the "
-          f"same peer recomputing nothing (memfit \"none\", torch.compile at budget 1.0, eager), "
-          f"which separates the cost of recomputation from the speed of each executor. "
-          f"Recomputed GFLOP: memfit from its plan "
-          f"(includes 1 FLOP per element of elementwise ops), peers from FlopCounterMode formulas "
-          f"(matmul/conv/attention only) as the step's total minus eager's. \"Pareto\" marks the "
-          f"points no other point beats on both peak and time. In the comparison, a ratio above 1 "
-          f"(bold) means memfit is slower than the peer. Total runtime {total:.0f} s.\n\n"
-          f"## Summary: memfit at equal measured peak\n\n{summary_table(results)}\n\n"
-          f"{verdict}\n\n" + "\n".join(sections))
+            f"### memfit against the fastest peer at equal measured peak\n\n{table}\n"
+        )
+    verdict = (
+        "memfit is slower than a peer at equal peak in these rows:\n\n"
+        + "\n".join(f"- {x}" for x in all_losses)
+        if all_losses
+        else "memfit is no slower than either peer at equal measured peak in every row."
+    )
+    md = (
+        f"# Budget frontier ({report['date_utc']})\n\n"
+        f"CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average "
+        f"{load_start} at start and {report['load_average']['end']} at end. Peak is the "
+        f"measured tensor memory of one training step (exact allocator accounting); step time "
+        f"is the median of {args.rounds} steps interleaved across all points of a model "
+        f'(interquartile range in brackets); ratios are to plain eager; "own baseline" is the '
+        f'same peer recomputing nothing (memfit "none", torch.compile at budget 1.0, eager), '
+        f"which separates the cost of recomputation from the speed of each executor. "
+        f"Recomputed GFLOP: memfit from its plan "
+        f"(includes 1 FLOP per element of elementwise ops), peers from FlopCounterMode formulas "
+        f"(matmul/conv/attention only) as the step's total minus eager's. \"Pareto\" marks the "
+        f"points no other point beats on both peak and time. In the comparison, a ratio above 1 "
+        f"(bold) means memfit is slower than the peer. Total runtime {total:.0f} s.\n\n"
+        f"## Summary: memfit at equal measured peak\n\n{summary_table(results)}\n\n"
+        f"{verdict}\n\n" + "\n".join(sections)
+    )
     stem.with_suffix(".md").write_text(md)
     print()
     print(md)
-    print(f"wrote {json_path}, {stem.with_suffix('.md')} and "
-          f"{len(results)} PNGs in {total:.0f} s total")
+    print(
+        f"wrote {json_path}, {stem.with_suffix('.md')} and "
+        f"{len(results)} PNGs in {total:.0f} s total"
+    )
     return 0
 
 

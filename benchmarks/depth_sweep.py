@@ -42,13 +42,18 @@ def readme_block(report: dict[str, Any]) -> str:
     """The README's summary of a sweep: one sentence of conditions, then peak and time ratios."""
     results = report["results"]
     params, machine = report["parameters"], report["machine"]
-    errors = [abs(rec["predicted_peak_bytes"] - rec["peak_bytes"]) / MIB
-              for res in results for name, rec in res["methods"].items()
-              if name.startswith("memfit-") and "peak_bytes" in rec
-              and "predicted_peak_bytes" in rec]
+    errors = [
+        abs(rec["predicted_peak_bytes"] - rec["peak_bytes"]) / MIB
+        for res in results
+        for name, rec in res["methods"].items()
+        if name.startswith("memfit-") and "peak_bytes" in rec and "predicted_peak_bytes" in rec
+    ]
     worst = max(errors, default=0.0)
-    where = (machine.get("gpu") or f"a {machine.get('cpu_count')}-core "
-             f"{machine.get('cpu_model') or machine.get('processor')}")
+    where = (
+        machine.get("gpu")
+        or f"a {machine.get('cpu_count')}-core "
+        f"{machine.get('cpu_model') or machine.get('processor')}"
+    )
     lines = [
         f"Peak memory of one training step relative to plain eager PyTorch (measured; memfit's "
         f"prediction is within {max(worst, 0.1):.1f} MiB of the measurement in every row), batch "
@@ -63,13 +68,18 @@ def readme_block(report: dict[str, Any]) -> str:
     compared = METHODS[1:]
     for res in results:
         eager = res["methods"].get("eager", {})
-        peaks = [format_ratio(res["methods"].get(m, {}).get("peak_bytes"), eager.get("peak_bytes"))
-                 for m in compared]
-        times = [format_ratio(res["methods"].get(m, {}).get("time_s"), eager.get("time_s"))
-                 for m in compared]
+        peaks = [
+            format_ratio(res["methods"].get(m, {}).get("peak_bytes"), eager.get("peak_bytes"))
+            for m in compared
+        ]
+        times = [
+            format_ratio(res["methods"].get(m, {}).get("time_s"), eager.get("time_s"))
+            for m in compared
+        ]
         eager_peak = f"{eager['peak_bytes'] / MIB:.1f} MiB" if "peak_bytes" in eager else "-"
-        lines.append(f"| {res['blocks']} | {eager_peak} | " + " | ".join(peaks)
-                     + f" | {' / '.join(times)} |")
+        lines.append(
+            f"| {res['blocks']} | {eager_peak} | " + " | ".join(peaks) + f" | {' / '.join(times)} |"
+        )
     return "\n".join(lines)
 
 
@@ -100,9 +110,13 @@ def update_readme(path: Path, report: dict[str, Any], suffix: str = "") -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p, RESULTS)
-    p.add_argument("--readme", type=Path, default=None, metavar="PATH",
-                   help=f"README whose table to rewrite (default {README} for a full sweep, "
-                        "none for --quick)")
+    p.add_argument(
+        "--readme",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"README whose table to rewrite (default {README} for a full sweep, none for --quick)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:

@@ -25,8 +25,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -64,8 +65,9 @@ class SkipMLP(nn.Module):
 def _gpt2(layers: int) -> tuple[nn.Module, tuple[Any, ...]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, n_positions=64, vocab_size=256,
-                        use_cache=False)
+    config = GPT2Config(
+        n_layer=layers, n_embd=64, n_head=4, n_positions=64, vocab_size=256, use_cache=False
+    )
     model = GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     return model, (ids,)
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     cases: list[tuple[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]] = []
     depths = [10, 40] if args.quick else [10, 40, 160, 400]
     for depth in depths:
-        cases.append((f"skip-mlp-{depth}",
-                      lambda d=depth: (SkipMLP(d), (torch.randn(256, 64),))))
+        cases.append((f"skip-mlp-{depth}", lambda d=depth: (SkipMLP(d), (torch.randn(256, 64),))))
     if not args.quick:
         for layers in (12, 60):
             cases.append((f"gpt2-{layers}-layers", lambda n=layers: _gpt2(n)))
@@ -111,33 +112,53 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         jg = capture(model, *inputs)
         capture_s = time.perf_counter() - t
+        min_bytes = max(jg.storage_bytes.values()) // 64
         workspace_s, workspace = _median_time(
-            lambda: measure_op_scratch(jg.nodes, min_bytes=max(jg.storage_bytes.values()) // 64),
-            1)
+            lambda jg=jg, min_bytes=min_bytes: measure_op_scratch(jg.nodes, min_bytes=min_bytes), 1
+        )
         jg.op_scratch = workspace
 
-        def plan() -> Any:
+        def plan(jg: JointGraph = jg) -> Any:
             points = pareto_frontier(jg)
             return points, choose(points, (points[0].peak_bytes + points[-1].peak_bytes) // 2)
 
         frontier_s, (points, _) = _median_time(plan, args.repeats)
-        row = {"graph": name, "nodes": len(jg.nodes), "forward_nodes": len(jg.forward),
-               "frontier_s": frontier_s, "workspace_s": workspace_s, "capture_s": capture_s,
-               "frontier_points": len(points)}
+        row = {
+            "graph": name,
+            "nodes": len(jg.nodes),
+            "forward_nodes": len(jg.forward),
+            "frontier_s": frontier_s,
+            "workspace_s": workspace_s,
+            "capture_s": capture_s,
+            "frontier_points": len(points),
+        }
         rows.append(row)
-        print(f"{name:>20}: {row['nodes']:6d} nodes  planner {frontier_s:6.2f} s  "
-              f"workspace {workspace_s:5.2f} s  ({len(points)} frontier points)", flush=True)
+        print(
+            f"{name:>20}: {row['nodes']:6d} nodes  planner {frontier_s:6.2f} s  "
+            f"workspace {workspace_s:5.2f} s  ({len(points)} frontier points)",
+            flush=True,
+        )
 
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
-            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "quick": args.quick}
+    meta = {
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "quick": args.quick,
+    }
     (args.out / "planning_time.json").write_text(json.dumps({**meta, "graphs": rows}, indent=2))
-    lines = [f"Planning time, one core ({meta['machine']}, torch {meta['torch']}, {meta['date']})",
-             "", "| graph | joint nodes | planner (s) | workspace measurement (s) | points |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['graph']} | {r['nodes']} | {r['frontier_s']:.2f} | {r['workspace_s']:.2f} "
-              f"| {r['frontier_points']} |" for r in rows]
+    lines = [
+        f"Planning time, one core ({meta['machine']}, torch {meta['torch']}, {meta['date']})",
+        "",
+        "| graph | joint nodes | planner (s) | workspace measurement (s) | points |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r['graph']} | {r['nodes']} | {r['frontier_s']:.2f} | {r['workspace_s']:.2f} "
+        f"| {r['frontier_points']} |"
+        for r in rows
+    ]
     (args.out / "planning_time.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -13,8 +13,9 @@ from torch import nn
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
-                         nn.Linear(128, 10))
+    return nn.Sequential(
+        nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10)
+    )
 
 
 def tiny_mlp() -> tuple[nn.Module, torch.Tensor]:

@@ -27,18 +27,26 @@ def memfit_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "memfit", *args]
 
 
-def run_memfit(*args: str, cwd: Path = ROOT, timeout: float = 300,
-               tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+def run_memfit(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, tmpdir: Path | None = None
+) -> subprocess.CompletedProcess:
     """``memfit ARGS`` in ``cwd``; ``tmpdir`` becomes its temporary directory (``TMPDIR``)."""
     env = cli_env() if tmpdir is None else {**cli_env(), "TMPDIR": str(tmpdir)}
-    return subprocess.run(memfit_command(*args), env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        memfit_command(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_memfit(*args: str, cwd: Path = ROOT, unset: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {k: v for k, v in cli_env().items() if k not in unset}
-    return subprocess.Popen(memfit_command(*args), env=env, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        memfit_command(*args),
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 #: The smallest depth sweep: one depth (3 blocks), tiny model, one timed round.
@@ -50,7 +58,12 @@ def check_tiny_sweep(out: Path) -> dict[str, Any]:
     report = json.loads((out / "depth_sweep_quick.json").read_text())
     (res,) = report["results"]
     assert res["blocks"] == 3 and set(res["methods"]) == {
-        "eager", "memfit-none", "memfit-speed", "memfit-memory", "checkpoint_sequential"}
+        "eager",
+        "memfit-none",
+        "memfit-speed",
+        "memfit-memory",
+        "checkpoint_sequential",
+    }
     assert all("peak_bytes" in rec and "time_s" in rec for rec in res["methods"].values())
     height, width = png_size(out / "depth_sweep_quick.png")
     assert height > 300 and width > 800

@@ -24,6 +24,9 @@ def mlp_step(model: torch.nn.Module, x: torch.Tensor) -> None:
 
 def small_mlp(device: str = "cpu") -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 256),
+        torch.nn.ReLU(),
         torch.nn.Linear(256, 1),
     ).to(device)

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.measurement.activations import LOSS, saved_activations
 from memfit.cli.steps import default_loss
+from memfit.measurement.activations import LOSS, saved_activations
 
 
 class Block(nn.Module):

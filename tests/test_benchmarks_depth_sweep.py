@@ -38,15 +38,21 @@ def test_tiny_sweep_writes_results_and_the_readme_table(tmp_path: Path) -> None:
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *TINY_SWEEP, "--out", str(out), "--readme", str(readme)],
-        env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, explain(proc)
     report = check_tiny_sweep(out)
 
     text = readme.read_text()
     assert "stale table" not in text and "| 3 | " in text
     assert text.startswith("# project\nintro\n<!-- depth-sweep:begin -->\n")
-    assert text.endswith("<!-- depth-sweep:end -->\n![depth sweep](benchmarks/results/"
-                         "depth_sweep.png)\n")
+    assert text.endswith(
+        "<!-- depth-sweep:end -->\n![depth sweep](benchmarks/results/depth_sweep.png)\n"
+    )
     assert readme_block(report) in text
 
 
@@ -66,5 +72,6 @@ def test_replace_block_needs_both_markers_in_order() -> None:
     for broken in ("no markers", "<!-- depth-sweep:end -->\n<!-- depth-sweep:begin -->"):
         with pytest.raises(ValueError, match="markers"):
             replace_block(broken, "new")
-    assert "new" in replace_block("<!-- depth-sweep_cuda:begin -->\n<!-- depth-sweep_cuda:end -->",
-                                  "new", "_cuda")
+    assert "new" in replace_block(
+        "<!-- depth-sweep_cuda:begin -->\n<!-- depth-sweep_cuda:end -->", "new", "_cuda"
+    )

@@ -3,10 +3,19 @@ import pytest
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 
 
-@pytest.mark.parametrize("text,expected", [
-    (1000, 1000), ("1000", 1000), ("1.5GiB", int(1.5 * 2**30)), ("800MB", 800 * 10**6),
-    ("512KiB", 512 * 1024), ("2g", 2 * 2**30), (" 3 MiB ", 3 * 2**20), ("1e3", 1000),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (1000, 1000),
+        ("1000", 1000),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("800MB", 800 * 10**6),
+        ("512KiB", 512 * 1024),
+        ("2g", 2 * 2**30),
+        (" 3 MiB ", 3 * 2**20),
+        ("1e3", 1000),
+    ],
+)
 def test_sizes_parse_to_bytes(text, expected):
     assert parse_budget(text) == Budget(bytes=expected)
 

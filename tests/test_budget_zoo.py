@@ -1,13 +1,13 @@
 """The budget planner on every zoo model, checked by measuring real training steps.
 
 For budgets 1.0, 0.5, 0.25 (fractions of plain autograd's activation peak), the smallest feasible
-one and the midpoint between the two ends: the measured peak is within 10% of ``predicted_peak_bytes`` and at most 5% above
-the budget; a lower budget never measures a higher peak; budgets below the smallest feasible raise
-``BudgetError`` stating it. Peaks come from ``memfit.measure`` (exact CPU allocator accounting).
+one and the midpoint between the two ends: the measured peak is within 10% of
+``predicted_peak_bytes`` and at most 5% above the budget; a lower budget never measures a higher
+peak; budgets below the smallest feasible raise ``BudgetError`` stating it. Peaks come from
+``memfit.measure`` (exact CPU allocator accounting).
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -41,11 +41,13 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase) -> None:
             continue
         plan = wrapped.plan
         predicted = plan.predicted_peak_bytes
-        budget_bytes = (int(budget * plan.baseline_peak_bytes) if isinstance(budget, float)
-                        else budget)
+        budget_bytes = (
+            int(budget * plan.baseline_peak_bytes) if isinstance(budget, float) else budget
+        )
         assert predicted <= budget_bytes
         assert abs(peak - predicted) <= 0.10 * predicted, (
-            f"budget {budget}: measured {peak} vs predicted {predicted}")
+            f"budget {budget}: measured {peak} vs predicted {predicted}"
+        )
         assert peak <= 1.05 * budget_bytes, f"budget {budget_bytes}: measured {peak}"
         measured.append((str(budget), peak))
     assert len(measured) >= 2 + (smallest < baseline)  # 1.0, midpoint, smallest: always fit

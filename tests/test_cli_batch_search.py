@@ -10,8 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.cli.batch_search import (Probe, batch_size_of, measure_probe, resize_batch,
-                                     search_max_batch)
+from memfit.cli.batch_search import (
+    Probe,
+    batch_size_of,
+    measure_probe,
+    resize_batch,
+    search_max_batch,
+)
 from memfit.cli.errors import CliError
 from memfit.cli.steps import Workload
 from memfit.planning.policy import Policy
@@ -25,14 +30,29 @@ def threshold_probe(limit: int, calls: list[int]):
     return probe
 
 
-@pytest.mark.parametrize("limit, start, step", [
-    (1000, 16, 1), (1000, 4096, 1), (17, 16, 1), (16, 16, 1), (1, 16, 1), (300, 7, 8),
-    (64, 64, 64), (65, 8, 8),
-])
+@pytest.mark.parametrize(
+    "limit, start, step",
+    [
+        (1000, 16, 1),
+        (1000, 4096, 1),
+        (17, 16, 1),
+        (16, 16, 1),
+        (1, 16, 1),
+        (300, 7, 8),
+        (64, 64, 64),
+        (65, 8, 8),
+    ],
+)
 def test_search_finds_the_threshold_and_measures_one_step_above(limit, start, step) -> None:
     calls: list[int] = []
-    r = search_max_batch(threshold_probe(limit, calls), label="x", budget_bytes=0, start=start,
-                         step=step, limit=1 << 20)
+    r = search_max_batch(
+        threshold_probe(limit, calls),
+        label="x",
+        budget_bytes=0,
+        start=start,
+        step=step,
+        limit=1 << 20,
+    )
     assert r.max_batch == limit // step * step
     assert r.first_not_fitting == r.max_batch + step
     assert r.max_batch + step in calls and (r.max_batch == 0 or r.max_batch in calls)
@@ -61,8 +81,9 @@ def test_resize_batch_repeats_rows_and_leaves_other_tensors() -> None:
 
 def test_measured_max_batch_fits_and_one_more_step_does_not() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
-                          nn.Linear(256, 10))
+    model = nn.Sequential(
+        nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10)
+    )
     work = Workload(model, (torch.randn(16, 32),))
     policy, device, budget, step = Policy("memory"), torch.device("cpu"), 2**20, 16
 

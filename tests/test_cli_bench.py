@@ -17,7 +17,10 @@ def test_tiny_sweep_writes_results_in_out_only(tmp_path: Path) -> None:
     assert proc.returncode == 0, explain(proc)
     check_tiny_sweep(out)
     assert sorted(p.name for p in out.iterdir()) == [
-        "depth_sweep_quick.json", "depth_sweep_quick.md", "depth_sweep_quick.png"]
+        "depth_sweep_quick.json",
+        "depth_sweep_quick.md",
+        "depth_sweep_quick.png",
+    ]
     assert list(cwd.iterdir()) == [] and not (tmp / "memfit-bench").exists()
     assert str(out / "depth_sweep_quick.json") in proc.stdout.replace("\n", "")
 

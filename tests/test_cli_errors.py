@@ -21,16 +21,26 @@ FACTORIES = "tests/cli_factories.py"
 # name: (arguments, a fragment the error line must contain)
 SUBPROCESS_CASES = {
     "missing file": (["profile", "no/such/file.py:make"], "no/such/file.py: does not exist"),
-    "missing attribute": (["profile", f"{FACTORIES}:tiny_mpl"],
-                          "has no attribute 'tiny_mpl'; did you mean tiny_mlp"),
-    "factory raises": (["profile", f"{FACTORIES}:raises"],
-                       "the factory raised RuntimeError: factory failed on purpose"),
-    "unparsable budget": (["profile", f"{FACTORIES}:tiny_mlp", "--budget", "1.5 gigs"],
-                          "cannot parse budget '1.5 gigs'"),
-    "budget below parameters": (["profile", f"{FACTORIES}:tiny_mlp", "--budget", "4KiB"],
-                                "is smaller than the model's parameters and buffers"),
-    "device that does not exist": (["profile", f"{FACTORIES}:tiny_mlp", "--device", "cuda:99"],
-                                   "--device 'cuda:99' does not exist"),
+    "missing attribute": (
+        ["profile", f"{FACTORIES}:tiny_mpl"],
+        "has no attribute 'tiny_mpl'; did you mean tiny_mlp",
+    ),
+    "factory raises": (
+        ["profile", f"{FACTORIES}:raises"],
+        "the factory raised RuntimeError: factory failed on purpose",
+    ),
+    "unparsable budget": (
+        ["profile", f"{FACTORIES}:tiny_mlp", "--budget", "1.5 gigs"],
+        "cannot parse budget '1.5 gigs'",
+    ),
+    "budget below parameters": (
+        ["profile", f"{FACTORIES}:tiny_mlp", "--budget", "4KiB"],
+        "is smaller than the model's parameters and buffers",
+    ),
+    "device that does not exist": (
+        ["profile", f"{FACTORIES}:tiny_mlp", "--device", "cuda:99"],
+        "--device 'cuda:99' does not exist",
+    ),
 }
 
 
@@ -63,8 +73,10 @@ def test_bad_input_is_one_line_and_exit_2(name: str, finished: dict) -> None:
 def test_debug_shows_the_traceback_of_the_factory(finished: dict) -> None:
     proc = finished["--debug"]
     assert proc.returncode == 2, explain(proc)
-    assert "Traceback" in proc.stderr and 'raise RuntimeError("factory failed on purpose")' \
-        in proc.stderr, explain(proc)
+    assert (
+        "Traceback" in proc.stderr
+        and 'raise RuntimeError("factory failed on purpose")' in proc.stderr
+    ), explain(proc)
     assert proc.stderr.strip().splitlines()[-1].startswith("memfit: error: ")
 
 
@@ -73,28 +85,34 @@ def test_the_script_restarts_itself_with_passive_openmp(finished: dict) -> None:
     assert proc.returncode == 2, explain(proc)
     assert proc.stderr.strip().splitlines() == [
         "memfit: error: tests/cli_factories.py:raises_with_omp_policy: the factory raised "
-        "RuntimeError: OMP_WAIT_POLICY=PASSIVE"], explain(proc)
+        "RuntimeError: OMP_WAIT_POLICY=PASSIVE"
+    ], explain(proc)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["profile", "tests.cli_factories:nothing_here"], "has no attribute 'nothing_here'"),
-    (["profile", "no_such_package.models:make"], "no module named 'no_such_package'"),
-    (["profile", f"{FACTORIES}:NOT_CALLABLE"], "is a int, not a function"),
-    (["profile", f"{FACTORIES}"], "names no factory"),
-    (["profile", f"{FACTORIES}:tiny_mlp_model"], "returned only a model"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--budget", "0.5"], "is a fraction"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--budget=-3MB"], "cannot parse budget"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--device", "tpu"], "--device 'tpu'"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--dtype", "int8"], "--dtype 'int8'"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "none,fast"], "'fast' is not a policy"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "budget=lots"], "cannot parse budget"),
-    (["profile", f"{FACTORIES}:tiny_mlp_model", "--input-shape", "16,x"], "is not a shape"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--batch-step", "0"], "--batch-step 0"),
-    (["profile", f"{FACTORIES}:tiny_mlp", "--budget", "1GiB", "--batch-dim", "2"],
-     "--batch-dim 2: no example input has a dimension 2"),
-    (["bench", "depth-sweep", "--device", "cuda:99"], "does not exist"),
-    (["bench", "depth-sweep", "--depths", "0"], "--depths 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["profile", "tests.cli_factories:nothing_here"], "has no attribute 'nothing_here'"),
+        (["profile", "no_such_package.models:make"], "no module named 'no_such_package'"),
+        (["profile", f"{FACTORIES}:NOT_CALLABLE"], "is a int, not a function"),
+        (["profile", f"{FACTORIES}"], "names no factory"),
+        (["profile", f"{FACTORIES}:tiny_mlp_model"], "returned only a model"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--budget", "0.5"], "is a fraction"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--budget=-3MB"], "cannot parse budget"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--device", "tpu"], "--device 'tpu'"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--dtype", "int8"], "--dtype 'int8'"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "none,fast"], "'fast' is not a policy"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "budget=lots"], "cannot parse budget"),
+        (["profile", f"{FACTORIES}:tiny_mlp_model", "--input-shape", "16,x"], "is not a shape"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--batch-step", "0"], "--batch-step 0"),
+        (
+            ["profile", f"{FACTORIES}:tiny_mlp", "--budget", "1GiB", "--batch-dim", "2"],
+            "--batch-dim 2: no example input has a dimension 2",
+        ),
+        (["bench", "depth-sweep", "--device", "cuda:99"], "does not exist"),
+        (["bench", "depth-sweep", "--depths", "0"], "--depths 0: must be at least 1"),
+    ],
+)
 def test_bad_input_in_process(argv: list[str], fragment: str, capsys, monkeypatch) -> None:
     from clitools import ROOT
 

@@ -6,22 +6,39 @@ import pytest
 import torch
 
 from memfit.cli.errors import CliError
-from memfit.cli.options import (parse_batch_budget, parse_device, parse_dtype, parse_policies,
-                                parse_shape)
+from memfit.cli.options import (
+    parse_batch_budget,
+    parse_device,
+    parse_dtype,
+    parse_policies,
+    parse_shape,
+)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("1048576", 2**20), ("1.5GiB", 3 * 2**29), ("800MB", 800 * 10**6), ("512KiB", 2**19),
-    ("2g", 2 * 2**30),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1048576", 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("800MB", 800 * 10**6),
+        ("512KiB", 2**19),
+        ("2g", 2 * 2**30),
+    ],
+)
 def test_budget_forms(text: str, expected: int) -> None:
     assert parse_batch_budget(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("lots", "cannot parse budget"), ("1.5 gigs", "cannot parse budget"),
-    ("0.5", "is a fraction"), ("0", "less than one byte"), ("", "cannot parse budget"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lots", "cannot parse budget"),
+        ("1.5 gigs", "cannot parse budget"),
+        ("0.5", "is a fraction"),
+        ("0", "less than one byte"),
+        ("", "cannot parse budget"),
+    ],
+)
 def test_bad_budgets(text: str, message: str) -> None:
     with pytest.raises(CliError, match=message):
         parse_batch_budget(text)

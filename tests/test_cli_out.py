@@ -18,11 +18,26 @@ from clitools import ROOT, TINY_SWEEP, explain, run_memfit
 #: directory, and the files it must write there.
 COMMANDS = {
     "demo": (["demo", "--quick"], "memfit-demo", ["demo.png"]),
-    "profile": (["profile", f"{ROOT / 'tests' / 'cli_factories.py'}:tiny_mlp", "--device",
-                 "cpu", "--policies", "none", "--timing-runs", "1", "--json"], "memfit-profile",
-                ["profile.json", "timeline.png"]),
-    "bench": (["bench", "depth-sweep", *TINY_SWEEP], "memfit-bench",
-              ["depth_sweep_quick.json", "depth_sweep_quick.md", "depth_sweep_quick.png"]),
+    "profile": (
+        [
+            "profile",
+            f"{ROOT / 'tests' / 'cli_factories.py'}:tiny_mlp",
+            "--device",
+            "cpu",
+            "--policies",
+            "none",
+            "--timing-runs",
+            "1",
+            "--json",
+        ],
+        "memfit-profile",
+        ["profile.json", "timeline.png"],
+    ),
+    "bench": (
+        ["bench", "depth-sweep", *TINY_SWEEP],
+        "memfit-bench",
+        ["depth_sweep_quick.json", "depth_sweep_quick.md", "depth_sweep_quick.png"],
+    ),
 }
 
 

@@ -23,17 +23,36 @@ BUDGET = 2**20  # 1 MiB: the tiny MLP fits a few hundred rows
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
     out = tmp_path_factory.mktemp("profile")
-    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--device", "cpu", "--policies",
-                      "none,memory", "--budget", "1MiB", "--batch-step", "32", "--timing-runs",
-                      "1", "--pareto", "--json", "--out", str(out))
+    proc = run_memfit(
+        "profile",
+        f"{FACTORIES}:tiny_mlp",
+        "--device",
+        "cpu",
+        "--policies",
+        "none,memory",
+        "--budget",
+        "1MiB",
+        "--batch-step",
+        "32",
+        "--timing-runs",
+        "1",
+        "--pareto",
+        "--json",
+        "--out",
+        str(out),
+    )
     return proc, out
 
 
 def test_exit_status_and_tables(profiled) -> None:
     proc, _ = profiled
     assert proc.returncode == 0, explain(proc)
-    for title in ("activation memory by submodule", "largest tensors kept for backward",
-                  "one training step per policy", "largest batch within 1MiB"):
+    for title in (
+        "activation memory by submodule",
+        "largest tensors kept for backward",
+        "one training step per policy",
+        "largest batch within 1MiB",
+    ):
         assert title in proc.stdout, proc.stdout
     assert "Next:" in proc.stdout
 
@@ -49,10 +68,14 @@ def test_report_matches_its_schema_and_the_model(profiled) -> None:
     acts = report["activations"]
     tanh_out = 16 * 128 * 4  # each Tanh's output is saved (by Tanh and the next Linear)
     assert acts["total_bytes"] == 2 * tanh_out
-    assert {m["module"]: m["self_bytes"] for m in acts["by_module"] if m["self_bytes"]} == \
-        {"1": tanh_out, "3": tanh_out}
-    assert all(t["shape"] == [16, 128] and "TanhBackward0" in t["saved_by"]
-               for t in acts["largest_tensors"])
+    assert {m["module"]: m["self_bytes"] for m in acts["by_module"] if m["self_bytes"]} == {
+        "1": tanh_out,
+        "3": tanh_out,
+    }
+    assert all(
+        t["shape"] == [16, 128] and "TanhBackward0" in t["saved_by"]
+        for t in acts["largest_tensors"]
+    )
 
     policies = {m["label"]: m for m in report["policies"]}
     assert list(policies) == ["none", "memory"]
@@ -84,8 +107,19 @@ def test_figures_are_pngs_of_sensible_size(profiled) -> None:
 
 
 def test_model_only_factory_with_input_shape(tmp_path: Path) -> None:
-    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp_model", "--input-shape", "8,32",
-                      "--policies", "none", "--timing-runs", "1", "--json", "--out", str(tmp_path))
+    proc = run_memfit(
+        "profile",
+        f"{FACTORIES}:tiny_mlp_model",
+        "--input-shape",
+        "8,32",
+        "--policies",
+        "none",
+        "--timing-runs",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, explain(proc)
     report = json.loads((tmp_path / "profile.json").read_text())
     assert validate(report) == []

@@ -12,7 +12,8 @@ def test_validator_keywords() -> None:
     good = {"module": "a", "type": "Linear", "self_bytes": 4, "total_bytes": 8, "tensors": 1}
     assert validate(good, MODULE) == []
     assert validate({**good, "self_bytes": -1}, MODULE) == [
-        "$.self_bytes: -1 is below the minimum 0"]
+        "$.self_bytes: -1 is below the minimum 0"
+    ]
     assert any("expected integer" in e for e in validate({**good, "tensors": 1.5}, MODULE))
     assert any("expected integer" in e for e in validate({**good, "tensors": True}, MODULE))
     missing = dict(good)

@@ -20,7 +20,9 @@ def write(path: Path, source: str) -> Path:
 
 def test_file_target_imports_its_neighbours(tmp_path: Path) -> None:
     write(tmp_path / "helper.py", "WIDTH = 7\n")
-    f = write(tmp_path / "model file.py", """\
+    f = write(
+        tmp_path / "model file.py",
+        """\
         import torch
         from helper import WIDTH
 
@@ -28,21 +30,25 @@ def test_file_target_imports_its_neighbours(tmp_path: Path) -> None:
             @staticmethod
             def build():
                 return torch.nn.Linear(WIDTH, 2), {"input": torch.ones(3, WIDTH)}
-        """)
+        """,
+    )
     target = build_target(f"{f}:Factories.build")
     assert target.model.in_features == 7
     assert target.args == () and target.kwargs["input"].shape == (3, 7)
 
 
 def test_module_target_and_return_forms(tmp_path: Path, monkeypatch) -> None:
-    write(tmp_path / "my_models.py", """\
+    write(
+        tmp_path / "my_models.py",
+        """\
         import torch
         def as_tensor(): return torch.nn.Linear(4, 2), torch.ones(2, 4)
         def as_tuple(): return (torch.nn.Bilinear(4, 4, 2), (torch.ones(2, 4), torch.ones(2, 4)))
         def model_only(): return torch.nn.Linear(4, 2)
         def wrong(): return 42
         def wrong_inputs(): return torch.nn.Linear(4, 2), 42
-        """)
+        """,
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert len(build_target("my_models:as_tensor").args) == 1

@@ -51,7 +51,8 @@ def test_dispatch_modes_and_fake_tensors() -> None:
     assert _compat.detect_fake_mode([fake]) is mode
     t = torch.ones(4)
     assert _compat.StorageWeakRef(t.untyped_storage()) == _compat.StorageWeakRef(
-        t[1:].untyped_storage())
+        t[1:].untyped_storage()
+    )
 
 
 def test_aot_autograd_split_and_boxed_code() -> None:
@@ -60,10 +61,15 @@ def test_aot_autograd_split_and_boxed_code() -> None:
 
     def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         tangents.extend(_compat.is_tangent(n) for n in joint.graph.nodes if n.op == "placeholder")
-        saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not _compat.is_tangent(n)]
+        saved = [
+            n for n in joint.graph.nodes if n.op == "placeholder" and not _compat.is_tangent(n)
+        ]
         return _compat.extract_fwd_bwd_modules(
-            joint, saved, num_fwd_outputs=kwargs["num_fwd_outputs"],
-            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"))
+            joint,
+            saved,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
+            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+        )
 
     def boxed(gm: fx.GraphModule, _: Any) -> Any:
         gm.graph.set_codegen(_compat.boxed_codegen())
@@ -79,8 +85,11 @@ def test_aot_autograd_split_and_boxed_code() -> None:
 
     torch.compiler.reset()
     before = _compat.unique_graph_count()
-    f = torch.compile(lambda x: torch.tanh(x).sum(), dynamic=False, backend=_compat.aot_autograd(
-        fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition))
+    f = torch.compile(
+        lambda x: torch.tanh(x).sum(),
+        dynamic=False,
+        backend=_compat.aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition),
+    )
     x = torch.randn(5, requires_grad=True)
     f(x).backward()
     torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
@@ -107,8 +116,11 @@ def test_profiler_events_and_allocations() -> None:
         block = torch.empty(1000, dtype=torch.uint8)
         del block
     cpu = _compat.cpu_memory_device_types()
-    sizes = [e.nbytes() for e in _compat.profiler_events(prof)
-             if e.name() == "[memory]" and e.device_type() in cpu]
+    sizes = [
+        e.nbytes()
+        for e in _compat.profiler_events(prof)
+        if e.name() == "[memory]" and e.device_type() in cpu
+    ]
     assert 1000 in sizes and -1000 in sizes
     allocations = _compat.profiler_allocations(prof)
     assert allocations is not None

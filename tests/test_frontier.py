@@ -70,7 +70,7 @@ def test_time_limit_keeps_the_anchors(graph) -> None:
 
 
 def test_budget_at_memory_modes_peak_is_memory_mode_or_cheaper(graph) -> None:
-    """"memory" is one point of the frontier's family; the budget plan at its peak never costs
+    """ "memory" is one point of the frontier's family; the budget plan at its peak never costs
     more, and differs from it only by recomputing less (see ``planning.frontier``)."""
     points = pareto_frontier(graph)
     memory = simulate_step(graph, keep_min_peak(graph))

@@ -16,8 +16,15 @@ import memfit
 SRC = Path(memfit.__file__).resolve().parent
 
 #: Layer of each folder; a module may import its own folder and folders of a lower layer.
-LAYERS = {"_compat": 0, "units": 0, "capture": 1, "measurement": 1, "analysis": 2,
-          "planning": 3, "execution": 4}
+LAYERS = {
+    "_compat": 0,
+    "units": 0,
+    "capture": 1,
+    "measurement": 1,
+    "analysis": 2,
+    "planning": 3,
+    "execution": 4,
+}
 PRIVATE = ("torch._", "torch.utils._", "functorch")
 
 
@@ -53,9 +60,13 @@ def test_no_layer_imports_a_layer_above_it() -> None:
 
 
 def test_only_compat_imports_private_torch() -> None:
-    bad = [f"{path.relative_to(SRC)} imports {name}"
-           for path in sorted(SRC.rglob("*.py")) if path.name != "_compat.py"
-           for name in _imports(path) if name.startswith(PRIVATE)]
+    bad = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "_compat.py"
+        for name in _imports(path)
+        if name.startswith(PRIVATE)
+    ]
     assert not bad, "\n".join(bad)
 
 

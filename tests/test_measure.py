@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from measuring import FLOATS_PER_MB, MB
 
+from measuring import FLOATS_PER_MB, MB
 from memfit.measurement import Measurement, measure
 
 
@@ -59,8 +59,9 @@ def test_measurement_is_frozen_and_readable():
 
 
 def test_str_of_negative_end():
-    m = Measurement(peak_bytes=0, end_bytes=-3 * 1024 * 1024, time_s=0.041, device="cpu",
-                    result=None)
+    m = Measurement(
+        peak_bytes=0, end_bytes=-3 * 1024 * 1024, time_s=0.041, device="cpu", result=None
+    )
     assert str(m) == "peak 0 B, end -3.00 MiB, 41 ms on cpu"
 
 
@@ -108,7 +109,6 @@ def test_device_inferred_cpu_for_cpu_tensors():
     assert measure(lambda: None).device == "cpu"
 
 
-
 def test_reachable_through_optimizer_partial_and_objects():
     model = torch.nn.Linear(500, 500, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -130,4 +130,3 @@ def test_reachable_through_optimizer_partial_and_objects():
 
     m = measure(functools.partial(drop_grads, model))
     assert m.end_bytes == -MB
-

@@ -8,13 +8,12 @@ import weakref
 
 import pytest
 import torch
-from measuring import FLOATS_PER_MB, MB, kept_intermediates, mlp_step, small_mlp
 from torch.profiler import ProfilerActivity
 
+from measuring import FLOATS_PER_MB, MB, kept_intermediates, mlp_step, small_mlp
 from memfit._compat import profiler_events
 from memfit.measurement import cpu, measure
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
-
 
 # --------------------------------------------------------------------------- CPU accounting
 
@@ -283,5 +282,3 @@ def test_fallback_when_clocks_disagree(monkeypatch):
     assert m.peak_bytes == 2 * MB
     times = [t for t, _ in m.timeline]
     assert times == sorted(times) and times[0] == 0.0
-
-

@@ -6,8 +6,8 @@ import functools
 
 import pytest
 import torch
-from measuring import kept_intermediates, mlp_step, small_mlp
 
+from measuring import kept_intermediates, mlp_step, small_mlp
 from memfit.measurement import measure
 from memfit.measurement.cuda import CudaRecording
 
@@ -108,7 +108,6 @@ def test_cuda_bad_index_raises_value_error():
     bad = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ValueError, match="does not exist"):
         measure(lambda: None, device=bad)
-
 
 
 @requires_cuda

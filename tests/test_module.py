@@ -44,7 +44,9 @@ def _run_steps(case: ZooCase, model: nn.Module, steps: int) -> dict[str, Any]:
         if step == 0:
             record["loss"] = loss.detach().clone()
             record["grads"] = {
-                n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+                n: p.grad.detach().clone()
+                for n, p in model.named_parameters()
+                if p.grad is not None
             }
             record["buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
             record["rng"] = torch.get_rng_state()
@@ -190,8 +192,9 @@ def test_old_checkpoints_keyword_still_works_and_warns() -> None:
 
 def test_budget_policy_text_equals_budget_keyword() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    assert memfit.checkpoint(model, "budget=0.5").policy == memfit.checkpoint(
-        model, budget=0.5).policy
+    assert (
+        memfit.checkpoint(model, "budget=0.5").policy == memfit.checkpoint(model, budget=0.5).policy
+    )
 
 
 def test_budget_and_policy_are_exclusive() -> None:

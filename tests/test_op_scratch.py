@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 from graphs import joint_graphs
-from measuring import FLOATS_PER_MB, MB
 from torch.profiler import ProfilerActivity
 from zoo import case
 
 import memfit
+from measuring import FLOATS_PER_MB, MB
 from memfit._compat import cpu_memory_device_types, profiler_events
 from memfit.analysis import op_scratch
 from memfit.analysis.op_scratch import measure_op_scratch
@@ -51,8 +51,11 @@ def test_inputs_are_materialised_one_op_at_a_time(monkeypatch) -> None:
     assert measure_op_scratch(jg.nodes)
 
     def input_bytes(node):
-        return sum(a.meta["val"].untyped_storage().nbytes() for a in node.args
-                   if isinstance(a, torch.fx.Node))
+        return sum(
+            a.meta["val"].untyped_storage().nbytes()
+            for a in node.args
+            if isinstance(a, torch.fx.Node)
+        )
 
     per_op = {op_scratch._signature(n): input_bytes(n) for n in jg.nodes if op_scratch._runnable(n)}
     # What the measurement holds is one op's inputs at a time, not every op's at once.
@@ -62,8 +65,11 @@ def test_inputs_are_materialised_one_op_at_a_time(monkeypatch) -> None:
 def _memory_peak(prof) -> tuple[int, int]:
     """(peak, end) of the CPU ``[memory]`` events of a finished torch.profiler session."""
     cpu = cpu_memory_device_types()
-    events = sorted((ev.start_ns(), ev.nbytes()) for ev in profiler_events(prof)
-                    if ev.name() == "[memory]" and ev.device_type() in cpu)
+    events = sorted(
+        (ev.start_ns(), ev.nbytes())
+        for ev in profiler_events(prof)
+        if ev.name() == "[memory]" and ev.device_type() in cpu
+    )
     live = peak = 0
     for _, n in events:
         live += n
@@ -107,8 +113,10 @@ def test_a_failed_worker_warns_and_leaves_scratch_out(monkeypatch) -> None:
 def _conv_net() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
         nn.Conv2d(16, 4, 3, padding=1),
     )
     return model, torch.randn(8, 3, 32, 32)
@@ -153,8 +161,7 @@ def test_user_profiler_around_a_first_call_records_the_step(monkeypatch) -> None
     sizes = _spy_on_subprocess(monkeypatch)
 
     def profiled(step):
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU],
-                                    profile_memory=True) as prof:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
         return prof
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from memfit.execution import partition
-
 import pytest
 import torch
 import torch.nn as nn
 
 import memfit
+from memfit.execution import partition
 
 _calls: Counter[str] = Counter()
 
@@ -124,12 +123,12 @@ def test_graphs_are_built_from_the_plan_decisions_alone() -> None:
     assert set(plan.decisions.values()) == {Decision.SAVE, Decision.RECOMPUTE}
     outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
     assert len(outputs) - kwargs["num_fwd_outputs"] == len(plan.saved())
-    received = [n.name for n in bw.graph.nodes if n.op == "placeholder"
-                and "tangents" not in str(n.target)]
+    received = [
+        n.name for n in bw.graph.nodes if n.op == "placeholder" and "tangents" not in str(n.target)
+    ]
     assert sorted(received) == sorted(plan.saved())
     recomputed = sum(1 for n in bw.graph.nodes if n.target is torch.ops.memfit_test.tick.default)
-    assert recomputed == sum(
-        1 for name, d in plan.decisions.items() if d is Decision.RECOMPUTE)
+    assert recomputed == sum(1 for name, d in plan.decisions.items() if d is Decision.RECOMPUTE)
 
     stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.SAVE})
     with pytest.raises(partition.PlanMismatchError, match="not_a_node"):

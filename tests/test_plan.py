@@ -7,11 +7,19 @@ from memfit.units import format_bytes
 
 def _graph(peak: int, kept: int) -> GraphPlan:
     decisions = {"a": Decision.SAVE, "b": Decision.RECOMPUTE, "x": Decision.SAVE}
-    return GraphPlan(policy="memory", decisions=decisions, kept=("a",), recomputed=("b", "c"),
-                     kept_bytes=kept,
-                     predicted_peak_bytes=peak, baseline_peak_bytes=2 * peak,
-                     baseline_kept_bytes=2 * kept, recompute_flops=10, forward_flops=40,
-                     num_nodes=5)
+    return GraphPlan(
+        policy="memory",
+        decisions=decisions,
+        kept=("a",),
+        recomputed=("b", "c"),
+        kept_bytes=kept,
+        predicted_peak_bytes=peak,
+        baseline_peak_bytes=2 * peak,
+        baseline_kept_bytes=2 * kept,
+        recompute_flops=10,
+        forward_flops=40,
+        num_nodes=5,
+    )
 
 
 def test_peaks_of_several_graphs_add_kept_values() -> None:

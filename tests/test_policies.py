@@ -8,7 +8,8 @@ the planner's own prediction.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -99,8 +100,9 @@ def test_module_names_keep_those_outputs() -> None:
         ("lstm", lambda: lstm(steps=32, hidden_size=64), (128, 32, 16), 0.5),
     ],
 )
-def test_memory_mode_ratio(name: str, make: Callable[[], nn.Module], shape: tuple[int, ...],
-                           max_ratio: float) -> None:
+def test_memory_mode_ratio(
+    name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], max_ratio: float
+) -> None:
     torch.manual_seed(0)
     x = torch.randn(*shape)
     plain = _step_peak(memfit.checkpoint(make(), "none"), x, _mean_square)
@@ -108,15 +110,18 @@ def test_memory_mode_ratio(name: str, make: Callable[[], nn.Module], shape: tupl
     wrapped = memfit.checkpoint(make(), "memory")
     saved = _step_peak(wrapped, x, _mean_square)
     ratio = saved / plain
-    assert ratio <= max_ratio, f"{name}: memory mode peak {saved / MB:.1f} MB is {ratio:.3f} of none"
+    assert ratio <= max_ratio, (
+        f"{name}: memory mode peak {saved / MB:.1f} MB is {ratio:.3f} of none"
+    )
     # the prediction is about the same quantity the measurement reports
     assert abs(wrapped.plan.predicted_peak_bytes - saved) <= 0.1 * saved
 
 
 def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU())
-                            for _ in range(8)])
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()) for _ in range(8)]
+    )
     x = torch.randn(256, 256)
     plain = _step_peak(memfit.checkpoint(model, "none"), x, _mean_square)
     torch._dynamo.reset()

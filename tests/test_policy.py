@@ -53,7 +53,9 @@ def test_labels_and_calls() -> None:
     assert Policy(BUDGET, budget=Budget(fraction=0.5)).label == "budget 50%"
     assert Policy(BUDGET, budget=Budget(bytes=3 * 2**20)).label == "budget 3.00 MiB"
     assert Policy("speed").call() == "memfit.checkpoint(model, 'speed')"
-    assert Policy(BUDGET, budget=Budget(fraction=0.5)).call("m") == "memfit.checkpoint(m, budget=0.5)"
+    assert (
+        Policy(BUDGET, budget=Budget(fraction=0.5)).call("m") == "memfit.checkpoint(m, budget=0.5)"
+    )
     assert Policy("collection", modules=("a",)).call() == "memfit.checkpoint(model, ['a'])"
 
 

@@ -27,8 +27,13 @@ from memfit.bench.runner import (
 CPU = torch.device("cpu")
 
 
-def _method(name: str = "mlp", log: list[str] | None = None, fail_on_call: int | None = None,
-            wrap: Callable[[nn.Module], nn.Module] | None = None, **kwargs: Any) -> Method:
+def _method(
+    name: str = "mlp",
+    log: list[str] | None = None,
+    fail_on_call: int | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    **kwargs: Any,
+) -> Method:
     """A tiny MLP's training step, of ``wrap(model)`` if given. Each call appends ``name`` and
     whether automatic garbage collection was on to ``log``; call ``fail_on_call`` raises."""
     torch.manual_seed(0)

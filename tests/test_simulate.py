@@ -33,8 +33,9 @@ def test_walk_frees_after_last_use() -> None:
 def test_walk_counts_scratch_and_skips_uncounted() -> None:
     a = _Node("a", [])
     b = _Node("b", [a])
-    result = walk([a, b], lambda n: [n.name], {"a": 5, "b": 7}, uncounted=["a"],
-                  op_scratch={b: 100})  # type: ignore[dict-item]
+    result = walk(
+        [a, b], lambda n: [n.name], {"a": 5, "b": 7}, uncounted=["a"], op_scratch={b: 100}
+    )  # type: ignore[dict-item]
     assert result.peak_bytes == 107
 
 

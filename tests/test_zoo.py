@@ -51,8 +51,9 @@ def _assert_tree_equal(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def _fwd_bwd(model: nn.Module, c: ZooCase, module: nn.Module | None = None,
-             seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+def _fwd_bwd(
+    model: nn.Module, c: ZooCase, module: nn.Module | None = None, seed: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """Loss and gradients of one forward+backward. ``model`` may be a compiled wrapper of
     ``module``; gradients are read from ``module`` (so names carry no ``_orig_mod.``)."""
     module = model if module is None else module
@@ -60,8 +61,11 @@ def _fwd_bwd(model: nn.Module, c: ZooCase, module: nn.Module | None = None,
     torch.manual_seed(seed)
     loss = c.loss(model(*args, **kwargs))
     loss.backward()
-    grads = {n: (None if p.grad is None else p.grad.detach().clone())
-             for n, p in module.named_parameters() if p.requires_grad}
+    grads = {
+        n: (None if p.grad is None else p.grad.detach().clone())
+        for n, p in module.named_parameters()
+        if p.requires_grad
+    }
     return loss.detach(), grads
 
 
@@ -75,8 +79,19 @@ def _graph_breaks() -> dict[str, int]:
 
 def test_names_unique_and_lookup() -> None:
     assert len(NAMES) == len(set(NAMES))
-    assert NAMES == ["mlp", "resnet", "transformer", "unet", "lstm", "densenet", "dropout",
-                     "inplace_relu", "shared", "structured", "gpt2"]
+    assert NAMES == [
+        "mlp",
+        "resnet",
+        "transformer",
+        "unet",
+        "lstm",
+        "densenet",
+        "dropout",
+        "inplace_relu",
+        "shared",
+        "structured",
+        "gpt2",
+    ]
     for c in ZOO:
         assert case(c.name) is c
     with pytest.raises(KeyError, match="no zoo case"):
@@ -84,8 +99,10 @@ def test_names_unique_and_lookup() -> None:
 
 
 def test_import_does_not_import_transformers() -> None:
-    code = ("import sys; import memfit.bench.zoo; "
-            "assert 'transformers' not in sys.modules, 'zoo imported transformers'")
+    code = (
+        "import sys; import memfit.bench.zoo; "
+        "assert 'transformers' not in sys.modules, 'zoo imported transformers'"
+    )
     subprocess.run([sys.executable, "-c", code], env=cli_env(), check=True)
 
 
@@ -120,8 +137,9 @@ def test_flags_match_modules(name: str) -> None:
     c = case(name)
     model = c.make_model()
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    has_dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-                      for m in model.modules())
+    has_dropout = any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
+    )
     assert c.has_batchnorm == has_bn
     assert c.has_dropout == has_dropout
 
@@ -155,19 +173,28 @@ def test_compiles_without_graph_breaks_and_matches_eager(name: str) -> None:
     module = c.make_model()
     compiled = torch.compile(module, backend="aot_eager", dynamic=False)
     loss_c, grads_c = _fwd_bwd(compiled, c, module=module)
-    new_breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items()
-                  if v != breaks_before.get(k, 0)}
+    new_breaks = {
+        k: v - breaks_before.get(k, 0)
+        for k, v in _graph_breaks().items()
+        if v != breaks_before.get(k, 0)
+    }
     assert not new_breaks, f"{name}: graph breaks under dynamo: {new_breaks}"
 
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     assert grads_c.keys() == grads_e.keys()
     for n in grads_e:
-        torch.testing.assert_close(grads_c[n], grads_e[n], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"{name}: grad of {n}: {m}")
+        torch.testing.assert_close(
+            grads_c[n],
+            grads_e[n],
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, n=n: f"{name}: grad of {n}: {m}",
+        )
     # buffer mutation (BatchNorm running stats) must survive compilation too
     for (n, b_e), (_, b_c) in zip(eager.named_buffers(), module.named_buffers()):
-        torch.testing.assert_close(b_c, b_e, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=n: f"{name}: buffer {n}: {m}")
+        torch.testing.assert_close(
+            b_c, b_e, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{name}: buffer {n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", [c.name for c in ZOO if c.has_dropout])
@@ -199,7 +226,9 @@ def test_cifar_resnet_depth() -> None:
     convs3 = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert len(convs3) + len(linears) == 110
-    projections = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)]
+    projections = [
+        m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)
+    ]
     assert len(projections) == 2
     small = cifar_resnet(1, width=4, num_classes=7)
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 7)
@@ -209,7 +238,8 @@ def test_unet_lstm_densenet_factories() -> None:
     torch.manual_seed(0)
     assert unet(depth=4, width=4)(torch.randn(1, 1, 32, 32)).shape == (1, 1, 32, 32)
     assert unet(depth=2, width=4, in_channels=3, out_channels=2)(
-        torch.randn(1, 3, 16, 16)).shape == (1, 2, 16, 16)
+        torch.randn(1, 3, 16, 16)
+    ).shape == (1, 2, 16, 16)
     assert lstm(steps=5)(torch.randn(3, 5, 16)).shape == (3, 5, 10)
     assert densenet_block(num_layers=3)(torch.randn(2, 3, 8, 8)).shape == (2, 10)
 

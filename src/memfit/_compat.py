@@ -17,7 +17,8 @@ directly.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -66,19 +67,11 @@ if torch.__version__.split("+")[0] not in CHECKED_TORCH_VERSIONS:
 
 # ---- pytrees: torch.utils._pytree (checked 2.13.0) ----------------------------------------------
 # Flattening nested inputs and outputs the way Dynamo does. torch 2.13 has no public pytree module.
-from torch.utils._pytree import (  # noqa: E402
-    keystr,
-    tree_flatten,
-    tree_flatten_with_path,
-    tree_map,
-    tree_map_only,
-)
-
-# ---- dispatch modes and fake tensors (checked 2.13.0) --------------------------------------------
-# TorchDispatchMode: attributing saved activations to the module that made them. Documented in
-# "Extending PyTorch", but it lives in a private module.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+# ---- AOTAutograd and FX (checked 2.13.0) ---------------------------------------------------------
+# aot_autograd: a Dynamo backend from forward/backward compilers and a partition function; it is
+# how every torch.compile backend that wants a joint graph gets one.
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch import partitioners as _partitioners  # noqa: E402
 
 # detect_fake_mode: the fake-tensor mode of a traced graph's values, to compute the metadata of a
 # node memfit inserts (the BatchNorm split).
@@ -86,16 +79,23 @@ from torch._guards import detect_fake_mode  # noqa: E402
 
 # OpOverload: the type of an ATen op in an FX graph (``aten.mm.default``).
 from torch._ops import OpOverload  # noqa: E402
+from torch.fx.graph import _BoxedCodeGen  # noqa: E402
 
 # StorageWeakRef: a hashable identity of a (fake) storage, to count views of one storage once.
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
-# ---- AOTAutograd and FX (checked 2.13.0) ---------------------------------------------------------
-# aot_autograd: a Dynamo backend from forward/backward compilers and a partition function; it is
-# how every torch.compile backend that wants a joint graph gets one.
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-from torch._functorch import partitioners as _partitioners  # noqa: E402
-from torch.fx.graph import _BoxedCodeGen  # noqa: E402
+# ---- dispatch modes and fake tensors (checked 2.13.0) --------------------------------------------
+# TorchDispatchMode: attributing saved activations to the module that made them. Documented in
+# "Extending PyTorch", but it lives in a private module.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+from torch.utils._pytree import (  # noqa: E402
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map,
+    tree_map_only,
+)
 
 
 def extract_fwd_bwd_modules(
@@ -115,7 +115,10 @@ def extract_fwd_bwd_modules(
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     static = _partitioners.OrderedSet(placeholders[i] for i in static_lifetime_input_indices or ())
     return _partitioners._extract_fwd_bwd_modules(
-        joint, saved_values, saved_sym_nodes=[], num_fwd_outputs=num_fwd_outputs,
+        joint,
+        saved_values,
+        saved_sym_nodes=[],
+        num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=static,
     )
 
@@ -200,7 +203,7 @@ def profiler_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, i
             stack.extend(ev.children)
             if ev.tag != _EventType.Allocation:
                 continue
-            fields = ev.extra_fields
+            fields: Any = ev.extra_fields  # an allocation event: typed as the union of all kinds
             if fields.device.type != "cpu" or not fields.alloc_size:
                 continue
             out.append((int(ev.start_time_ns), int(fields.alloc_size), int(fields.ptr)))
@@ -217,7 +220,7 @@ from collections.abc import Callable  # noqa: E402
 from contextlib import AbstractContextManager  # noqa: E402
 
 # make_boxed_func: a forward compiler's result in AOTAutograd's boxed calling convention.
-from functorch.compile import make_boxed_func  # noqa: E402
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import default_partition  # noqa: E402
 
 
@@ -244,6 +247,8 @@ def inductor_post_grad_pass(
     import torch._inductor.config
 
     return torch._inductor.config.patch(post_grad_custom_post_pass=graph_pass)
+
+
 # ---- added for measurement -----------------------------------------------------------------------
 # Refusing to open a profiler session while another thread has one (that crashes); checked 2.13.0.
 def profiler_started_anywhere() -> bool:

@@ -26,15 +26,28 @@ __all__ = ["node_flops", "node_seconds", "is_compute_heavy", "DEVICE_SPEED"]
 aten = torch.ops.aten
 
 _HEAVY_PACKETS = {
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear,
-    aten.convolution, aten._convolution, aten.conv2d, aten.conv1d, aten.conv3d,
+    aten.mm,
+    aten.addmm,
+    aten.bmm,
+    aten.baddbmm,
+    aten.matmul,
+    aten.linear,
+    aten.convolution,
+    aten._convolution,
+    aten.conv2d,
+    aten.conv1d,
+    aten.conv3d,
     aten.scaled_dot_product_attention,
     aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_efficient_attention,
     aten._scaled_dot_product_flash_attention_for_cpu,
 }
-for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
-              "_efficient_attention_forward", "_native_multi_head_attention"):
+for _name in (
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_native_multi_head_attention",
+):
     if hasattr(aten, _name):
         _HEAVY_PACKETS.add(getattr(aten, _name))
 
@@ -49,8 +62,11 @@ def is_compute_heavy(node: fx.Node) -> bool:
 
 
 def _attention_flops(node: fx.Node) -> int:
-    q, k, v = (a.meta.get("val") for a in node.args[:3])  # type: ignore[union-attr]
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:3]]
+    q, k, v = vals
+    if not (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    ):
         return 0
     *batch, lq, e = q.shape
     ls = k.shape[-2]
@@ -72,6 +88,7 @@ def node_flops(node: fx.Node) -> int:
 
     formula = flop_registry.get(packet)
     if formula is not None:
+
         def unwrap(a: Any) -> Any:
             return a.meta.get("val") if isinstance(a, fx.Node) else a
 

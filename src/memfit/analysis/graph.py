@@ -16,8 +16,9 @@ would, so the storage identity is read from them rather than from a table of vie
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -53,8 +54,9 @@ def _is_impure(node: fx.Node) -> bool:
         return True
 
 
-def ancestors(starts: Iterable[fx.Node],
-              inputs: dict[fx.Node, list[fx.Node]] | None = None) -> set[fx.Node]:
+def ancestors(
+    starts: Iterable[fx.Node], inputs: dict[fx.Node, list[fx.Node]] | None = None
+) -> set[fx.Node]:
     """``starts`` and every non-placeholder node they depend on (``inputs``: a cache of edges)."""
     found: set[fx.Node] = set()
     stack = list(starts)
@@ -135,7 +137,7 @@ class JointGraph:
         self.storage_bytes = {}
         ids: dict[Any, int] = {}
         for n in self.nodes:
-            keys = []
+            keys: list[Any] = []
             for t in node_tensors(n):
                 try:
                     storage = t.untyped_storage()
@@ -153,8 +155,9 @@ class JointGraph:
         self.primal_keys = frozenset(k for p in self.primals for k in self.storages[p])
         self._must = {n for n in self.nodes if is_random(n) or _is_impure(n)}
         self._never = {n for n in self.nodes if self._never_recompute(n)}
-        self._backward_reads = [a for n in self.backward for a in self.inputs[n]
-                                if a not in self._backward_set]
+        self._backward_reads = [
+            a for n in self.backward for a in self.inputs[n] if a not in self._backward_set
+        ]
 
     # ---- facts about single nodes -------------------------------------------------------------
 

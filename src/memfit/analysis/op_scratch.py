@@ -37,9 +37,10 @@ import pickle
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -218,11 +219,17 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     # Settings that change which kernel runs, and so its scratch (oneDNN's depends on threads).
-    settings = (torch.get_num_threads(), torch.backends.mkldnn.enabled,
-                torch.are_deterministic_algorithms_enabled())
+    settings = (
+        torch.get_num_threads(),
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", _WORKER], input=pickle.dumps((settings, payload)),
-        capture_output=True, env=env, check=False,
+        [sys.executable, "-c", _WORKER],
+        input=pickle.dumps((settings, payload)),
+        capture_output=True,
+        env=env,
+        check=False,
     )
     try:
         results = pickle.loads(proc.stdout) if proc.returncode == 0 else None
@@ -234,7 +241,8 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
             f"memfit: measuring op scratch memory outside the active profiler session failed "
             f"(worker exit status {proc.returncode}: {' | '.join(tail) or 'no output'}); "
             f"planning without scratch memory for {len(calls)} ops.",
-            RuntimeWarning, stacklevel=2,
+            RuntimeWarning,
+            stacklevel=2,
         )
         return out
     for i, nbytes in zip(sendable, results):

@@ -15,8 +15,9 @@ with ``memfit.measure``'s "peak above entry".
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -168,8 +169,13 @@ def simulate_step(
     fwd = forward_order(jg, saved_needed)
     available = set(saved_needed) | set(jg.primals) | set(jg.tangents)
     bwd = order_backward(
-        [n for n in jg.nodes if n.op != "placeholder" and n.op != "output"
-         and (jg.is_backward(n) or n not in available)],
+        [
+            n
+            for n in jg.nodes
+            if n.op != "placeholder"
+            and n.op != "output"
+            and (jg.is_backward(n) or n not in available)
+        ],
         jg.is_backward,
         available,
         jg.bwd_outputs,
@@ -180,17 +186,27 @@ def simulate_step(
     out_keys = {k for n in jg.fwd_outputs for k in jg.storages[n]}
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
     fw = walk(
-        fwd, storages, jg.storage_bytes,
-        keep=saved_keys | out_keys, uncounted=primal_keys, op_scratch=jg.op_scratch,
-        record_curve=record_curve, inputs=jg.inputs.__getitem__,
+        fwd,
+        storages,
+        jg.storage_bytes,
+        keep=saved_keys | out_keys,
+        uncounted=primal_keys,
+        op_scratch=jg.op_scratch,
+        record_curve=record_curve,
+        inputs=jg.inputs.__getitem__,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
     grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
     bw = walk(
-        bwd, storages, jg.storage_bytes,
+        bwd,
+        storages,
+        jg.storage_bytes,
         start_live=fw.end_live | tangent_keys,
-        keep=out_keys | grad_keys, uncounted=primal_keys, op_scratch=jg.op_scratch,
-        record_curve=record_curve, inputs=jg.inputs.__getitem__,
+        keep=out_keys | grad_keys,
+        uncounted=primal_keys,
+        op_scratch=jg.op_scratch,
+        record_curve=record_curve,
+        inputs=jg.inputs.__getitem__,
     )
     return StepSimulation(
         peak_bytes=max(fw.peak_bytes, bw.peak_bytes),

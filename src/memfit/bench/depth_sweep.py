@@ -65,8 +65,17 @@ from memfit.bench.resnet import cifar_resnet
 from memfit.bench.runner import Method, Snapshot, measure_peaks, time_interleaved, warm_up
 from memfit.units import MIB
 
-__all__ = ["DEFAULT_OUT", "METHODS", "add_arguments", "build_methods", "format_ratio",
-           "markdown_table", "run", "run_depth", "write_plot"]
+__all__ = [
+    "DEFAULT_OUT",
+    "METHODS",
+    "add_arguments",
+    "build_methods",
+    "format_ratio",
+    "markdown_table",
+    "run",
+    "run_depth",
+    "write_plot",
+]
 
 #: Where ``memfit bench depth-sweep`` writes without ``--out``: outside the working tree.
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "memfit-bench"
@@ -86,8 +95,9 @@ def _train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable
 # ----------------------------------------------------------------------------------- one depth
 
 
-def build_methods(bps: int, width: int, batch: int, device: torch.device,
-                  segments: int) -> list[Method]:
+def build_methods(
+    bps: int, width: int, batch: int, device: torch.device, segments: int
+) -> list[Method]:
     """One method per entry of ``METHODS``, each on its own identically seeded ResNet."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
@@ -149,21 +159,28 @@ def format_ratio(value: float | None, ref: float | None) -> str:
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    head = ("| blocks | method | peak MiB | peak / eager | predicted MiB | step ms | "
-            "time / eager | first step s | recompute % fwd |")
+    head = (
+        "| blocks | method | peak MiB | peak / eager | predicted MiB | step ms | "
+        "time / eager | first step s | recompute % fwd |"
+    )
     lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         eager = res["methods"].get("eager", {})
         for name, rec in res["methods"].items():
             if "error" in rec:
                 err = rec["error"].splitlines()[0][:120].replace("|", "\\|")
-                lines.append(f"| {res['blocks']} | {name} | failed while {rec['error_phase']}: "
-                             f"`{err}` | | | | | | |")
+                lines.append(
+                    f"| {res['blocks']} | {name} | failed while {rec['error_phase']}: "
+                    f"`{err}` | | | | | | |"
+                )
                 continue
             peak, t = rec.get("peak_bytes"), rec.get("time_s")
             pred = rec.get("predicted_peak_bytes")
-            frac = (f"{100 * rec['recompute_flops'] / rec['forward_flops']:.0f}"
-                    if rec.get("forward_flops") else "-")
+            frac = (
+                f"{100 * rec['recompute_flops'] / rec['forward_flops']:.0f}"
+                if rec.get("forward_flops")
+                else "-"
+            )
             label = name + (f" ({res['segments']} seg)" if name == "checkpoint_sequential" else "")
             cells = [
                 str(res["blocks"]),
@@ -204,8 +221,9 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
                 continue
             xs.append(res["blocks"])
             peaks.append(rec["peak_bytes"] / MIB)
-            ratios.append(rec["peak_bytes"] / eager["peak_bytes"] if eager.get("peak_bytes")
-                          else math.nan)
+            ratios.append(
+                rec["peak_bytes"] / eager["peak_bytes"] if eager.get("peak_bytes") else math.nan
+            )
             times.append(rec["time_s"] * 1e3)
             preds.append(rec.get("predicted_peak_bytes", math.nan) / MIB)
         if not xs:
@@ -215,14 +233,27 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
             ax_peak.plot(xs, preds, linestyle=":", color=style[name]["color"], linewidth=1)
         ax_ratio.plot(xs, ratios, label=name, **style[name])
         ax_time.plot(xs, times, label=name, **style[name])
-    ax_peak.set(xscale="log", yscale="log", xlabel="residual blocks",
-                ylabel="peak tensor memory of one step (MiB)",
-                title="peak memory (dotted: memfit's prediction)")
-    ax_ratio.set(xscale="log", xlabel="residual blocks", ylabel="peak / eager peak",
-                 title="peak memory relative to eager")
+    ax_peak.set(
+        xscale="log",
+        yscale="log",
+        xlabel="residual blocks",
+        ylabel="peak tensor memory of one step (MiB)",
+        title="peak memory (dotted: memfit's prediction)",
+    )
+    ax_ratio.set(
+        xscale="log",
+        xlabel="residual blocks",
+        ylabel="peak / eager peak",
+        title="peak memory relative to eager",
+    )
     ax_ratio.set_ylim(bottom=0)
-    ax_time.set(xscale="log", yscale="log", xlabel="residual blocks",
-                ylabel="step time, median (ms)", title="time of one training step")
+    ax_time.set(
+        xscale="log",
+        yscale="log",
+        xlabel="residual blocks",
+        ylabel="step time, median (ms)",
+        title="time of one training step",
+    )
     blocks = [res["blocks"] for res in results]
     for ax in axes:
         ax.set_xticks(blocks, [str(b) for b in blocks])
@@ -244,19 +275,35 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser, out: Path = DEFAULT_OUT) -> None:
     """The sweep's options, shared by ``memfit bench depth-sweep`` and the script."""
-    p.add_argument("--depths", type=int, nargs="+", default=None, metavar="N",
-                   help=f"blocks per stage (default {' '.join(map(str, DEFAULT_DEPTHS))}; "
-                        f"--quick: {' '.join(map(str, QUICK_DEPTHS))})")
-    p.add_argument("--quick", action="store_true",
-                   help="small depths; outputs get '_quick'")
+    p.add_argument(
+        "--depths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"blocks per stage (default {' '.join(map(str, DEFAULT_DEPTHS))}; "
+        f"--quick: {' '.join(map(str, QUICK_DEPTHS))})",
+    )
+    p.add_argument("--quick", action="store_true", help="small depths; outputs get '_quick'")
     p.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
     p.add_argument("--width", type=int, default=16, help="channels of the first stage (16)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per method (median)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (CPU); default: torch's default")
-    p.add_argument("--out", "--out-dir", dest="out", type=Path, default=out, metavar="DIR",
-                   help=f"directory for the JSON, Markdown and PNG (default {out})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (CPU); default: torch's default",
+    )
+    p.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        type=Path,
+        default=out,
+        metavar="DIR",
+        help=f"directory for the JSON, Markdown and PNG (default {out})",
+    )
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -272,18 +319,22 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
     started = time.perf_counter()
     load_start = load_average()
-    print(f"depth sweep on {device}: blocks per stage {list(depths)}, batch {args.batch}, "
-          f"width {args.width}, {args.repeats} timed rounds, {torch.get_num_threads()} threads "
-          f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}",
-          flush=True)
+    print(
+        f"depth sweep on {device}: blocks per stage {list(depths)}, batch {args.batch}, "
+        f"width {args.width}, {args.repeats} timed rounds, {torch.get_num_threads()} threads "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}",
+        flush=True,
+    )
     results = []
     for bps in depths:
         res = run_depth(bps, args, device)
         results.append(res)
         summary = ", ".join(
             f"{name} {rec['peak_bytes'] / MIB:.0f} MiB {rec['time_s'] * 1e3:.0f} ms"
-            if "time_s" in rec and "peak_bytes" in rec else f"{name} FAILED"
-            for name, rec in res["methods"].items())
+            if "time_s" in rec and "peak_bytes" in rec
+            else f"{name} FAILED"
+            for name, rec in res["methods"].items()
+        )
         print(f"  {res['blocks']:4d} blocks ({res['seconds']:.0f} s): {summary}", flush=True)
 
     total = time.perf_counter() - started
@@ -293,8 +344,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "machine": machine_info(device),
         "software": software_info(),
         "parameters": {
-            "model": "memfit.bench.resnet.cifar_resnet (pre-activation CIFAR ResNet v2, "
-                     "BatchNorm)",
+            "model": "memfit.bench.resnet.cifar_resnet (pre-activation CIFAR ResNet v2, BatchNorm)",
             "input": [args.batch, 3, 32, 32],
             "batch": args.batch,
             "width": args.width,
@@ -306,7 +356,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "peak": "memfit.measure, one run (exact, deterministic)",
             "time": "median of repeats, memfit.measure(profile_memory=False), round-robin",
             "checkpoint_sequential": "model.blocks, round(sqrt(blocks)) segments, "
-                                     "use_reentrant=False",
+            "use_reentrant=False",
         },
         "load_average": {"start": load_start, "end": load_average()},
         "total_runtime_s": round(total, 1),
@@ -315,21 +365,27 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     json_path = stem.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=2) + "\n")
 
-    title = (f"CIFAR ResNet, batch {args.batch}, width {args.width}, {device.type}"
-             f" ({report['machine'].get('gpu') or report['machine'].get('cpu_model', '')})")
+    title = (
+        f"CIFAR ResNet, batch {args.batch}, width {args.width}, {device.type}"
+        f" ({report['machine'].get('gpu') or report['machine'].get('cpu_model', '')})"
+    )
     table = markdown_table(results)
-    md = (f"# Depth sweep ({report['date_utc']})\n\n{title}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. Ratios are to plain eager "
-          f"PyTorch; peak is "
-          f"measured tensor memory of one training step; time is the median of {args.repeats}; "
-          f"\"first step\" includes memfit's capture and planning.\n\n{table}\n\n"
-          f"Total runtime {total:.0f} s.\n")
+    md = (
+        f"# Depth sweep ({report['date_utc']})\n\n{title}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. Ratios are to plain eager "
+        f"PyTorch; peak is "
+        f"measured tensor memory of one training step; time is the median of {args.repeats}; "
+        f'"first step" includes memfit\'s capture and planning.\n\n{table}\n\n'
+        f"Total runtime {total:.0f} s.\n"
+    )
     stem.with_suffix(".md").write_text(md)
     write_plot(results, stem.with_suffix(".png"), title)
     print()
     print(table)
-    print(f"\nwrote {json_path}, {stem.with_suffix('.md')}, {stem.with_suffix('.png')} "
-          f"in {total:.0f} s total")
+    print(
+        f"\nwrote {json_path}, {stem.with_suffix('.md')}, {stem.with_suffix('.png')} "
+        f"in {total:.0f} s total"
+    )
 
     return report

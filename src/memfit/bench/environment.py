@@ -40,7 +40,8 @@ def machine_info(device: torch.device | None = None) -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(
-            device if device is not None and device.type == "cuda" else 0)
+            device if device is not None and device.type == "cuda" else 0
+        )
     return info
 
 
@@ -53,10 +54,15 @@ def software_info(root: Path | None = None) -> dict[str, Any]:
     }
     try:
         git = ["git"] if root is None else ["git", "-C", str(root)]
-        info["git_commit"] = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True,
-                                            text=True, check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--", "src/memfit"],
-                               capture_output=True, text=True, check=True).stdout.splitlines()
+        info["git_commit"] = subprocess.run(
+            git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            git + ["status", "--porcelain", "--", "src/memfit"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
         info["memfit_uncommitted_changes"] = [line.strip() for line in dirty]
     except (OSError, subprocess.CalledProcessError):
         pass

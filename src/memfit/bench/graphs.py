@@ -38,7 +38,6 @@ def joint_graphs(model: nn.Module, *args: Any, prepared: bool = True) -> list[Jo
         return default_partition(joint, inputs, **kwargs)
 
     torch.compiler.reset()
-    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward),
-                           partition_fn=record)
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=record)
     torch.compile(model, backend=backend, dynamic=False)(*args)
     return graphs

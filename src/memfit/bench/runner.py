@@ -66,9 +66,15 @@ class Method:
     :class:`Snapshot`). ``record`` collects the results, step times under ``"times_s"``.
     """
 
-    def __init__(self, name: str, model: nn.Module, step: Callable[[], object],
-                 module: nn.Module | None = None, record: dict[str, Any] | None = None,
-                 record_failures: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        step: Callable[[], object],
+        module: nn.Module | None = None,
+        record: dict[str, Any] | None = None,
+        record_failures: bool = True,
+    ) -> None:
         self.name = name
         self.model = model
         self.step = step
@@ -162,8 +168,9 @@ def warm_up(method: Method, device: torch.device | None = None) -> bool:
     return attempt(method, FIRST_STEP, run)
 
 
-def measure_peak(method: Method, device: torch.device | None = None,
-                 step: Callable[[], object] | None = None) -> memfit.Measurement[Any]:
+def measure_peak(
+    method: Method, device: torch.device | None = None, step: Callable[[], object] | None = None
+) -> memfit.Measurement[Any]:
     """One step under ``memfit.measure``: records ``peak_bytes``, ``end_bytes`` and
     ``profiled_time_s`` and returns the measurement (timeline included); raises on error.
 
@@ -199,8 +206,12 @@ def _time_step(method: Method, device: torch.device | None) -> None:
     method.times.append(memfit.measure(method.step, device=device, profile_memory=False).time_s)
 
 
-def time_interleaved(methods: Sequence[Method], rounds: int, device: torch.device | None = None,
-                     before_step: Callable[[Method, int], object] | None = None) -> None:
+def time_interleaved(
+    methods: Sequence[Method],
+    rounds: int,
+    device: torch.device | None = None,
+    before_step: Callable[[Method, int], object] | None = None,
+) -> None:
     """``rounds`` timed steps of every method not failed so far, interleaved (see the module).
 
     Appends to each method's ``times_s``; a method that fails is recorded and not timed again.
@@ -234,8 +245,10 @@ class Snapshot:
         self.graphs = unique_graph_count()
         #: The plan of each memfit wrapper among ``methods`` (not failed) at the snapshot.
         self.plans: dict[Method, Plan] = {
-            m: m.module.plan for m in methods
-            if not m.failed and isinstance(m.module, memfit.CheckpointedModule)}
+            m: m.module.plan
+            for m in methods
+            if not m.failed and isinstance(m.module, memfit.CheckpointedModule)
+        }
 
     def graphs_compiled(self) -> int:
         """Graphs Dynamo compiled since the snapshot."""

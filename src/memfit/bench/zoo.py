@@ -37,8 +37,9 @@ memfit only; ``transformers`` is imported lazily by the ``gpt2`` case.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,8 +144,9 @@ def tree_to(obj: Any, device: torch.device | str) -> Any:
 
 
 class MLP(nn.Module):
-    def __init__(self, depth: int = 8, width: int = 64, d_in: int = 32, d_out: int = 10,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, depth: int = 8, width: int = 64, d_in: int = 32, d_out: int = 10, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         d = d_in
@@ -176,8 +178,9 @@ class MLP(nn.Module):
 class Encoder(nn.Module):
     def __init__(self, d_model: int = 32, nhead: int = 4, num_layers: int = 2) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model,
-                                           dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +199,14 @@ def _conv_block(c_in: int, c_out: int, convs: int = 2) -> nn.Sequential:
 
 
 class UNet(nn.Module):
-    def __init__(self, depth: int, width: int, in_channels: int = 1,
-                 out_channels: int = 1, convs_per_block: int = 2) -> None:
+    def __init__(
+        self,
+        depth: int,
+        width: int,
+        in_channels: int = 1,
+        out_channels: int = 1,
+        convs_per_block: int = 2,
+    ) -> None:
         super().__init__()
         chans = [width * 2**i for i in range(depth + 1)]
         self.down = nn.ModuleList()
@@ -225,8 +234,13 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def unet(depth: int = 3, width: int = 8, in_channels: int = 1, out_channels: int = 1,
-         convs_per_block: int = 2) -> nn.Module:
+def unet(
+    depth: int = 3,
+    width: int = 8,
+    in_channels: int = 1,
+    out_channels: int = 1,
+    convs_per_block: int = 2,
+) -> nn.Module:
     """U-Net with ``depth`` down/up levels, ``width * 2**i`` channels at level ``i``.
 
     Input height and width must be divisible by ``2**depth``. Encoder features are
@@ -258,8 +272,9 @@ class UnrolledLSTM(nn.Module):
         return self.head(torch.stack(hs, dim=1))
 
 
-def lstm(steps: int = 32, input_size: int = 16, hidden_size: int = 32,
-         num_classes: int = 10) -> nn.Module:
+def lstm(
+    steps: int = 32, input_size: int = 16, hidden_size: int = 32, num_classes: int = 10
+) -> nn.Module:
     """An ``nn.LSTMCell`` unrolled over ``steps`` steps, with a linear head on every ``h``.
 
     Input: (batch, steps, input_size).
@@ -285,8 +300,9 @@ class DenseNetBlock(nn.Module):
     def __init__(self, num_layers: int, c_in: int, growth: int, num_classes: int) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, c_in, 3, padding=1, bias=False)
-        self.layers = nn.ModuleList(DenseLayer(c_in + i * growth, growth)
-                                    for i in range(num_layers))
+        self.layers = nn.ModuleList(
+            DenseLayer(c_in + i * growth, growth) for i in range(num_layers)
+        )
         c_out = c_in + num_layers * growth
         self.bn = nn.BatchNorm2d(c_out)
         self.fc = nn.Linear(c_out, num_classes)
@@ -299,8 +315,9 @@ class DenseNetBlock(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
-def densenet_block(num_layers: int = 6, c_in: int = 16, growth: int = 8,
-                   num_classes: int = 10) -> nn.Module:
+def densenet_block(
+    num_layers: int = 6, c_in: int = 16, growth: int = 8, num_classes: int = 10
+) -> nn.Module:
     """Stem conv, one dense block of BN-ReLU-conv3x3 layers (each reads the concatenation
     of all earlier feature maps), then BN-ReLU-pool-linear. Input: (batch, 3, H, W)."""
     return DenseNetBlock(num_layers, c_in, growth, num_classes)
@@ -320,7 +337,7 @@ class InplaceBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.relu(self.conv1(x))  # in-place on the conv output
         y = self.conv2(y)
-        y += x                        # in-place add on the conv output (not saved by conv)
+        y += x  # in-place add on the conv output (not saved by conv)
         return self.relu(y)
 
 
@@ -335,7 +352,7 @@ class InplaceNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.relu(self.stem(x)))
         x = x.mean(dim=(2, 3))
-        x.mul_(2.0)                   # in-place on a non-leaf view-free intermediate
+        x.mul_(2.0)  # in-place on a non-leaf view-free intermediate
         return self.fc(x)
 
 
@@ -355,7 +372,7 @@ class SharedNet(nn.Module):
         x = torch.tanh(self.inp(x))
         x = x + self.shared(x)
         x = torch.tanh(self.mid(x))
-        x = x + self.shared(x)        # same weights, second use
+        x = x + self.shared(x)  # same weights, second use
         return self.out(x)
 
 
@@ -371,8 +388,9 @@ class StructuredNet(nn.Module):
         self.aux_a = nn.Linear(d, 4)
         self.aux_b = nn.Linear(d, 1)
 
-    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None,
-                scale: float = 1.0) -> dict[str, Any]:
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: float = 1.0
+    ) -> dict[str, Any]:
         h = self.body(x) * scale
         if mask is not None:
             h = h.masked_fill(~mask, 0.0)
@@ -394,9 +412,18 @@ def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel  # lazy: keep importing the zoo cheap
 
     # bos/eos default to 50256, outside this vocabulary (transformers warns): unset them.
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=100,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        n_positions=64,
+        vocab_size=100,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = GPT2LMHeadModel(config)
     # transformers derives `loss_type` from the class name, and "GPT2LMHeadModel" matches
     # none of its loss names, so every forward with labels calls `logger.warning_once`,
@@ -561,4 +588,5 @@ def measured_step_peak(case: ZooCase, model: nn.Module, args: Any, kwargs: Any) 
 
     peak = memfit.measure(step).peak_bytes
     model.zero_grad(set_to_none=True)
-    return int(peak)
+    assert peak is not None  # memory is measured (profile_memory=True)
+    return peak

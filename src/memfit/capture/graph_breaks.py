@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from memfit._compat import graph_break_reasons
 
@@ -36,7 +36,7 @@ def summarize_reason(reason: str) -> str:
 @dataclass
 class GraphBreakReport:
     model_name: str
-    watcher: "GraphBreakWatcher"
+    watcher: GraphBreakWatcher
     reasons: list[str] = field(default_factory=list)
 
     @property

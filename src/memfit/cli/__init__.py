@@ -47,13 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="on an error, print the full traceback")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, print the full traceback",
+    )
     parser = argparse.ArgumentParser(
-        prog="memfit", epilog=EXAMPLES, formatter_class=HelpFormatter,
+        prog="memfit",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
         description="Train PyTorch models and batches that do not fit in memory: measure what "
-                    "memfit's checkpointing saves on a demo model or on yours.")
-    parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback")
+        "memfit's checkpointing saves on a demo model or on yours.",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, print the full traceback"
+    )
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo.add_parser(sub, [common])
@@ -90,8 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - reported in one line; --debug shows the rest
         if debug:
             traceback.print_exc()
-        print(f"memfit: error: {first_line(err)} (run again with --debug for the traceback)",
-              file=sys.stderr)
+        print(
+            f"memfit: error: {first_line(err)} (run again with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

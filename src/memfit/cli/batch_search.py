@@ -25,15 +25,20 @@ from typing import Any
 
 import torch
 
-from memfit._compat import tree_flatten, tree_map
-
 import memfit
+from memfit._compat import tree_flatten, tree_map
 from memfit.cli.errors import CliError
 from memfit.cli.steps import Workload, resident_bytes
 from memfit.planning.policy import Policy
 
-__all__ = ["Probe", "SearchResult", "batch_size_of", "resize_batch", "measure_probe",
-           "search_max_batch"]
+__all__ = [
+    "Probe",
+    "SearchResult",
+    "batch_size_of",
+    "resize_batch",
+    "measure_probe",
+    "search_max_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,10 @@ def batch_size_of(args: Any, kwargs: Any, batch_dim: int) -> int:
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
             return int(t.shape[batch_dim])
-    raise CliError(f"--batch-dim {batch_dim}: no example input has a dimension {batch_dim}, so "
-                   "the batch size cannot be changed; pass --batch-dim for your inputs' layout")
+    raise CliError(
+        f"--batch-dim {batch_dim}: no example input has a dimension {batch_dim}, so "
+        "the batch size cannot be changed; pass --batch-dim for your inputs' layout"
+    )
 
 
 def resize_batch(value: Any, batch_dim: int, old: int, new: int) -> Any:
@@ -83,12 +90,22 @@ def resize_batch(value: Any, batch_dim: int, old: int, new: int) -> Any:
     return tree_map(resize, value)
 
 
-def measure_probe(work: Workload, policy: Policy, device: torch.device, budget_bytes: int,
-                  batch_dim: int, batch: int) -> Probe:
+def measure_probe(
+    work: Workload,
+    policy: Policy,
+    device: torch.device,
+    budget_bytes: int,
+    batch_dim: int,
+    batch: int,
+) -> Probe:
     """Wrap ``work.model`` with ``policy``, compile at ``batch`` rows, measure one step's total."""
     old = batch_size_of(work.args, work.kwargs, batch_dim)
-    probe_work = Workload(work.model, resize_batch(work.args, batch_dim, old, batch),
-                          resize_batch(work.kwargs, batch_dim, old, batch), work.loss)
+    probe_work = Workload(
+        work.model,
+        resize_batch(work.args, batch_dim, old, batch),
+        resize_batch(work.kwargs, batch_dim, old, batch),
+        work.loss,
+    )
     torch.compiler.reset()
     wrapped = memfit.checkpoint(work.model, policy)
     try:
@@ -111,9 +128,16 @@ def measure_probe(work: Workload, policy: Policy, device: torch.device, budget_b
     return Probe(batch, total, total <= budget_bytes)
 
 
-def search_max_batch(probe: Callable[[int], Probe], *, label: str, budget_bytes: int, start: int,
-                     step: int = 1, limit: int = 65536,
-                     on_probe: Callable[[Probe], None] | None = None) -> SearchResult:
+def search_max_batch(
+    probe: Callable[[int], Probe],
+    *,
+    label: str,
+    budget_bytes: int,
+    start: int,
+    step: int = 1,
+    limit: int = 65536,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> SearchResult:
     """Largest multiple of ``step`` (up to ``limit``) for which ``probe(batch).fits``.
 
     Doubling from ``start`` (rounded to a multiple of ``step``), then bisection; see above.
@@ -160,7 +184,12 @@ def search_max_batch(probe: Callable[[int], Probe], *, label: str, budget_bytes:
                 hi = mid
     ordered = tuple(probes[key] for key in probes)
     return SearchResult(
-        label=label, budget_bytes=budget_bytes, step=step, max_batch=lo * step,
+        label=label,
+        budget_bytes=budget_bytes,
+        step=step,
+        max_batch=lo * step,
         total_bytes=probes[lo].total_bytes if lo else None,
         first_not_fitting=hi * step if hi is not None else None,
-        capped=capped, probes=ordered)
+        capped=capped,
+        probes=ordered,
+    )

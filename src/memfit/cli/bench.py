@@ -30,18 +30,26 @@ examples:
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     from memfit.bench import depth_sweep
 
-    p = sub.add_parser("bench", parents=parents, help="run memfit's benchmarks",
-                       description="Run one of memfit's benchmarks and write its results.",
-                       epilog=EXAMPLES, formatter_class=HelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        parents=parents,
+        help="run memfit's benchmarks",
+        description="Run one of memfit's benchmarks and write its results.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
     benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     d = benches.add_parser(
-        "depth-sweep", parents=parents,
+        "depth-sweep",
+        parents=parents,
         help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
         description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
-                    "129 residual blocks: plain PyTorch, memfit's policies, checkpoint_sequential. "
-                    "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
-                    "temporary directory, not the working directory).",
-        epilog=EXAMPLES, formatter_class=HelpFormatter)
+        "129 residual blocks: plain PyTorch, memfit's policies, checkpoint_sequential. "
+        "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
+        "temporary directory, not the working directory).",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
     depth_sweep.add_arguments(d)
     d.set_defaults(run=run_depth_sweep)
     return p
@@ -51,8 +59,12 @@ def run_depth_sweep(args: argparse.Namespace, console: Any) -> int:
     from memfit.bench import depth_sweep
 
     device = parse_device(args.device)
-    for flag, values in (("--depths", args.depths or [1]), ("--batch", [args.batch]),
-                         ("--width", [args.width]), ("--repeats", [args.repeats])):
+    for flag, values in (
+        ("--depths", args.depths or [1]),
+        ("--batch", [args.batch]),
+        ("--width", [args.width]),
+        ("--repeats", [args.repeats]),
+    ):
         if min(values) < 1:
             raise CliError(f"{flag} {' '.join(map(str, values))}: must be at least 1")
     depth_sweep.run(args, device)

@@ -1,4 +1,4 @@
-"""``memfit demo`` (what ``make demo`` runs): what memfit does, shown on one model in under a minute.
+"""``memfit demo`` (what ``make demo`` runs): what memfit does, on one model in under a minute.
 
 Why this exists: a new user's first question is "how much memory does this save, and what does it
 cost?". The honest answer is a measurement, not a prediction, so the demo trains one step of a
@@ -69,21 +69,34 @@ examples:
 
 def demo_policies(budget: float = 0.5) -> list[Policy]:
     """``none`` (the baseline), ``speed``, ``memory``, and a budget (fraction of ``none``)."""
-    return [*(Policy(name) for name in ("none", "speed", "memory")),
-            Policy(BUDGET, budget=Budget(fraction=budget))]
+    return [
+        *(Policy(name) for name in ("none", "speed", "memory")),
+        Policy(BUDGET, budget=Budget(fraction=budget)),
+    ]
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "demo", parents=parents, help="one training step per policy on a ResNet: table and figure",
-        description="Train one step of a CIFAR ResNet-32 in each memfit policy; print measured peak "
-                    "memory and step time per policy and write a figure of memory over the step.",
-        epilog=EXAMPLES, formatter_class=HelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
-                   help=f"directory for demo.png (default: {DEFAULT_OUT}, in the temporary "
-                        "directory, so nothing is written to the working directory)")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny model and fewer timing runs (for tests)")
+        "demo",
+        parents=parents,
+        help="one training step per policy on a ResNet: table and figure",
+        description="Train one step of a CIFAR ResNet-32 under each memfit policy; print "
+        "measured peak memory and step time per policy and write a figure of memory over the "
+        "step.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"directory for demo.png (default: {DEFAULT_OUT}, in the temporary "
+        "directory, so nothing is written to the working directory)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model and fewer timing runs (for tests)"
+    )
     p.set_defaults(run=run)
     return p
 
@@ -94,14 +107,21 @@ def run(args: argparse.Namespace, console: Any) -> int:
     cfg = QUICK if args.quick else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_blocks = 3 * cfg.blocks_per_stage
-    title = (f"ResNet-{6 * cfg.blocks_per_stage + 2} ({n_blocks} residual blocks, width "
-             f"{cfg.width}), batch {cfg.batch}x3x32x32, one training step on {device.type}")
+    title = (
+        f"ResNet-{6 * cfg.blocks_per_stage + 2} ({n_blocks} residual blocks, width "
+        f"{cfg.width}), batch {cfg.batch}x3x32x32, one training step on {device.type}"
+    )
     console.print(f"[bold]memfit demo[/bold]: {title}")
-    console.print("Each policy: one first step (capture, plan, compile), one step measured for "
-                  f"memory, then {cfg.timing_runs} timed steps, taken in turn across the policies"
-                  + (f" ({torch.get_num_threads()} threads, OMP_WAIT_POLICY="
-                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})." if device.type == "cpu"
-                     else "."))
+    console.print(
+        "Each policy: one first step (capture, plan, compile), one step measured for "
+        f"memory, then {cfg.timing_runs} timed steps, taken in turn across the policies"
+        + (
+            f" ({torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})."
+            if device.type == "cpu"
+            else "."
+        )
+    )
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -110,26 +130,39 @@ def run(args: argparse.Namespace, console: Any) -> int:
     x = torch.randn(cfg.batch, 3, 32, 32, generator=gen).to(device)
     y = torch.randint(0, 10, (cfg.batch,), generator=gen).to(device)
     work = Workload(model, (x,), loss=lambda out: F.cross_entropy(out, y))
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         results = run_policies(work, demo_policies(cfg.budget), device, cfg.timing_runs, progress)
     console.print(policy_table(results, title="one training step (forward + loss + backward)"))
     for r in results:
         if r.recaptured:
-            console.print(f"[yellow]warning: {r.label} was captured again while being measured; "
-                          "its numbers include a recompilation[/yellow]")
+            console.print(
+                f"[yellow]warning: {r.label} was captured again while being measured; "
+                "its numbers include a recompilation[/yellow]"
+            )
     memory = next(r for r in results if r.label == "memory")
     console.print(str(memory.plan), highlight=False)
 
     spread = max(max(r.step_times) / min(r.step_times) for r in results)
     if spread > 1.5:
-        console.print(f"[yellow]Step times of one policy varied up to {spread:.1f}x between runs: "
-                      "the machine is probably busy, so read the times with care.[/yellow]")
+        console.print(
+            f"[yellow]Step times of one policy varied up to {spread:.1f}x between runs: "
+            "the machine is probably busy, so read the times with care.[/yellow]"
+        )
 
     png = timeline_figure(results, args.out / "demo.png", title)
-    console.print(f"\nFigure written to [bold]{png}[/bold] "
-                  f"(demo took {duration(time.perf_counter() - started)}).")
-    console.print("Next: profile your own model with [bold]memfit profile path/to/file.py:factory"
-                  "[/bold] (the factory returns (model, example_inputs)); see memfit profile "
-                  "--help.")
+    console.print(
+        f"\nFigure written to [bold]{png}[/bold] "
+        f"(demo took {duration(time.perf_counter() - started)})."
+    )
+    console.print(
+        "Next: profile your own model with [bold]memfit profile path/to/file.py:factory"
+        "[/bold] (the factory returns (model, example_inputs)); see memfit profile "
+        "--help."
+    )
     return 0

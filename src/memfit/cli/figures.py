@@ -20,8 +20,12 @@ __all__ = ["timeline_figure", "pareto_figure", "POLICY_COLORS"]
 MIB = 2**20
 
 #: Colours by policy; budget policies and others take the remaining ones in order.
-POLICY_COLORS = {"none": "tab:gray", "speed": "tab:blue", "memory": "tab:green",
-               "collection": "tab:purple"}
+POLICY_COLORS = {
+    "none": "tab:gray",
+    "speed": "tab:blue",
+    "memory": "tab:green",
+    "collection": "tab:purple",
+}
 _OTHER_COLORS = ("tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
@@ -50,8 +54,9 @@ def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> 
         end = max(r.measured_s, 1e-12)
         ts = [t / end for t, _ in r.timeline]
         bs = [b / MIB for _, b in r.timeline]
-        ax_t.step(ts, bs, where="post", color=c,
-                  label=f"{r.label} (peak {r.peak_bytes / MIB:.1f} MiB)")
+        ax_t.step(
+            ts, bs, where="post", color=c, label=f"{r.label} (peak {r.peak_bytes / MIB:.1f} MiB)"
+        )
         ax_t.axvline(r.forward_end, color=c, linestyle="--", linewidth=1)
     ax_t.set_xlim(0, 1)
     top = max((b for r in results for _, b in r.timeline), default=0) / MIB
@@ -59,15 +64,28 @@ def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> 
     ax_t.set_xlabel("fraction of the training step (dashed: forward ends, backward starts)")
     ax_t.set_ylabel("live tensor memory above step start (MiB)")
     sparse = all(len(r.timeline) <= 2 for r in results)  # CUDA: measure records the end points
-    ax_t.set_title("(a) memory over one training step"
-                   + (" (only start and end recorded on this device)" if sparse else ""))
+    ax_t.set_title(
+        "(a) memory over one training step"
+        + (" (only start and end recorded on this device)" if sparse else "")
+    )
     ax_t.legend(loc="upper right", framealpha=0.9, fontsize=9)
 
     xs = list(range(len(results)))
-    ax_b.bar(xs, [r.peak_bytes / MIB for r in results],
-             color=[colors[r.label] for r in results], label="measured")
-    ax_b.scatter(xs, [r.predicted_peak_bytes / MIB for r in results], color="black", marker="_",
-                 s=600, zorder=3, label="predicted by memfit")
+    ax_b.bar(
+        xs,
+        [r.peak_bytes / MIB for r in results],
+        color=[colors[r.label] for r in results],
+        label="measured",
+    )
+    ax_b.scatter(
+        xs,
+        [r.predicted_peak_bytes / MIB for r in results],
+        color="black",
+        marker="_",
+        s=600,
+        zorder=3,
+        label="predicted by memfit",
+    )
     ax_b.set_xticks(xs, [r.label for r in results])
     ax_b.set_ylabel("peak tensor memory (MiB)")
     ax_b.set_title("(b) peak memory per policy")
@@ -80,8 +98,9 @@ def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> 
     return path
 
 
-def pareto_figure(points: Sequence[Any], path: Path, title: str,
-                  policies: Sequence[PolicyResult] = ()) -> Path:
+def pareto_figure(
+    points: Sequence[Any], path: Path, title: str, policies: Sequence[PolicyResult] = ()
+) -> Path:
     """``points``: the planner's frontier (``peak_bytes``, ``recompute_seconds``, sorted by peak).
 
     ``policies``, if given, are drawn as vertical lines at their predicted peaks for orientation.
@@ -94,8 +113,13 @@ def pareto_figure(points: Sequence[Any], path: Path, title: str,
     ax.plot(xs, ys, "o", color="black", label=f"plans on the frontier ({len(points)})")
     colors = _colors([r.label for r in policies])
     for r in policies:
-        ax.axvline(r.predicted_peak_bytes / MIB, color=colors[r.label], linestyle="--",
-                   linewidth=1, label=f"{r.label} (predicted peak)")
+        ax.axvline(
+            r.predicted_peak_bytes / MIB,
+            color=colors[r.label],
+            linestyle="--",
+            linewidth=1,
+            label=f"{r.label} (predicted peak)",
+        )
     ax.set_xlabel("predicted peak tensor memory of one step (MiB)")
     ax.set_ylabel("estimated recomputation time per step (ms)")
     ax.set_ylim(bottom=0)

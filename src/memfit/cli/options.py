@@ -16,8 +16,15 @@ from memfit.cli.errors import CliError
 from memfit.planning.budget import parse_budget
 from memfit.planning.policy import NAMED, Policy, parse_policy
 
-__all__ = ["HelpFormatter", "parse_batch_budget", "parse_device", "parse_dtype", "parse_policies",
-           "parse_shape", "DTYPES"]
+__all__ = [
+    "HelpFormatter",
+    "parse_batch_budget",
+    "parse_device",
+    "parse_dtype",
+    "parse_policies",
+    "parse_shape",
+    "DTYPES",
+]
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -28,12 +35,20 @@ class HelpFormatter(argparse.HelpFormatter):
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
 
+
 #: ``--dtype`` names and the torch dtypes they mean.
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 
 
@@ -48,16 +63,21 @@ def parse_device(text: str | None) -> torch.device:
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.type != "cuda":
-        raise CliError(f"--device {text!r}: memfit measures only CPU and CUDA memory; "
-                       "use cpu, cuda or cuda:N")
+        raise CliError(
+            f"--device {text!r}: memfit measures only CPU and CUDA memory; use cpu, cuda or cuda:N"
+        )
     if not torch.cuda.is_available():
-        raise CliError(f"--device {text!r} does not exist: this torch ({torch.__version__}) sees "
-                       "no CUDA device; use --device cpu")
+        raise CliError(
+            f"--device {text!r} does not exist: this torch ({torch.__version__}) sees "
+            "no CUDA device; use --device cpu"
+        )
     count = torch.cuda.device_count()
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if not 0 <= index < count:
-        raise CliError(f"--device {text!r} does not exist: this machine has {count} CUDA "
-                       f"device(s), cuda:0 to cuda:{count - 1}")
+        raise CliError(
+            f"--device {text!r} does not exist: this machine has {count} CUDA "
+            f"device(s), cuda:0 to cuda:{count - 1}"
+        )
     return torch.device("cuda", index)
 
 
@@ -68,8 +88,10 @@ def parse_dtype(text: str | None) -> torch.dtype | None:
     try:
         return DTYPES[text.lower()]
     except KeyError:
-        raise CliError(f"--dtype {text!r} is not a floating-point dtype memfit knows; use one of "
-                       "float32, bfloat16, float16, float64") from None
+        raise CliError(
+            f"--dtype {text!r} is not a floating-point dtype memfit knows; use one of "
+            "float32, bfloat16, float16, float64"
+        ) from None
 
 
 def parse_batch_budget(text: str) -> int:
@@ -83,8 +105,10 @@ def parse_batch_budget(text: str) -> int:
     except (TypeError, ValueError) as err:
         raise CliError(f"--budget {text!r}: {err}") from None
     if budget.bytes is None:
-        raise CliError(f"--budget {text!r} is a fraction, but the largest-batch search needs an "
-                       "amount of memory: give bytes or a size such as '1.5GiB', '800MB', '512KiB'")
+        raise CliError(
+            f"--budget {text!r} is a fraction, but the largest-batch search needs an "
+            "amount of memory: give bytes or a size such as '1.5GiB', '800MB', '512KiB'"
+        )
     return budget.bytes
 
 
@@ -119,6 +143,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(s <= 0 for s in shape):
-        raise CliError(f"--input-shape {text!r} is not a shape; write positive sizes separated "
-                       "by commas, e.g. --input-shape 8,3,32,32")
+        raise CliError(
+            f"--input-shape {text!r} is not a shape; write positive sizes separated "
+            "by commas, e.g. --input-shape 8,3,32,32"
+        )
     return shape

@@ -4,10 +4,10 @@ For the model a factory builds (see ``memfit.cli.target``) this reports, all mea
 
 1. activation memory by submodule and the largest tensors kept for backward (one eager step of
    plain PyTorch with saved-tensor hooks; ``memfit.measurement.activations`` says exactly how);
-2. per policy (``--policies``, ``none`` always first): measured and predicted peak, step time, recomputed
-   FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per policy;
-3. with ``--budget``: the largest batch whose whole training step fits, per policy, searched with real
-   steps (``memfit.cli.batch_search``);
+2. per policy (``--policies``, ``none`` always first): measured and predicted peak, step time,
+   recomputed FLOPs (``memfit.cli.steps``), and a PNG of memory over one step per policy;
+3. with ``--budget``: the largest batch whose whole training step fits, per policy, searched with
+   real steps (``memfit.cli.batch_search``);
 4. with ``--pareto``: the budget planner's frontier of predicted peak against recompute cost, as a
    PNG (``memfit.plan(..., budget=1.0).pareto()``);
 5. with ``--json``: all of it as ``profile.json`` (schema in ``memfit.cli.report``).
@@ -27,19 +27,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from memfit._compat import keystr, tree_flatten_with_path
 
 import memfit
+from memfit._compat import keystr, tree_flatten_with_path
 from memfit.cli import report as rep
-from memfit.cli.batch_search import batch_size_of, measure_probe, search_max_batch
+from memfit.cli.batch_search import Probe, batch_size_of, measure_probe, search_max_batch
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
-from memfit.cli.options import (HelpFormatter, parse_batch_budget, parse_device, parse_dtype,
-                                parse_policies, parse_shape, POLICY_NAMES)
+from memfit.cli.options import (
+    POLICY_NAMES,
+    HelpFormatter,
+    parse_batch_budget,
+    parse_device,
+    parse_dtype,
+    parse_policies,
+    parse_shape,
+)
 from memfit.cli.steps import Workload, resident_bytes, run_policies
-from memfit.cli.tables import batch_table, mib, policy_table, module_table, tensor_table
+from memfit.cli.tables import batch_table, mib, module_table, policy_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
 from memfit.measurement.activations import saved_activations
+from memfit.planning.policy import Policy
 from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]
@@ -62,61 +70,116 @@ when --input-shape is given. The loss of a step is the model's output if it is a
 ACTIVATIONS_METHOD = (
     "one eager training step of plain PyTorch; every storage autograd saves for backward "
     "(saved_tensors_hooks), counted once, without parameters, buffers and inputs, credited to "
-    "the innermost submodule running when an ATen op created it (TorchDispatchMode)")
+    "the innermost submodule running when an ATen op created it (TorchDispatchMode)"
+)
 
 BUDGET_COVERS = (
     "parameters + buffers + the batch (live before the step) + the peak measured above them "
-    "during forward, loss and backward (activations, gradients, scratch); not optimizer state")
+    "during forward, loss and backward (activations, gradients, scratch); not optimizer state"
+)
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "profile", parents=parents, help="measure where your model's training memory goes",
+        "profile",
+        parents=parents,
+        help="measure where your model's training memory goes",
         description="Measure a training step of your model: activation memory by submodule, "
-                    "the largest tensors kept, peak and step time per memfit policy, and with "
-                    "--budget the largest batch that fits.",
-        epilog=EXAMPLES, formatter_class=HelpFormatter)
-    p.add_argument("target", metavar="TARGET",
-                   help="path/to/file.py:factory or package.module:factory")
-    p.add_argument("--input-shape", action="append", default=[], metavar="SHAPE",
-                   help="the factory returns only the model; make one random input of this "
-                        "shape (e.g. 8,3,32,32); repeat for several inputs")
+        "the largest tensors kept, peak and step time per memfit policy, and with "
+        "--budget the largest batch that fits.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "target", metavar="TARGET", help="path/to/file.py:factory or package.module:factory"
+    )
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="the factory returns only the model; make one random input of this "
+        "shape (e.g. 8,3,32,32); repeat for several inputs",
+    )
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", help="cast parameters and floating inputs: float32, bfloat16, "
-                                   "float16, float64 (default: as the factory made them)")
-    p.add_argument("--policies", "--modes", default="none,speed,memory",
-                   help=f"comma-separated policies: {POLICY_NAMES}, budget=B "
-                        "(default: none,speed,memory; none is always run, as the baseline; "
-                        "--modes is the old name)")
-    p.add_argument("--budget", metavar="BYTES",
-                   help="find the largest batch per policy whose training step fits in this much "
-                        "device memory (weights + batch + measured peak): e.g. 2GiB, 800MB, "
-                        "512KiB or bytes")
-    p.add_argument("--batch-dim", type=int, default=0, metavar="DIM",
-                   help="dimension of the inputs that is the batch (default 0)")
-    p.add_argument("--batch-step", type=int, default=1, metavar="N",
-                   help="search batches that are multiples of N (default 1)")
-    p.add_argument("--max-batch", type=int, default=65536, metavar="N",
-                   help="largest batch the search tries (default 65536)")
-    p.add_argument("--timing-runs", type=int, default=3, metavar="N",
-                   help="timed steps per policy; the median is reported (default 3)")
-    p.add_argument("--pareto", action="store_true",
-                   help="also plot the budget planner's predicted peak vs recompute frontier")
-    p.add_argument("--json", action="store_true", help="write OUT/profile.json (schema: "
-                                                       "memfit.cli.report.REPORT_SCHEMA)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
-                   help=f"directory for the figures and the JSON (default: {DEFAULT_OUT}, in "
-                        "the temporary directory, so nothing is written to the working "
-                        "directory)")
+    p.add_argument(
+        "--dtype",
+        help="cast parameters and floating inputs: float32, bfloat16, "
+        "float16, float64 (default: as the factory made them)",
+    )
+    p.add_argument(
+        "--policies",
+        "--modes",
+        default="none,speed,memory",
+        help=f"comma-separated policies: {POLICY_NAMES}, budget=B "
+        "(default: none,speed,memory; none is always run, as the baseline; "
+        "--modes is the old name)",
+    )
+    p.add_argument(
+        "--budget",
+        metavar="BYTES",
+        help="find the largest batch per policy whose training step fits in this much "
+        "device memory (weights + batch + measured peak): e.g. 2GiB, 800MB, "
+        "512KiB or bytes",
+    )
+    p.add_argument(
+        "--batch-dim",
+        type=int,
+        default=0,
+        metavar="DIM",
+        help="dimension of the inputs that is the batch (default 0)",
+    )
+    p.add_argument(
+        "--batch-step",
+        type=int,
+        default=1,
+        metavar="N",
+        help="search batches that are multiples of N (default 1)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="largest batch the search tries (default 65536)",
+    )
+    p.add_argument(
+        "--timing-runs",
+        type=int,
+        default=3,
+        metavar="N",
+        help="timed steps per policy; the median is reported (default 3)",
+    )
+    p.add_argument(
+        "--pareto",
+        action="store_true",
+        help="also plot the budget planner's predicted peak vs recompute frontier",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="write OUT/profile.json (schema: memfit.cli.report.REPORT_SCHEMA)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"directory for the figures and the JSON (default: {DEFAULT_OUT}, in "
+        "the temporary directory, so nothing is written to the working "
+        "directory)",
+    )
     p.set_defaults(run=run)
     return p
 
 
 def _check_ints(args: argparse.Namespace) -> None:
-    for flag, value, least in (("--batch-dim", args.batch_dim, 0),
-                               ("--batch-step", args.batch_step, 1),
-                               ("--max-batch", args.max_batch, 1),
-                               ("--timing-runs", args.timing_runs, 1)):
+    for flag, value, least in (
+        ("--batch-dim", args.batch_dim, 0),
+        ("--batch-step", args.batch_step, 1),
+        ("--max-batch", args.max_batch, 1),
+        ("--timing-runs", args.timing_runs, 1),
+    ):
         if value < least:
             raise CliError(f"{flag} {value}: must be at least {least}")
     if args.max_batch < args.batch_step:
@@ -139,8 +202,13 @@ def _input_entries(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[s
         if isinstance(leaf, torch.Tensor):
             name = keystr(path)
             name = ("args" + name[3:]) if name.startswith("[0]") else ("kwargs" + name[3:])
-            out.append({"name": name, "shape": list(leaf.shape),
-                        "dtype": str(leaf.dtype).removeprefix("torch.")})
+            out.append(
+                {
+                    "name": name,
+                    "shape": list(leaf.shape),
+                    "dtype": str(leaf.dtype).removeprefix("torch."),
+                }
+            )
     return out
 
 
@@ -167,28 +235,35 @@ def run(args: argparse.Namespace, console: Any) -> int:
     batch = batch_size_of(work.args, work.kwargs, args.batch_dim) if budget else None
     if budget is not None:
         if budget < weights:
-            raise CliError(f"--budget {args.budget} ({format_bytes(budget)}) is smaller than the "
-                           f"model's parameters and buffers ({format_bytes(weights)}), which every "
-                           "training step holds; give a larger budget")
+            raise CliError(
+                f"--budget {args.budget} ({format_bytes(budget)}) is smaller than the "
+                f"model's parameters and buffers ({format_bytes(weights)}), which every "
+                "training step holds; give a larger budget"
+            )
         total = _device_memory(device)
         if total is not None and budget > total:
-            raise CliError(f"--budget {args.budget} ({format_bytes(budget)}) is more than this "
-                           f"{device.type} device has ({format_bytes(total)}); the search would "
-                           "run out of memory before reaching it")
+            raise CliError(
+                f"--budget {args.budget} ({format_bytes(budget)}) is more than this "
+                f"{device.type} device has ({format_bytes(total)}); the search would "
+                "run out of memory before reaching it"
+            )
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    console.print(f"[bold]memfit profile[/bold] {args.target}: {name}, {n_params:,} parameters "
-                  f"({mib(param_bytes)}, {', '.join(dtypes) or '-'}), inputs "
-                  f"{mib(batch_bytes)}, on {device}")
+    console.print(
+        f"[bold]memfit profile[/bold] {args.target}: {name}, {n_params:,} parameters "
+        f"({mib(param_bytes)}, {', '.join(dtypes) or '-'}), inputs "
+        f"{mib(batch_bytes)}, on {device}"
+    )
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("activations: one eager step with saved-tensor hooks", total=1)
         try:
             acts = saved_activations(model, work.args, work.kwargs, work.loss)
         except Exception as err:
-            raise CliError(f"{args.target}: a training step of the model on its example inputs "
-                           f"raised {first_line(err)}") from err
+            raise CliError(
+                f"{args.target}: a training step of the model on its example inputs "
+                f"raised {first_line(err)}"
+            ) from err
         progress.update(task, advance=1, description="activations attributed")
         results = run_policies(work, policies, device, args.timing_runs, progress)
         frontier = None
@@ -200,33 +275,52 @@ def run(args: argparse.Namespace, console: Any) -> int:
         searches = []
         if budget is not None:
             for policy in policies:
-                task = progress.add_task(f"{policy.label}: largest batch within {args.budget}",
-                                         total=None)
+                task = progress.add_task(
+                    f"{policy.label}: largest batch within {args.budget}", total=None
+                )
 
-                def on_probe(p: Any, task: Any = task, policy: Any = policy) -> None:
+                def on_probe(p: Any, task: Any = task, policy: Policy = policy) -> None:
                     state = "fits" if p.fits else "over"
                     progress.update(task, description=f"{policy.label}: batch {p.batch} {state}")
 
-                searches.append(search_max_batch(
-                    lambda b, policy=policy: measure_probe(work, policy, device, budget,
-                                                       args.batch_dim, b),
-                    label=policy.label, budget_bytes=budget, start=batch or 1,
-                    step=args.batch_step, limit=args.max_batch, on_probe=on_probe))
-                progress.update(task, total=1, completed=1,
-                                description=f"{policy.label}: largest batch "
-                                            f"{searches[-1].max_batch}")
+                def probe(batch: int, policy: Policy = policy, budget: int = budget) -> Probe:
+                    return measure_probe(work, policy, device, budget, args.batch_dim, batch)
+
+                searches.append(
+                    search_max_batch(
+                        probe,
+                        label=policy.label,
+                        budget_bytes=budget,
+                        start=batch or 1,
+                        step=args.batch_step,
+                        limit=args.max_batch,
+                        on_probe=on_probe,
+                    )
+                )
+                progress.update(
+                    task,
+                    total=1,
+                    completed=1,
+                    description=f"{policy.label}: largest batch {searches[-1].max_batch}",
+                )
 
     console.print(module_table(acts, name))
     none_kept = results[0].plan.kept_bytes
-    console.print(f"Plain autograd saves {mib(acts.total_bytes)} for backward; memfit's 'none' "
-                  f"plan keeps {mib(none_kept)}.", highlight=False)
+    console.print(
+        f"Plain autograd saves {mib(acts.total_bytes)} for backward; memfit's 'none' "
+        f"plan keeps {mib(none_kept)}.",
+        highlight=False,
+    )
     console.print(tensor_table(acts, name))
-    console.print(policy_table(results, title="one training step per policy (forward + loss + "
-                                            "backward)"))
+    console.print(
+        policy_table(results, title="one training step per policy (forward + loss + backward)")
+    )
     for r in results:
         if r.recaptured:
-            console.print(f"[yellow]warning: {r.label} was captured again while being measured; "
-                          "its numbers include a recompilation[/yellow]")
+            console.print(
+                f"[yellow]warning: {r.label} was captured again while being measured; "
+                "its numbers include a recompilation[/yellow]"
+            )
     if searches:
         console.print(batch_table(searches, f"{args.budget}"))
 
@@ -235,8 +329,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     png = timeline_figure(results, args.out / "timeline.png", title)
     pareto_png = None
     if frontier is not None:
-        pareto_png = pareto_figure(frontier, args.out / "pareto.png",
-                                   f"{name}: predicted peak vs recomputation", results)
+        pareto_png = pareto_figure(
+            frontier, args.out / "pareto.png", f"{name}: predicted peak vs recomputation", results
+        )
     written = [png] + ([pareto_png] if pareto_png else [])
     if args.json:
         base = results[0]
@@ -255,12 +350,25 @@ def run(args: argparse.Namespace, console: Any) -> int:
             "inputs": _input_entries(work.args, work.kwargs),
             "activations": rep.activations_entry(acts, ACTIVATIONS_METHOD, none_kept),
             "policies": [rep.policy_entry(r, base) for r in results],
-            "max_batch": None if budget is None else {
-                "budget_bytes": budget, "covers": BUDGET_COVERS, "batch_step": args.batch_step,
-                "limit": args.max_batch, "results": [rep.search_entry(s) for s in searches]},
-            "pareto": None if frontier is None else [
-                {"peak_bytes": int(p.peak_bytes), "recompute_flops": int(p.recompute_flops),
-                 "recompute_seconds": float(p.recompute_seconds)} for p in frontier],
+            "max_batch": None
+            if budget is None
+            else {
+                "budget_bytes": budget,
+                "covers": BUDGET_COVERS,
+                "batch_step": args.batch_step,
+                "limit": args.max_batch,
+                "results": [rep.search_entry(s) for s in searches],
+            },
+            "pareto": None
+            if frontier is None
+            else [
+                {
+                    "peak_bytes": int(p.peak_bytes),
+                    "recompute_flops": int(p.recompute_flops),
+                    "recompute_seconds": float(p.recompute_seconds),
+                }
+                for p in frontier
+            ],
             "figures": {"timeline": str(png), "pareto": str(pareto_png) if pareto_png else None},
         }
         problems = rep.validate(report)
@@ -269,8 +377,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
         json_path = args.out / "profile.json"
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         written.append(json_path)
-    console.print(f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
-                  f"({time.perf_counter() - started:.0f} s).")
+    console.print(
+        f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
+        f"({time.perf_counter() - started:.0f} s)."
+    )
     console.print(_next_step(results, budget is not None))
     return 0
 
@@ -282,12 +392,16 @@ def _next_step(results: list[Any], searched: bool) -> str:
     if best is None:
         return "Next: add --policies none,speed,memory to compare memfit's policies."
     if best.peak_bytes > 0.9 * base.peak_bytes:
-        return (f"Next: activations are a small part of this step (the best policy, {best.label}, "
-                f"peaks at {mib(best.peak_bytes)} against {mib(base.peak_bytes)}); try a larger "
-                "batch (--budget finds the largest that fits) or a deeper model.")
+        return (
+            f"Next: activations are a small part of this step (the best policy, {best.label}, "
+            f"peaks at {mib(best.peak_bytes)} against {mib(base.peak_bytes)}); try a larger "
+            "batch (--budget finds the largest that fits) or a deeper model."
+        )
     hint = "" if searched else ", or add --budget 2GiB to find the largest batch that fits"
-    return (f"Next: train with [bold]{best.spec.call()}[/bold] ({mib(best.peak_bytes)} instead "
-            f"of {mib(base.peak_bytes)} per step){hint}.")
+    return (
+        f"Next: train with [bold]{best.spec.call()}[/bold] ({mib(best.peak_bytes)} instead "
+        f"of {mib(base.peak_bytes)} per step){hint}."
+    )
 
 
 def _batch_or_none(work: Workload, batch_dim: int) -> int | None:

@@ -24,8 +24,9 @@ says ``predicted``. Top-level keys:
                     (capture, planning, compilation and one step), ``recompute_flops``,
                     ``forward_flops``, ``kept_tensors``, ``kept_bytes``, ``recomputed_ops``,
                     ``graphs`` (captured pieces), ``recaptured`` (planned again while measured).
-``max_batch``       ``null`` without ``--budget``; else ``budget_bytes``, ``covers`` (what the budget
-                    counts), ``batch_step``, ``limit`` and per policy ``max_batch`` (0: none fits),
+``max_batch``       ``null`` without ``--budget``; else ``budget_bytes``, ``covers`` (what the
+                    budget counts), ``batch_step``, ``limit`` and per policy ``max_batch`` (0:
+                    none fits),
                     ``total_bytes`` at it, ``first_not_fitting`` (measured), ``capped``, ``probes``
                     (every measured ``batch``, ``total_bytes``, ``fits``, ``error``).
 ``pareto``          ``null`` without ``--pareto``; else the planner's frontier, by peak:
@@ -44,7 +45,14 @@ from typing import Any
 from memfit.cli.steps import PolicyResult
 from memfit.planning.policy import BUDGET, NAMED
 
-__all__ = ["REPORT_SCHEMA", "SCHEMA_ID", "validate", "policy_entry", "activations_entry", "search_entry"]
+__all__ = [
+    "REPORT_SCHEMA",
+    "SCHEMA_ID",
+    "validate",
+    "policy_entry",
+    "activations_entry",
+    "search_entry",
+]
 
 SCHEMA_ID = "memfit-profile/2"
 
@@ -57,73 +65,126 @@ _SHAPE = {"type": "array", "items": _INT}
 
 
 def _object(properties: dict[str, Any], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"type": "object", "properties": properties,
-            "required": [k for k in properties if k not in optional],
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": [k for k in properties if k not in optional],
+        "additionalProperties": False,
+    }
 
 
 def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "type": [schema["type"], "null"]}
 
 
-_MODULE = _object({"module": _STR, "type": _STR, "self_bytes": _INT, "total_bytes": _INT,
-                   "tensors": _INT})
-_TENSOR = _object({"bytes": _INT, "shape": _SHAPE, "dtype": _STR, "module": _STR,
-                   "saved_by": {"type": "array", "items": _STR}})
-_POLICY = _object({
-    "label": _STR, "policy": {"type": "string", "enum": [*NAMED, BUDGET]}, "call": _STR,
-    "budget_bytes": _INT_OR_NULL, "budget_fraction": {"type": ["number", "null"], "minimum": 0},
-    "peak_bytes": _INT, "predicted_peak_bytes": _INT, "peak_ratio": _NUM,
-    "step_time_s": _NUM, "step_times_s": {"type": "array", "items": _NUM}, "time_ratio": _NUM,
-    "first_step_s": _NUM, "recompute_flops": _INT, "forward_flops": _INT,
-    "kept_tensors": _INT, "kept_bytes": _INT, "recomputed_ops": _INT, "graphs": _INT,
-    "recaptured": {"type": "boolean"},
-})
-_PROBE = _object({"batch": _INT, "total_bytes": _INT_OR_NULL, "fits": {"type": "boolean"},
-                  "error": _STR_OR_NULL})
-_SEARCH = _object({"label": _STR, "max_batch": _INT, "total_bytes": _INT_OR_NULL,
-                   "first_not_fitting": _INT_OR_NULL, "capped": {"type": "boolean"},
-                   "probes": {"type": "array", "items": _PROBE}})
+_MODULE = _object(
+    {"module": _STR, "type": _STR, "self_bytes": _INT, "total_bytes": _INT, "tensors": _INT}
+)
+_TENSOR = _object(
+    {
+        "bytes": _INT,
+        "shape": _SHAPE,
+        "dtype": _STR,
+        "module": _STR,
+        "saved_by": {"type": "array", "items": _STR},
+    }
+)
+_POLICY = _object(
+    {
+        "label": _STR,
+        "policy": {"type": "string", "enum": [*NAMED, BUDGET]},
+        "call": _STR,
+        "budget_bytes": _INT_OR_NULL,
+        "budget_fraction": {"type": ["number", "null"], "minimum": 0},
+        "peak_bytes": _INT,
+        "predicted_peak_bytes": _INT,
+        "peak_ratio": _NUM,
+        "step_time_s": _NUM,
+        "step_times_s": {"type": "array", "items": _NUM},
+        "time_ratio": _NUM,
+        "first_step_s": _NUM,
+        "recompute_flops": _INT,
+        "forward_flops": _INT,
+        "kept_tensors": _INT,
+        "kept_bytes": _INT,
+        "recomputed_ops": _INT,
+        "graphs": _INT,
+        "recaptured": {"type": "boolean"},
+    }
+)
+_PROBE = _object(
+    {"batch": _INT, "total_bytes": _INT_OR_NULL, "fits": {"type": "boolean"}, "error": _STR_OR_NULL}
+)
+_SEARCH = _object(
+    {
+        "label": _STR,
+        "max_batch": _INT,
+        "total_bytes": _INT_OR_NULL,
+        "first_not_fitting": _INT_OR_NULL,
+        "capped": {"type": "boolean"},
+        "probes": {"type": "array", "items": _PROBE},
+    }
+)
 
 #: JSON Schema of the report written by ``memfit profile --json``.
 REPORT_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "memfit profile report",
-    **_object({
-        "schema": {"type": "string", "enum": [SCHEMA_ID]},
-        "memfit_version": _STR,
-        "torch_version": _STR,
-        "target": _STR,
-        "model": _STR,
-        "device": _STR,
-        "dtype": _STR_OR_NULL,
-        "batch_dim": _INT,
-        "batch_size": _INT_OR_NULL,
-        "parameters": _object({"count": _INT, "bytes": _INT}),
-        "buffers_bytes": _INT,
-        "inputs": {"type": "array",
-                   "items": _object({"name": _STR, "shape": _SHAPE, "dtype": _STR})},
-        "activations": _object({
-            "method": _STR,
-            "total_bytes": _INT,
-            "memfit_none_kept_bytes": _INT_OR_NULL,
-            "by_module": {"type": "array", "items": _MODULE},
-            "largest_tensors": {"type": "array", "items": _TENSOR},
-        }),
-        "policies": {"type": "array", "items": _POLICY},
-        "max_batch": _or_null(_object({
-            "budget_bytes": _INT, "covers": _STR, "batch_step": _INT, "limit": _INT,
-            "results": {"type": "array", "items": _SEARCH},
-        })),
-        "pareto": {"type": ["array", "null"],
-                   "items": _object({"peak_bytes": _INT, "recompute_flops": _INT,
-                                     "recompute_seconds": _NUM})},
-        "figures": _object({"timeline": _STR, "pareto": _STR_OR_NULL}),
-    }),
+    **_object(
+        {
+            "schema": {"type": "string", "enum": [SCHEMA_ID]},
+            "memfit_version": _STR,
+            "torch_version": _STR,
+            "target": _STR,
+            "model": _STR,
+            "device": _STR,
+            "dtype": _STR_OR_NULL,
+            "batch_dim": _INT,
+            "batch_size": _INT_OR_NULL,
+            "parameters": _object({"count": _INT, "bytes": _INT}),
+            "buffers_bytes": _INT,
+            "inputs": {
+                "type": "array",
+                "items": _object({"name": _STR, "shape": _SHAPE, "dtype": _STR}),
+            },
+            "activations": _object(
+                {
+                    "method": _STR,
+                    "total_bytes": _INT,
+                    "memfit_none_kept_bytes": _INT_OR_NULL,
+                    "by_module": {"type": "array", "items": _MODULE},
+                    "largest_tensors": {"type": "array", "items": _TENSOR},
+                }
+            ),
+            "policies": {"type": "array", "items": _POLICY},
+            "max_batch": _or_null(
+                _object(
+                    {
+                        "budget_bytes": _INT,
+                        "covers": _STR,
+                        "batch_step": _INT,
+                        "limit": _INT,
+                        "results": {"type": "array", "items": _SEARCH},
+                    }
+                )
+            ),
+            "pareto": {
+                "type": ["array", "null"],
+                "items": _object(
+                    {"peak_bytes": _INT, "recompute_flops": _INT, "recompute_seconds": _NUM}
+                ),
+            },
+            "figures": _object({"timeline": _STR, "pareto": _STR_OR_NULL}),
+        }
+    ),
 }
 
 _TYPES: dict[str, Any] = {
-    "object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
 }
 
 
@@ -196,26 +257,47 @@ def policy_entry(r: PolicyResult, base: PolicyResult) -> dict[str, Any]:
     }
 
 
-def activations_entry(a: Any, method: str, none_kept_bytes: int | None,
-                      top: int = 20) -> dict[str, Any]:
+def activations_entry(
+    a: Any, method: str, none_kept_bytes: int | None, top: int = 20
+) -> dict[str, Any]:
     """The ``activations`` entry from a ``memfit.measurement.activations.Activations``."""
     return {
         "method": method,
         "total_bytes": a.total_bytes,
         "memfit_none_kept_bytes": none_kept_bytes,
-        "by_module": [{"module": m.module, "type": m.type, "self_bytes": m.self_bytes,
-                       "total_bytes": m.total_bytes, "tensors": m.tensors} for m in a.modules],
-        "largest_tensors": [{"bytes": t.bytes, "shape": list(t.shape), "dtype": t.dtype,
-                             "module": t.module, "saved_by": list(t.saved_by)}
-                            for t in a.tensors[:top]],
+        "by_module": [
+            {
+                "module": m.module,
+                "type": m.type,
+                "self_bytes": m.self_bytes,
+                "total_bytes": m.total_bytes,
+                "tensors": m.tensors,
+            }
+            for m in a.modules
+        ],
+        "largest_tensors": [
+            {
+                "bytes": t.bytes,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "module": t.module,
+                "saved_by": list(t.saved_by),
+            }
+            for t in a.tensors[:top]
+        ],
     }
 
 
 def search_entry(s: Any) -> dict[str, Any]:
     """One ``max_batch.results`` entry from a ``memfit.cli.batch_search.SearchResult``."""
     return {
-        "label": s.label, "max_batch": s.max_batch, "total_bytes": s.total_bytes,
-        "first_not_fitting": s.first_not_fitting, "capped": s.capped,
-        "probes": [{"batch": p.batch, "total_bytes": p.total_bytes, "fits": p.fits,
-                    "error": p.error} for p in s.probes],
+        "label": s.label,
+        "max_batch": s.max_batch,
+        "total_bytes": s.total_bytes,
+        "first_not_fitting": s.first_not_fitting,
+        "capped": s.capped,
+        "probes": [
+            {"batch": p.batch, "total_bytes": p.total_bytes, "fits": p.fits, "error": p.error}
+            for p in s.probes
+        ],
     }

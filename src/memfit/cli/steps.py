@@ -1,4 +1,4 @@
-"""One training step per memfit policy, measured the same way by ``memfit demo`` and ``memfit profile``.
+"""One training step per memfit policy, measured alike by ``memfit demo`` and ``memfit profile``.
 
 A *step* is forward, loss, backward, with gradients set to ``None`` first (as
 ``optimizer.zero_grad()`` does), so each step allocates its gradients like a real one. Each
@@ -51,13 +51,17 @@ def default_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:
         return loss
-    tensors = [t for t in tree_flatten(output)[0]
-               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    tensors = [
+        t
+        for t in tree_flatten(output)[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
     if not tensors:
         raise ValueError(
             f"the model's output ({type(output).__name__}) has no floating-point tensor that "
             "requires grad, so there is nothing to backpropagate; is the model in training mode "
-            "with parameters that require grad?")
+            "with parameters that require grad?"
+        )
     total = tensors[0].sum().float()
     for t in tensors[1:]:
         total = total + t.sum().float()
@@ -102,8 +106,9 @@ def _storages(tensors: Any) -> dict[int, int]:
     return out
 
 
-def resident_bytes(model: nn.Module, args: Sequence[Any] = (),
-                   kwargs: Mapping[str, Any] | None = None) -> tuple[int, int]:
+def resident_bytes(
+    model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+) -> tuple[int, int]:
     """``(parameters and buffers, input tensors)`` bytes, each storage counted once.
 
     These are live before a step starts, so ``memfit.measure``'s peak (which is *above* what was
@@ -146,8 +151,13 @@ class PolicyResult:
         return self.plan.recompute_flops / fwd if fwd else 0.0
 
 
-def run_policies(work: Workload, policies: Sequence[Policy], device: torch.device,
-                 timing_runs: int = 3, progress: Any = None) -> list[PolicyResult]:
+def run_policies(
+    work: Workload,
+    policies: Sequence[Policy],
+    device: torch.device,
+    timing_runs: int = 3,
+    progress: Any = None,
+) -> list[PolicyResult]:
     """Compile every policy, measure each one's memory, then time them round-robin (see above).
 
     ``progress`` is an optional ``rich.progress.Progress`` to report on.
@@ -181,12 +191,18 @@ def run_policies(work: Workload, policies: Sequence[Policy], device: torch.devic
         marks: list[float] = []
         m = measure_peak(method, device, step=work.step(method.module, marks))
         forward_end = (marks[1] - marks[0]) / m.time_s if m.time_s > 0 else 0.5
-        results.append(PolicyResult(
-            policy=policy, peak_bytes=int(m.peak_bytes or 0), plan=before.plans[method],
-            step_times=method.times, compile_s=method.record["first_step_s"],
-            timeline=list(m.timeline), forward_end=min(max(forward_end, 0.0), 1.0),
-            measured_s=m.time_s,
-        ))
+        results.append(
+            PolicyResult(
+                policy=policy,
+                peak_bytes=int(m.peak_bytes or 0),
+                plan=before.plans[method],
+                step_times=method.times,
+                compile_s=method.record["first_step_s"],
+                timeline=list(m.timeline),
+                forward_end=min(max(forward_end, 0.0), 1.0),
+                measured_s=m.time_s,
+            )
+        )
         doing(policy.label, advance=True)
 
     def timing(method: Method, rnd: int) -> None:

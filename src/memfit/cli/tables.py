@@ -38,10 +38,19 @@ def _table(title: str, columns: Sequence[tuple[str, str]]) -> Table:
 def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
     """Measured peak and step time per policy, each also as a ratio to ``none``."""
     base = next((r for r in results if r.label == "none"), results[0])
-    table = _table(title, [("policy", "left"), ("measured peak", "right"), ("vs none", "right"),
-                           ("predicted peak", "right"), ("step time", "right"),
-                           ("vs none", "right"), ("recomputed", "right"),
-                           ("first step", "right")])
+    table = _table(
+        title,
+        [
+            ("policy", "left"),
+            ("measured peak", "right"),
+            ("vs none", "right"),
+            ("predicted peak", "right"),
+            ("step time", "right"),
+            ("vs none", "right"),
+            ("recomputed", "right"),
+            ("first step", "right"),
+        ],
+    )
     for r in results:
         table.add_row(
             r.label,
@@ -58,34 +67,67 @@ def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
 
 def module_table(acts: Activations, model_name: str, top: int = 10) -> Table:
     """Submodules whose own code produced the most saved bytes."""
-    table = _table(f"activation memory by submodule (top {top} of {len(acts.modules)})",
-                   [("submodule", "left"), ("type", "left"), ("own", "right"),
-                    ("with children", "right"), ("share", "right"), ("tensors", "right")])
+    table = _table(
+        f"activation memory by submodule (top {top} of {len(acts.modules)})",
+        [
+            ("submodule", "left"),
+            ("type", "left"),
+            ("own", "right"),
+            ("with children", "right"),
+            ("share", "right"),
+            ("tensors", "right"),
+        ],
+    )
     for m in acts.modules[:top]:
         name = m.module or f"({model_name} itself)"
         share = m.self_bytes / acts.total_bytes if acts.total_bytes else 0.0
-        table.add_row(name, m.type if m.module != LOSS else "", mib(m.self_bytes),
-                      mib(m.total_bytes), f"{share:.0%}", str(m.tensors))
+        table.add_row(
+            name,
+            m.type if m.module != LOSS else "",
+            mib(m.self_bytes),
+            mib(m.total_bytes),
+            f"{share:.0%}",
+            str(m.tensors),
+        )
     return table
 
 
 def tensor_table(acts: Activations, model_name: str, top: int = 10) -> Table:
     """The largest storages kept for backward."""
-    table = _table(f"largest tensors kept for backward (top {top} of {len(acts.tensors)})",
-                   [("size", "right"), ("shape", "left"), ("dtype", "left"),
-                    ("made by", "left"), ("read by", "left")])
+    table = _table(
+        f"largest tensors kept for backward (top {top} of {len(acts.tensors)})",
+        [
+            ("size", "right"),
+            ("shape", "left"),
+            ("dtype", "left"),
+            ("made by", "left"),
+            ("read by", "left"),
+        ],
+    )
     for t in acts.tensors[:top]:
-        table.add_row(mib(t.bytes), "x".join(map(str, t.shape)) or "scalar", t.dtype,
-                      t.module or f"({model_name} itself)", ", ".join(t.saved_by))
+        table.add_row(
+            mib(t.bytes),
+            "x".join(map(str, t.shape)) or "scalar",
+            t.dtype,
+            t.module or f"({model_name} itself)",
+            ", ".join(t.saved_by),
+        )
     return table
 
 
 def batch_table(searches: Sequence[SearchResult], budget_text: str) -> Table:
     """Largest batch per policy within the budget, and the measured batch just above it."""
-    table = _table(f"largest batch within {budget_text} (weights + batch + measured step peak)",
-                   [("policy", "left"), ("max batch", "right"), ("memory at it", "right"),
-                    ("first batch over", "right"), ("memory there", "right"),
-                    ("steps measured", "right")])
+    table = _table(
+        f"largest batch within {budget_text} (weights + batch + measured step peak)",
+        [
+            ("policy", "left"),
+            ("max batch", "right"),
+            ("memory at it", "right"),
+            ("first batch over", "right"),
+            ("memory there", "right"),
+            ("steps measured", "right"),
+        ],
+    )
     for s in searches:
         over: Any = next((p for p in s.probes if p.batch == s.first_not_fitting), None)
         table.add_row(
@@ -93,8 +135,13 @@ def batch_table(searches: Sequence[SearchResult], budget_text: str) -> Table:
             (f">= {s.max_batch} (limit)" if s.capped else str(s.max_batch)),
             format_bytes(s.total_bytes) if s.total_bytes is not None else "-",
             str(s.first_not_fitting) if s.first_not_fitting is not None else "-",
-            (format_bytes(over.total_bytes) if over is not None and over.total_bytes is not None
-             else (over.error or "").split(":")[0] if over is not None else "-"),
+            (
+                format_bytes(over.total_bytes)
+                if over is not None and over.total_bytes is not None
+                else (over.error or "").split(":")[0]
+                if over is not None
+                else "-"
+            ),
             str(len(s.probes)),
         )
     return table

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from memfit._compat import tree_map
 
+from memfit._compat import tree_map
 from memfit.cli.errors import CliError, first_line
 
 __all__ = ["Target", "load_factory", "build_target", "move_inputs"]
@@ -87,8 +87,10 @@ def _load_module(name: str) -> Any:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         if err.name and (name == err.name or name.startswith(err.name + ".")):
-            raise CliError(f"no module named {err.name!r} (from TARGET {name}:...); is it "
-                           f"installed or under the current directory? TARGET is {_FORMS}") from err
+            raise CliError(
+                f"no module named {err.name!r} (from TARGET {name}:...); is it "
+                f"installed or under the current directory? TARGET is {_FORMS}"
+            ) from err
         raise CliError(f"importing {name} raised {first_line(err)}") from err
     except Exception as err:
         raise CliError(f"importing {name} raised {first_line(err)}") from err
@@ -101,15 +103,23 @@ def load_factory(spec: str) -> Callable[[], Any]:
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             owner = where if i == 0 else f"{where}:{'.'.join(attr.split('.')[:i])}"
-            names = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+            names = [
+                n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))
+            ]
             close = difflib.get_close_matches(part, names, n=3)
-            hint = (f"; did you mean {', '.join(close)}?" if close
-                    else f"; callables there: {', '.join(names[:8])}" if names else "")
+            hint = (
+                f"; did you mean {', '.join(close)}?"
+                if close
+                else f"; callables there: {', '.join(names[:8])}"
+                if names
+                else ""
+            )
             raise CliError(f"{owner} has no attribute {part!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise CliError(f"{spec}: {attr} is a {type(obj).__name__}, not a function that builds "
-                       "the model")
+        raise CliError(
+            f"{spec}: {attr} is a {type(obj).__name__}, not a function that builds the model"
+        )
     return obj
 
 
@@ -122,15 +132,20 @@ def build_target(spec: str, input_shapes: Sequence[tuple[int, ...]] = ()) -> Tar
         raise CliError(f"{spec}: the factory raised {first_line(err)}") from err
     if input_shapes:
         if not isinstance(made, nn.Module):
-            raise CliError(f"{spec}: with --input-shape the factory must return the model (an "
-                           f"nn.Module), but it returned {type(made).__name__}")
+            raise CliError(
+                f"{spec}: with --input-shape the factory must return the model (an "
+                f"nn.Module), but it returned {type(made).__name__}"
+            )
         return Target(spec, made, tuple(torch.randn(s) for s in input_shapes), {})
     if isinstance(made, nn.Module):
-        raise CliError(f"{spec}: the factory returned only a model; return (model, example_inputs)"
-                       " or give --input-shape, e.g. --input-shape 8,3,32,32")
+        raise CliError(
+            f"{spec}: the factory returned only a model; return (model, example_inputs)"
+            " or give --input-shape, e.g. --input-shape 8,3,32,32"
+        )
     if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], nn.Module)):
-        raise CliError(f"{spec}: the factory must return (model, example_inputs), got "
-                       f"{type(made).__name__}")
+        raise CliError(
+            f"{spec}: the factory must return (model, example_inputs), got {type(made).__name__}"
+        )
     model, inputs = made
     if isinstance(inputs, torch.Tensor):
         return Target(spec, model, (inputs,), {})
@@ -138,8 +153,10 @@ def build_target(spec: str, input_shapes: Sequence[tuple[int, ...]] = ()) -> Tar
         return Target(spec, model, (), dict(inputs))
     if isinstance(inputs, (tuple, list)):
         return Target(spec, model, tuple(inputs), {})
-    raise CliError(f"{spec}: example_inputs must be a tensor, a tuple or list of arguments, or a "
-                   f"dict of keyword arguments, got {type(inputs).__name__}")
+    raise CliError(
+        f"{spec}: example_inputs must be a tensor, a tuple or list of arguments, or a "
+        f"dict of keyword arguments, got {type(inputs).__name__}"
+    )
 
 
 def move_inputs(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:

@@ -15,7 +15,8 @@ after its last use in backward instead of living until the whole backward ends.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 
@@ -67,8 +68,9 @@ class StepBudget:
     spent: int = 0
 
 
-def make_backend(policy: Policy, on_plan: Callable[[GraphPlan], None],
-                 step_budget: StepBudget | None = None) -> Callable[..., Any]:
+def make_backend(
+    policy: Policy, on_plan: Callable[[GraphPlan], None], step_budget: StepBudget | None = None
+) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan."""
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
@@ -80,7 +82,9 @@ def make_backend(policy: Policy, on_plan: Callable[[GraphPlan], None],
             step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
         return split_joint_graph(
-            joint, graph_plan, num_fwd_outputs=kwargs["num_fwd_outputs"],
+            joint,
+            graph_plan,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
         )
 

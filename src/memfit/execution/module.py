@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,12 +37,16 @@ __all__ = ["checkpoint", "plan", "CheckpointedModule"]
 def _budget_error(exc: BaseException) -> BudgetError | None:
     """The BudgetError behind Dynamo's wrapping of backend exceptions, if there is one."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, BudgetError):
-            return exc
-        seen.add(id(exc))
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, BudgetError):
+            return current
+        seen.add(id(current))
+        current = (
+            getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+        )
     return None
+
 
 _capturing = 0  # >0 while a memfit wrapper runs: module-name hooks mark only then
 
@@ -59,6 +64,17 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
 class CheckpointedModule(nn.Module):
     """``model`` with memfit's checkpointing applied; see ``memfit.checkpoint``."""
 
+    # Set through __dict__ in __init__: nn.Module's __setattr__ would register the model as a
+    # submodule (its parameters would appear twice under new names).
+    _model: nn.Module
+    _policy: Policy
+    _plan: Plan | None
+    _pending: list[GraphPlan]
+    _watcher: GraphBreakWatcher
+    _step_budget: StepBudget | None
+    _compiled: Callable[..., Any]
+    _hooks: list[Any]
+
     def __init__(self, model: nn.Module, policy: Policy) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
@@ -72,7 +88,8 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
         self.__dict__["_step_budget"] = StepBudget() if policy.name == BUDGET else None
         self.__dict__["_compiled"] = torch.compile(
-            model, backend=make_backend(policy, self._pending.append, self._step_budget),
+            model,
+            backend=make_backend(policy, self._pending.append, self._step_budget),
             dynamic=False,
         )
         named = dict(model.named_modules())
@@ -101,7 +118,7 @@ class CheckpointedModule(nn.Module):
             )
         return self._plan
 
-    def train(self, mode: bool = True) -> "CheckpointedModule":
+    def train(self, mode: bool = True) -> CheckpointedModule:
         self._model.train(mode)
         self.training = mode
         return self
@@ -173,8 +190,11 @@ def checkpoint(
     if checkpoints is not None:
         if policy is not None:
             raise ValueError("give the policy once: checkpoints= is the old name of policy=")
-        warnings.warn("memfit.checkpoint(checkpoints=...) is now memfit.checkpoint(policy=...)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "memfit.checkpoint(checkpoints=...) is now memfit.checkpoint(policy=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         policy = checkpoints
     if budget is not None:
         if policy is not None:
@@ -186,8 +206,10 @@ def checkpoint(
     chosen = parse_policy("memory" if policy is None else policy)
     _validate_names(model, chosen.modules)
     if isinstance(policy, (list, tuple)) and not chosen.modules:
-        warnings.warn("an empty list of submodules marks nothing: every activation will be "
-                      "recomputed", stacklevel=2)
+        warnings.warn(
+            "an empty list of submodules marks nothing: every activation will be recomputed",
+            stacklevel=2,
+        )
     return CheckpointedModule(model, chosen)
 
 

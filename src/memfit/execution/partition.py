@@ -15,7 +15,7 @@ replays, so what runs is what was predicted.
 from __future__ import annotations
 
 import operator
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch.fx as fx
 
@@ -50,7 +50,9 @@ def split_joint_graph(
         )
     saved = [n for n in joint.graph.nodes if plan.decisions.get(n.name) is Decision.SAVE]
     fw, bw = extract_fwd_bwd_modules(
-        joint, saved, num_fwd_outputs=num_fwd_outputs,
+        joint,
+        saved,
+        num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices,
     )
     fw.graph.eliminate_dead_code()

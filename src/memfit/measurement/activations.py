@@ -116,8 +116,12 @@ def _readers(root: Any) -> dict[int, list[str]]:
     return readers
 
 
-def saved_activations(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      loss_fn: Callable[[Any], torch.Tensor]) -> Activations:
+def saved_activations(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Activations:
     """Run one eager training step of ``model`` and attribute what autograd saved (see above).
 
     The step's backward runs too (it frees the saved tensors); gradients are set to ``None``
@@ -141,6 +145,7 @@ def saved_activations(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     def enter(name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any) -> None:
             stack.append(name)
+
         return hook
 
     def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
@@ -163,10 +168,18 @@ def saved_activations(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     model.zero_grad(set_to_none=True)
 
     tensors = sorted(
-        (SavedTensor(bytes=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                     module=module, saved_by=tuple(readers.get(p, ())))
-         for p, (t, n, module) in saved.items()),
-        key=lambda s: (-s.bytes, s.module))
+        (
+            SavedTensor(
+                bytes=n,
+                shape=tuple(t.shape),
+                dtype=str(t.dtype).removeprefix("torch."),
+                module=module,
+                saved_by=tuple(readers.get(p, ())),
+            )
+            for p, (t, n, module) in saved.items()
+        ),
+        key=lambda s: (-s.bytes, s.module),
+    )
     saved.clear()  # drop the references to the saved tensors
     self_bytes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
@@ -176,12 +189,19 @@ def saved_activations(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     modules = []
     for name in [*names, LOSS]:
         prefix = name + "."
-        total = sum(n for m, n in self_bytes.items()
-                    if m != LOSS and (not name or m == name or m.startswith(prefix))) \
-            if name != LOSS else self_bytes.get(LOSS, 0)
+        total = (
+            sum(
+                n
+                for m, n in self_bytes.items()
+                if m != LOSS and (not name or m == name or m.startswith(prefix))
+            )
+            if name != LOSS
+            else self_bytes.get(LOSS, 0)
+        )
         if total:
             kind = "-" if name == LOSS else type(names[name]).__name__
-            modules.append(ModuleActivations(name, kind, self_bytes.get(name, 0), total,
-                                             counts.get(name, 0)))
+            modules.append(
+                ModuleActivations(name, kind, self_bytes.get(name, 0), total, counts.get(name, 0))
+            )
     modules.sort(key=lambda m: (-m.self_bytes, -m.total_bytes, m.module))
     return Activations(sum(s.bytes for s in tensors), tuple(modules), tuple(tensors))

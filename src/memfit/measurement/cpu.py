@@ -147,7 +147,9 @@ class CpuRecording:
         # Weak references first: making them allocates no tensor memory.
         self._storages = _PreexistingStorages(self._watch)
         self._prof = profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False,
+            activities=[ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=False,
             with_stack=False,
         )
         self._prof.start()

@@ -185,7 +185,7 @@ def _resolve_device(device: str | torch.device | None, roots: tuple[Any, ...]) -
 
     if dev.type == "cpu":
         if dev.index not in (None, 0):
-            raise ValueError(f"device={device!r}: there is only one CPU device; use \"cpu\".")
+            raise ValueError(f'device={device!r}: there is only one CPU device; use "cpu".')
         return torch.device("cpu")
     if dev.type != "cuda":
         raise ValueError(
@@ -309,8 +309,7 @@ def _measure_cpu(
         result = fn(*args, **kwargs)
         elapsed = time.perf_counter() - start
     memory = recording.memory(duration_s=elapsed)
-    return Measurement(memory.peak_bytes, memory.end_bytes, elapsed, "cpu", result,
-                       memory.timeline)
+    return Measurement(memory.peak_bytes, memory.end_bytes, elapsed, "cpu", result, memory.timeline)
 
 
 def _measure_cuda(
@@ -337,8 +336,7 @@ def _measure_cuda(
         torch.cuda.synchronize(index)
         elapsed = time.perf_counter() - start
     end = recording.end_bytes
-    return Measurement(recording.peak_bytes, end, elapsed, name, result,
-                       [(0.0, 0), (elapsed, end)])
+    return Measurement(recording.peak_bytes, end, elapsed, name, result, [(0.0, 0), (elapsed, end)])
 
 
 # ----------------------------------------------------------------------------- formatting

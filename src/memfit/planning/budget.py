@@ -20,9 +20,18 @@ __all__ = ["Budget", "BudgetError", "parse_budget", "UNITS"]
 #: Accepted unit suffixes (case-insensitive) and their size in bytes.
 UNITS: dict[str, int] = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -31,8 +40,9 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", 
 class BudgetError(ValueError):
     """No plan meets the budget. ``smallest_bytes`` is the least peak memfit can achieve."""
 
-    def __init__(self, message: str, *, budget_bytes: int | None = None,
-                 smallest_bytes: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, budget_bytes: int | None = None, smallest_bytes: int | None = None
+    ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
@@ -82,9 +92,10 @@ def parse_budget(value: object) -> Budget:
     if isinstance(value, str):
         m = _PATTERN.match(value)
         if m is None or m.group(2).lower() not in UNITS | {"": 1}:
+            units = ", ".join(sorted(UNITS, key=lambda u: UNITS[u]))
             raise ValueError(
                 f"cannot parse budget {value!r}: expected bytes as an integer, a size such as "
-                f"'1.5GiB', '800MB' or '512KiB' (units: {', '.join(sorted(UNITS, key=UNITS.get))}),"
+                f"'1.5GiB', '800MB' or '512KiB' (units: {units}),"
                 f" or a fraction in (0, 1] such as '0.5'"
             )
         number, unit = float(m.group(1)), m.group(2).lower()

@@ -36,9 +36,9 @@ from memfit.analysis.cost import node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.planning.budget import BudgetError
-from memfit.units import format_bytes
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.segments import SegmentModel
+from memfit.units import format_bytes
 
 __all__ = ["FrontierPoint", "pareto_frontier", "choose"]
 
@@ -55,8 +55,9 @@ class FrontierPoint:
     simulation: StepSimulation
 
 
-def _point(jg: JointGraph, kept: set[fx.Node], source: str,
-           costs: dict[fx.Node, tuple[float, int]]) -> FrontierPoint:
+def _point(
+    jg: JointGraph, kept: set[fx.Node], source: str, costs: dict[fx.Node, tuple[float, int]]
+) -> FrontierPoint:
     sim = simulate_step(jg, kept)
     recomputed = [costs[n] for n in sim.backward if n in costs]
     return FrontierPoint(
@@ -69,14 +70,18 @@ def _point(jg: JointGraph, kept: set[fx.Node], source: str,
     )
 
 
-def pareto_frontier(jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.0,
-                    min_gap: float = 0.01) -> list[FrontierPoint]:
+def pareto_frontier(
+    jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.0, min_gap: float = 0.01
+) -> list[FrontierPoint]:
     """Simulated Pareto-optimal plans of ``jg``, sorted by increasing peak (decreasing cost)."""
     started = time.perf_counter()
     costs = {n: (node_seconds(n), node_flops(n)) for n in jg.forward}
     baseline = keep_all(jg)
-    points = [_point(jg, baseline, "none", costs), _point(jg, keep_heavy(jg), "speed", costs),
-              _point(jg, keep_min_peak(jg), "memory", costs)]
+    points = [
+        _point(jg, baseline, "none", costs),
+        _point(jg, keep_heavy(jg), "speed", costs),
+        _point(jg, keep_min_peak(jg), "memory", costs),
+    ]
     seen = {p.kept for p in points}
     base = points[0]
     bw_read = {n for n in baseline if n.op != "placeholder"}
@@ -136,6 +141,7 @@ def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
         raise BudgetError(
             f"no plan fits a budget of {format_bytes(budget_bytes)}: the smallest peak memfit can "
             f"reach for this graph is {format_bytes(smallest)} ({smallest} bytes)",
-            budget_bytes=budget_bytes, smallest_bytes=smallest,
+            budget_bytes=budget_bytes,
+            smallest_bytes=smallest,
         )
     return min(fits, key=lambda p: (p.recompute_seconds, p.peak_bytes))

@@ -119,15 +119,20 @@ class Plan:
         count = max(len(g.frontier) for g in self.graphs)
         points = []
         for k in range(count):
-            picked = [g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))]
-                      for g in self.graphs]
-            points.append(ParetoPoint(
-                peak_bytes=self._combine([p.peak_bytes for p in picked],
-                                         [p.kept_bytes for p in picked]),
-                recompute_flops=sum(p.recompute_flops for p in picked),
-                recompute_seconds=sum(p.recompute_seconds for p in picked),
-                kept_bytes=sum(p.kept_bytes for p in picked),
-            ))
+            picked = [
+                g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))]
+                for g in self.graphs
+            ]
+            points.append(
+                ParetoPoint(
+                    peak_bytes=self._combine(
+                        [p.peak_bytes for p in picked], [p.kept_bytes for p in picked]
+                    ),
+                    recompute_flops=sum(p.recompute_flops for p in picked),
+                    recompute_seconds=sum(p.recompute_seconds for p in picked),
+                    kept_bytes=sum(p.kept_bytes for p in picked),
+                )
+            )
         return sorted(points, key=lambda p: p.peak_bytes)
 
     @property

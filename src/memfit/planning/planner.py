@@ -16,7 +16,7 @@ runs, and a budget plan's predicted peak is within its budget by construction.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -56,8 +56,12 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
     if policy.name == BUDGET:
         assert policy.budget is not None
         points = pareto_frontier(jg)
-        frontier = tuple(ParetoPoint(p.peak_bytes, p.recompute_flops, p.recompute_seconds,
-                                     p.simulation.saved_bytes) for p in points)
+        frontier = tuple(
+            ParetoPoint(
+                p.peak_bytes, p.recompute_flops, p.recompute_seconds, p.simulation.saved_bytes
+            )
+            for p in points
+        )
         budget_bytes = policy.budget.resolve(base_sim.peak_bytes)
         if policy.budget.fraction is None:
             budget_bytes -= spent_bytes
@@ -68,7 +72,8 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
                 raise BudgetError(
                     f"{err} ({spent_bytes} bytes of the budget are already kept by earlier "
                     f"graphs of this step: the model has graph breaks)",
-                    budget_bytes=budget_bytes, smallest_bytes=err.smallest_bytes,
+                    budget_bytes=budget_bytes,
+                    smallest_bytes=err.smallest_bytes,
                 ) from None
             raise
         kept, sim = set(chosen.kept), chosen.simulation
@@ -81,11 +86,22 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
         kept = _KEEP_RULES[policy.name](jg)
         sim = simulate_step(jg, kept)
     if policy.never_worse_than_none and sim.peak_bytes > base_sim.peak_bytes:
-        note = (f"{policy.name!r} would peak above plain autograd here "
-                f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead")
+        note = (
+            f"{policy.name!r} would peak above plain autograd here "
+            f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead"
+        )
         kept, sim = baseline, base_sim
-    return _graph_plan(jg, policy, kept, sim, base_sim, baseline, note=note,
-                       budget_bytes=budget_bytes, frontier=frontier)
+    return _graph_plan(
+        jg,
+        policy,
+        kept,
+        sim,
+        base_sim,
+        baseline,
+        note=note,
+        budget_bytes=budget_bytes,
+        frontier=frontier,
+    )
 
 
 def decisions_for(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> dict[str, Decision]:
@@ -94,13 +110,25 @@ def decisions_for(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> di
     saved = jg.saved_needed(kept)
     forward = set(jg.forward)
     recomputed = {n for n in sim.backward if n in forward and jg.is_tensor_value(n)}
-    return {n.name: Decision.SAVE if n in saved else Decision.RECOMPUTE
-            for n in jg.nodes if n in saved or n in recomputed}
+    return {
+        n.name: Decision.SAVE if n in saved else Decision.RECOMPUTE
+        for n in jg.nodes
+        if n in saved or n in recomputed
+    }
 
 
-def _graph_plan(jg: JointGraph, policy: Policy, kept: set[fx.Node], sim: StepSimulation,
-                base_sim: StepSimulation, baseline: set[fx.Node], *, note: str,
-                budget_bytes: int | None, frontier: tuple[ParetoPoint, ...]) -> GraphPlan:
+def _graph_plan(
+    jg: JointGraph,
+    policy: Policy,
+    kept: set[fx.Node],
+    sim: StepSimulation,
+    base_sim: StepSimulation,
+    baseline: set[fx.Node],
+    *,
+    note: str,
+    budget_bytes: int | None,
+    frontier: tuple[ParetoPoint, ...],
+) -> GraphPlan:
     forward_set = set(jg.forward)
     recomputed = [n for n in sim.backward if n in forward_set]
     # What the plan reports as kept: activations held for backward beyond what the step returns

@@ -25,6 +25,7 @@ result never keeps more than no checkpointing. On a chain of n equal layers the 
 from __future__ import annotations
 
 import bisect
+
 import torch.fx as fx
 
 from memfit.analysis.cost import is_compute_heavy
@@ -151,8 +152,11 @@ def keep_min_peak(jg: JointGraph, *, grid: int = 24) -> set[fx.Node]:
     i = next((k for k, c in enumerate(coarse) if c == best), None)
     if i is None:
         return best
-    lo, hi = sizes[max(i - 1, 0)], sizes[min(i + 1, len(sizes) - 1)]
-    fine = [jg.saved_needed(kept_for(cuts_for(size))) for size in _geometric(lo, hi, grid // 2)]
+    size_lo, size_hi = sizes[max(i - 1, 0)], sizes[min(i + 1, len(sizes) - 1)]
+    fine = [
+        jg.saved_needed(kept_for(cuts_for(size)))
+        for size in _geometric(size_lo, size_hi, grid // 2)
+    ]
     return _best(jg, [best] + fine)
 
 
@@ -165,7 +169,7 @@ def _geometric(lo: float, hi: float, steps: int) -> list[float]:
 
 def _best(jg: JointGraph, candidates: list[set[fx.Node]]) -> set[fx.Node]:
     """The candidate with the least simulated peak; ties go to the one keeping more (faster)."""
-    scored = []
+    scored: list[tuple[int, int, int, set[fx.Node]]] = []
     seen: set[frozenset[fx.Node]] = set()
     for kept in candidates:
         key = frozenset(kept)

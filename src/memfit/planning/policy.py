@@ -14,8 +14,8 @@ Written as text (on a command line, or to ``memfit.checkpoint``): a name, or ``b
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from memfit.planning.budget import Budget, parse_budget
 from memfit.units import format_bytes
@@ -89,8 +89,10 @@ class Policy:
 
 def _accepted() -> str:
     names = ", ".join(map(repr, NAMED))
-    return f"accepted: {names}, 'budget=B' (bytes such as 2GiB, or a fraction such as 0.5 of " \
-           f"plain autograd's activation memory), or a list of submodule names"
+    return (
+        f"accepted: {names}, 'budget=B' (bytes such as 2GiB, or a fraction such as 0.5 of "
+        f"plain autograd's activation memory), or a list of submodule names"
+    )
 
 
 def parse_policy(value: Policy | str | Sequence[str]) -> Policy:

@@ -46,9 +46,17 @@ class SegmentModel:
     forward nodes after cut i up to and including cut j.
     """
 
-    def __init__(self, jg: JointGraph, always_kept: set[fx.Node], bw_read: set[fx.Node], *,
-                 seconds: dict[fx.Node, float] | None = None, max_cuts: int = 64,
-                 buckets: int = 192, small_fraction: float = 0.01) -> None:
+    def __init__(
+        self,
+        jg: JointGraph,
+        always_kept: set[fx.Node],
+        bw_read: set[fx.Node],
+        *,
+        seconds: dict[fx.Node, float] | None = None,
+        max_cuts: int = 64,
+        buckets: int = 192,
+        small_fraction: float = 0.01,
+    ) -> None:
         self.jg = jg
         fwd = list(jg.forward)
         self.fwd = fwd
@@ -73,10 +81,13 @@ class SegmentModel:
             need[pos[n]] = True
             stack.extend(a for a in n.all_input_nodes if a in pos)
 
-        largest = max((jg.storage_bytes[k] for n in fwd for k in jg.storages[n]
-                       if k not in primal_keys), default=0)
-        seconds = np.array([seconds[n] if seconds is not None else node_seconds(n)
-                            for n in fwd], dtype=np.float64)
+        largest = max(
+            (jg.storage_bytes[k] for n in fwd for k in jg.storages[n] if k not in primal_keys),
+            default=0,
+        )
+        node_secs = np.array(
+            [seconds[n] if seconds is not None else node_seconds(n) for n in fwd], dtype=np.float64
+        )
         always = np.array([n in always_kept for n in fwd], dtype=bool)
         heavy = np.zeros(n_fwd, dtype=bool)
         for i, n in enumerate(fwd):
@@ -88,10 +99,10 @@ class SegmentModel:
         # Storages: born at the first forward node producing them; they cross a cut if any node
         # viewing them is read after it; "backward reads" / "heavy" if any such node is.
         birth: dict[object, int] = {}
-        s_last = {}
-        s_bw = {}
-        s_heavy = {}
-        s_always = {}
+        s_last: dict[object, int] = {}
+        s_bw: dict[object, bool] = {}
+        s_heavy: dict[object, bool] = {}
+        s_always: dict[object, bool] = {}
         for i, n in enumerate(fwd):
             for k in jg.storages[n]:
                 if k in primal_keys:
@@ -111,7 +122,7 @@ class SegmentModel:
         self.n_last = last_read
         self.n_need = need & ~always
         self.n_heavy = heavy
-        self.n_seconds = seconds
+        self.n_seconds = node_secs
         self.cuts = self._choose_cuts(max_cuts)
         self.buckets = buckets
         self._tables()
@@ -152,7 +163,7 @@ class SegmentModel:
             hi = min(max(hi, lo), n_fwd - 2)
             if hi < lo:
                 continue
-            window = frontier[lo:hi + 1]
+            window = frontier[lo : hi + 1]
             best = lo + int(len(window) - 1 - np.argmin(window[::-1]))
             cuts.append(best)
             lo = best + 1
@@ -182,13 +193,17 @@ class SegmentModel:
             s_tran = [np.zeros_like(base), self.s_bw & ~s_keep[1], self.s_bw & ~base]
             n_in = n_win <= j
             n_cross = self.n_last > end
-            n_rec = [np.zeros_like(n_cross), self.n_need & ~n_cross & ~self.n_heavy,
-                     self.n_need & ~n_cross]
+            n_rec = [
+                np.zeros_like(n_cross),
+                self.n_need & ~n_cross & ~self.n_heavy,
+                self.n_need & ~n_cross,
+            ]
             for m in range(len(SEGMENT_KINDS)):
                 kw = np.bincount(s_win[s_in], self.s_bytes[s_in] * s_keep[m][s_in], minlength=k + 1)
                 tw = np.bincount(s_win[s_in], self.s_bytes[s_in] * s_tran[m][s_in], minlength=k + 1)
-                cw = np.bincount(n_win[n_in], self.n_seconds[n_in] * n_rec[m][n_in],
-                                 minlength=k + 1)
+                cw = np.bincount(
+                    n_win[n_in], self.n_seconds[n_in] * n_rec[m][n_in], minlength=k + 1
+                )
                 # segment (cut i, cut j] = windows i+1..j: suffix sums over windows ≤ j
                 for table, w in ((kept, kw), (trans, tw), (secs, cw)):
                     suffix = np.cumsum(w[: j + 1][::-1])[::-1]  # suffix[i] = Σ w[i..j]
