@@ -11,4 +11,4 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()

@@ -30,7 +30,7 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase) -> None:
     budgets.sort(key=lambda b: -(b * baseline if isinstance(b, float) else b))
     measured: list[tuple[str, int]] = []
     for budget in budgets:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         wrapped = memfit.checkpoint(model, budget=budget)
         try:
             peak = measured_step_peak(case, wrapped, args, kwargs)

@@ -15,7 +15,7 @@ from memfit.planning.policies import keep_all, keep_min_peak
 
 @pytest.fixture(scope="module", params=["tanh", "resnet", "unet"])
 def graph(request):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     if request.param == "tanh":
         return joint_graphs(tanh_chain(40, width=64), torch.randn(64, 64, requires_grad=True))[0]
     if request.param == "resnet":

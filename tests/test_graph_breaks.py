@@ -60,7 +60,7 @@ def test_graph_break_still_saves_memory() -> None:
     x = torch.randn(2048, 256)  # activations well above the 12 MB of weight gradients
 
     def peak(mode: str) -> int:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         torch.manual_seed(0)
         wrapped = memfit.checkpoint(Branchy(), mode)
         with warnings.catch_warnings():

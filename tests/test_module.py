@@ -225,7 +225,7 @@ def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
     case = next(c for c in ZOO if c.name == "resnet")
     args, kwargs = case.make_inputs()
     by_fraction = memfit.plan(case.make_model(), *args, budget=0.85, **kwargs)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     in_bytes = int(0.85 * by_fraction.baseline_peak_bytes)
     by_bytes = memfit.plan(case.make_model(), *args, budget=in_bytes, **kwargs)
     assert by_bytes.budget_bytes == by_fraction.budget_bytes == in_bytes
@@ -239,7 +239,7 @@ def test_infeasible_budget_raises_with_the_smallest() -> None:
     args, kwargs = case.make_inputs()
     model = case.make_model()
     smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
-    torch._dynamo.reset()
+    torch.compiler.reset()
     wrapped = memfit.checkpoint(model, budget=smallest - 1)
     with pytest.raises(memfit.BudgetError) as info:
         wrapped(*args, **kwargs)

@@ -6,15 +6,15 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-from graphs import joint_graphs
 from torch.profiler import ProfilerActivity
-from zoo import case
 
 import memfit
 from measuring import FLOATS_PER_MB, MB
 from memfit._compat import cpu_memory_device_types, profiler_events
 from memfit.analysis import op_scratch
 from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.bench.graphs import joint_graphs
+from memfit.bench.zoo import case
 
 
 def _conv_graph():
@@ -153,7 +153,7 @@ def test_measure_around_a_first_call_reports_its_real_peak(monkeypatch) -> None:
     # call's peak is the step's: exactly, up to what Dynamo itself allocates.
     assert first.peak_bytes > 0
     assert abs(first.peak_bytes - steady) <= 0.1 * steady
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert plan == _reference_plan()  # scratch measured elsewhere planned the same
 
 

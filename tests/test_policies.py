@@ -48,7 +48,7 @@ def test_tanh_chain_memory_is_sqrt_n(n: int) -> None:
     wrapped = memfit.checkpoint(model, "memory")
     peak = _step_peak(wrapped, x, lambda out: out.sum())
     assert peak <= (2.5 * math.sqrt(n) + 3) * MB, f"peak {peak / MB:.1f} MB at n={n}"
-    torch._dynamo.reset()
+    torch.compiler.reset()
     plain = _step_peak(memfit.checkpoint(tanh_chain(n), "none"), x, lambda out: out.sum())
     assert plain >= n * MB  # without checkpointing every layer's output is kept
 
@@ -106,7 +106,7 @@ def test_memory_mode_ratio(
     torch.manual_seed(0)
     x = torch.randn(*shape)
     plain = _step_peak(memfit.checkpoint(make(), "none"), x, _mean_square)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     wrapped = memfit.checkpoint(make(), "memory")
     saved = _step_peak(wrapped, x, _mean_square)
     ratio = saved / plain
@@ -124,7 +124,7 @@ def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:
     )
     x = torch.randn(256, 256)
     plain = _step_peak(memfit.checkpoint(model, "none"), x, _mean_square)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     wrapped = memfit.checkpoint(model, "speed")
     speed = _step_peak(wrapped, x, _mean_square)
     assert speed < plain

@@ -42,7 +42,7 @@ def _brute_force(model: SegmentModel, budget: float) -> float:
 
 @pytest.fixture(scope="module")
 def small_models():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     chain = joint_graphs(tanh_chain(6, width=32), torch.randn(32, 32, requires_grad=True))[0]
     resnet = joint_graphs(cifar_resnet(1), torch.randn(2, 3, 8, 8))[0]
     return [_model(chain, max_cuts=8), _model(resnet, max_cuts=6)]
@@ -66,7 +66,7 @@ def test_programme_equals_brute_force(small_models) -> None:
 
 
 def test_storing_everything_keeps_what_autograd_keeps() -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     jg = joint_graphs(cifar_resnet(1), torch.randn(2, 3, 8, 8))[0]
     model = _model(jg)
     segments = model.solve(float("inf"))
@@ -78,7 +78,7 @@ def test_storing_everything_keeps_what_autograd_keeps() -> None:
 
 def test_cuts_are_at_small_frontiers() -> None:
     """A ResNet's cuts fall where one tensor crosses (block boundaries), not inside blocks."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     jg = joint_graphs(cifar_resnet(6), torch.randn(2, 3, 8, 8))[0]
     model = _model(jg, max_cuts=8)
     frontier = model._frontier()

@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch._dynamo
 from torch import nn
-from torch._dynamo.utils import counters
 
 from clitools import cli_env
+from memfit._compat import graph_break_reasons
 from memfit.bench.zoo import (
     ZOO,
     ZooCase,
@@ -70,7 +69,7 @@ def _fwd_bwd(
 
 
 def _graph_breaks() -> dict[str, int]:
-    return dict(counters["graph_break"])
+    return graph_break_reasons()
 
 
 # --------------------------------------------------------------------------------------
@@ -168,7 +167,7 @@ def test_compiles_without_graph_breaks_and_matches_eager(name: str) -> None:
     eager = c.make_model()
     loss_e, grads_e = _fwd_bwd(eager, c)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     breaks_before = _graph_breaks()
     module = c.make_model()
     compiled = torch.compile(module, backend="aot_eager", dynamic=False)
@@ -207,7 +206,7 @@ def test_dropout_masks_same_under_compile(name: str) -> None:
     loss1, _ = _fwd_bwd(c.make_model(), c, seed=1)
     assert not torch.equal(loss0, loss1), "dropout has no effect (seeds 0 and 1 agree)"
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     module = c.make_model()
     compiled = torch.compile(module, backend="aot_eager", dynamic=False)
     loss0_c, _ = _fwd_bwd(compiled, c, module=module, seed=0)
@@ -261,7 +260,7 @@ def test_tanh_chain() -> None:
     c = tanh_chain_case(8, 64)
     (xc,), kwargs = c.make_inputs()
     assert kwargs == {} and xc.shape == (64, 64) and xc.requires_grad
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(c.make_model(), backend="aot_eager", dynamic=False)
     loss_c = c.loss(compiled(xc))
     loss_c.backward()

@@ -144,15 +144,11 @@ def boxed_codegen() -> Any:
 def graph_break_reasons() -> dict[str, int]:
     """How often Dynamo recorded each graph-break reason so far in this process.
 
-    Older releases count them under ``graph_break``, newer ones under ``unimplemented``.
+    ``counters["graph_break"]``, reason text to count (checked 2.13.0).
     """
     from torch._dynamo.utils import counters
 
-    out: dict[str, int] = {}
-    for key in ("graph_break", "unimplemented"):
-        for reason, count in counters.get(key, {}).items():
-            out[reason] = out.get(reason, 0) + count
-    return out
+    return dict(counters.get("graph_break", {}))
 
 
 def unique_graph_count() -> int:

@@ -50,7 +50,7 @@ def _is_impure(node: fx.Node) -> bool:
         return False
     try:
         return node.is_impure()
-    except Exception:  # older fx versions raise on some targets; be conservative
+    except Exception:  # is_impure() cannot inspect every target: count it impure, to be safe
         return True
 
 
