@@ -36,6 +36,8 @@ class Walk:
     end_live: set[Any]
     end_bytes: int
     curve: list[int] = field(default_factory=list)
+    #: storages alive when the peak was reached (``record_peak=True`` only)
+    peak_live: frozenset[Any] = frozenset()
 
 
 def walk(
@@ -48,13 +50,15 @@ def walk(
     uncounted: Iterable[Any] = (),
     op_scratch: dict[fx.Node, int] | None = None,
     record_curve: bool = False,
+    record_peak: bool = False,
     inputs: Callable[[fx.Node], Sequence[fx.Node]] | None = None,
 ) -> Walk:
     """Replay ``order``: allocate each node's new storages, free storages after their last use.
 
     ``start_live`` storages are alive at the start; ``keep`` storages are never freed during the
     walk; ``uncounted`` storages (parameters, inputs) exist but cost nothing; ``op_scratch`` is the
-    scratch memory a node holds while it runs, on top of its inputs and outputs.
+    scratch memory a node holds while it runs, on top of its inputs and outputs. ``record_peak``
+    keeps the set of storages alive at the peak (a copy at every new peak: opt in).
     """
     scratch = op_scratch or {}
     uncounted_set = set(uncounted)
@@ -81,6 +85,7 @@ def walk(
             live.discard(k)
             current -= storage_bytes[k]
     peak = current
+    peak_live = frozenset(live) if record_peak else frozenset()
     curve: list[int] = []
     for i, n in enumerate(order):
         for key in storages(n):
@@ -89,13 +94,15 @@ def walk(
                 current += storage_bytes[key]
         if current + scratch.get(n, 0) > peak:
             peak = current + scratch.get(n, 0)
+            if record_peak:
+                peak_live = frozenset(live)
         for key in frees.get(i, ()):
             if key in live:
                 live.discard(key)
                 current -= storage_bytes[key]
         if record_curve:
             curve.append(current)
-    return Walk(peak_bytes=peak, end_live=live, end_bytes=current, curve=curve)
+    return Walk(peak_bytes=peak, end_live=live, end_bytes=current, curve=curve, peak_live=peak_live)
 
 
 def forward_order(jg: JointGraph, saved: Iterable[fx.Node]) -> list[fx.Node]:
@@ -159,12 +166,21 @@ class StepSimulation:
     forward: list[fx.Node]
     backward: list[fx.Node]
     curve: list[int]
+    #: storages alive at the step's peak (``record_peak=True`` only)
+    peak_live: frozenset[Any] = frozenset()
 
 
 def simulate_step(
-    jg: JointGraph, saved: Iterable[fx.Node], *, record_curve: bool = False
+    jg: JointGraph,
+    saved: Iterable[fx.Node],
+    *,
+    record_curve: bool = False,
+    record_peak: bool = False,
 ) -> StepSimulation:
-    """Simulate the step that keeps ``saved`` and recomputes everything else the backward needs."""
+    """Simulate the step that keeps ``saved`` and recomputes everything else the backward needs.
+
+    ``record_peak``: also say which storages are alive at the peak (``peak_live``).
+    """
     saved_needed = jg.saved_needed(saved)
     fwd = forward_order(jg, saved_needed)
     available = set(saved_needed) | set(jg.primals) | set(jg.tangents)
@@ -193,6 +209,7 @@ def simulate_step(
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
+        record_peak=record_peak,
         inputs=jg.inputs.__getitem__,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
@@ -206,6 +223,7 @@ def simulate_step(
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
+        record_peak=record_peak,
         inputs=jg.inputs.__getitem__,
     )
     return StepSimulation(
@@ -216,4 +234,5 @@ def simulate_step(
         forward=fwd,
         backward=bwd,
         curve=fw.curve + bw.curve,
+        peak_live=fw.peak_live if fw.peak_bytes >= bw.peak_bytes else bw.peak_live,
     )

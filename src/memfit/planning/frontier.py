@@ -6,22 +6,22 @@ simulator predicts, not the segment model's estimate. Both follow if every budge
 one set of simulated plans: the frontier, sorted by peak, has decreasing cost; the cheapest point
 within B is the one with the largest peak ≤ B, and it moves down as B does.
 
-The frontier's points come from plain autograd, ``"speed"``, ``"memory"`` and the segment
-programme of ``planning.segments`` solved at a grid of modelled budgets between the two (each solve
-is a few milliseconds; the simulator replays every distinct plan). Points closer than
-``min_gap`` of the baseline peak to a cheaper point are dropped, so two plans the measurement
-could not tell apart never both appear.
+The frontier's points come from plain autograd, ``"speed"``, the cut heuristic
+(``policies.keep_min_peak``), the segment programme of ``planning.segments`` solved at a grid of
+modelled budgets between its least feasible peak and keeping everything (each solve is a few
+milliseconds; the simulator replays every distinct plan), and a local search in the simulator
+from the least peak among them (``planning.refine``). Points closer than ``min_gap`` of the
+baseline peak to a cheaper point are dropped, so two plans the measurement could not tell apart
+never both appear; the least peak is always kept.
 
-``"memory"`` and the budget plan. ``"memory"`` is one point of the frontier, so a budget equal
-to its peak returns either ``"memory"`` itself or a plan of no larger peak that recomputes less
-(the segment programme found a cheaper way to the same memory), never a costlier one. Both obey
-the same at-most-one-recomputation rule: every plan here is a set of kept values, and the executor
-recomputes each forward op at most once for any kept set. The smallest budget plan can be below
-``"memory"``'s peak when a point of the programme beats the cut heuristic (tanh chains do).
+``"memory"`` and the budget plan. ``"memory"`` is the frontier's lowest point, so a budget equal
+to its peak returns ``"memory"`` itself, and no budget plan peaks lower. Both obey the same
+at-most-one-recomputation rule: every plan here is a set of kept values, and the executor
+recomputes each forward op at most once for any kept set.
 
 Time limit and fallback: solving stops when ``time_limit_s`` is spent; the frontier then holds
-the points found so far, which always include plain autograd and ``"memory"`` (the least peak the
-at-most-one-recompute family reaches), so every budget that ``"memory"`` meets is still met.
+the points found so far, which always include plain autograd, ``"speed"`` and the cut heuristic,
+so every budget is still answered within its bytes or refused.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.planning.budget import BudgetError
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
+from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
 from memfit.units import format_bytes
 
@@ -113,6 +114,12 @@ def pareto_frontier(
             continue
         seen.add(key)
         points.append(_point(jg, kept, "budget", costs))
+    # The model places checkpoints by segment totals; near the least peak the simulator's view of
+    # which tensors meet at the peak decides, so a local search in the simulator goes further.
+    lowest = min(points, key=lambda p: p.peak_bytes)
+    refined, _ = refine_least_peak(jg, set(lowest.kept), deadline=started + time_limit_s)
+    if frozenset(refined) not in seen:
+        points.append(_point(jg, refined, "refined", costs))
     return _pareto(points, min_gap * base.peak_bytes)
 
 

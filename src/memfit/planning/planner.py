@@ -104,7 +104,7 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
     )
 
 
-def decisions_for(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> dict[str, Decision]:
+def _decisions(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> dict[str, Decision]:
     """``SAVE`` for what the backward receives from the forward, ``RECOMPUTE`` for the forward
     values it computes again (``sim`` is the simulation of keeping ``kept``)."""
     saved = jg.saved_needed(kept)
@@ -139,7 +139,7 @@ def _graph_plan(
     base_reported = [n for n in baseline if n.op != "placeholder" and n not in outputs]
     return GraphPlan(
         policy=policy.name,
-        decisions=decisions_for(jg, kept, sim),
+        decisions=_decisions(jg, kept, sim),
         kept=tuple(n.name for n in reported),
         recomputed=tuple(n.name for n in recomputed),
         kept_bytes=jg.bytes_of(reported),

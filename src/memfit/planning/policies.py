@@ -1,17 +1,18 @@
-"""Which forward values to keep for backward, per policy. Everything not kept is recomputed.
+"""Keep-set rules: which forward values to keep for backward. Everything not kept is recomputed.
 
-All policies answer the same question over one ``JointGraph`` and differ only in the objective:
+Each rule answers the same question over one ``JointGraph`` with a different objective:
 
 * ``keep_all``      — ``"none"``: keep whatever backward reads (plain autograd).
 * ``keep_heavy``    — ``"speed"``: keep outputs of matmul/conv/attention; recompute cheap ops.
 * ``keep_marked``   — ``"collection"`` and module names: keep exactly what the user marked.
-* ``keep_min_peak`` — ``"memory"``: the smallest simulated peak with one recomputation at most.
+* ``keep_min_peak`` — the cut heuristic below: the smallest simulated peak over cut plans. It is
+  one candidate of the frontier whose lowest point ``"memory"`` returns (``planning.frontier``).
 
 Every policy also keeps random ops' outputs (a second draw would differ) and the forward outputs
 (alive anyway). In this design each forward op appears at most once in the backward graph, so any
 kept set recomputes each op at most once: at most one extra forward pass, by construction.
 
-How ``"memory"`` works on any graph. OpenAI's tool looked for single-node separators and failed
+How the cut heuristic works on any graph. OpenAI's tool looked for single-node separators and failed
 on U-Nets, RNNs and DenseNets, which have none. Here a *cut* is a position in the topological
 order of the forward graph, and what must be kept at a cut is its whole frontier: every value
 produced before it and read after it (a long skip crosses many cuts and is one of many frontier
