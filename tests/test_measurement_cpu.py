@@ -282,3 +282,21 @@ def test_fallback_when_clocks_disagree(monkeypatch):
     assert m.peak_bytes == 2 * MB
     times = [t for t, _ in m.timeline]
     assert times == sorted(times) and times[0] == 0.0
+
+
+def test_window_peaks_are_per_window_and_above_each_windows_start():
+    windows = []
+    held = []
+    with CpuRecording() as recording:
+        held.append(torch.empty(MB, dtype=torch.uint8))  # before any window: the base rises
+        for size in (3 * MB, 1 * MB):
+            start = time.time_ns()
+            scratch = torch.empty(size, dtype=torch.uint8)
+            kept = torch.empty(MB // 2, dtype=torch.uint8)
+            del scratch
+            end = time.time_ns()
+            windows.append((start, end))
+            held.append(kept)
+    assert recording.window_peaks(windows) == [3 * MB + MB // 2, MB + MB // 2]
+    with pytest.raises(RuntimeError, match="ended"):
+        CpuRecording().window_peaks([])

@@ -19,7 +19,7 @@ Where it runs
     partitioner while it traces, under its fake-tensor mode, which is left for real memory), so
     it must not disturb a measurement around that call. On CUDA each op runs inside a
     ``CudaRecording`` (``memfit.measurement``), whose nested frames keep an enclosing
-    ``memfit.measure`` intact. On CPU each op runs inside a ``CpuRecording``, a profiler session;
+    ``memfit.measure`` intact. On CPU the ops run inside one ``CpuRecording``, a profiler session;
     while another session is active (``memfit.measure`` around the call, a user's
     ``torch.profiler.profile``, either on any thread) a second one would break it and pausing it
     is unsafe (see the NOTE in ``memfit/measurement/cpu.py``), so the ops run in a fresh Python
@@ -36,6 +36,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -158,36 +159,65 @@ def _materialize(spec: _TensorSpec, device: torch.device, gen: torch.Generator) 
 
 
 def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[int | None]:
-    """Scratch bytes of each call, run one at a time; None where it could not run."""
+    """Scratch bytes of each call, run one at a time; None where it could not run.
+
+    On CPU all calls share one recording, each op's scratch read from its own time window:
+    a profiler session per op would cost a session start each (and kineto logs every one).
+    """
     gen = torch.Generator().manual_seed(0)
-    return [_scratch_of_call(call, dev, gen) for call in calls]
+    if dev.type == "cuda":
+        return [_scratch_on_cuda(call, dev, gen) for call in calls]
+    windows: list[tuple[int, int] | None] = []
+    outputs: list[int] = []
+    with CpuRecording() as recording:
+        for call in calls:
+            prepared = _prepare(call, dev, gen)
+            if prepared is None:
+                windows.append(None)
+                continue
+            start = time.time_ns()
+            result = _run(*prepared)
+            end = time.time_ns()
+            if result is _FAILED:
+                windows.append(None)
+                continue
+            windows.append((start, end))
+            outputs.append(_nbytes(result))
+            del prepared, result
+    peaks = iter(recording.window_peaks([w for w in windows if w is not None]))
+    out_bytes = iter(outputs)
+    return [None if w is None else max(0, next(peaks) - next(out_bytes)) for w in windows]
 
 
 _FAILED = object()
 
 
-def _scratch_of_call(call: _OpCall, dev: torch.device, gen: torch.Generator) -> int | None:
+def _prepare(call: _OpCall, dev: torch.device, gen: torch.Generator) -> tuple[Any, ...] | None:
+    """The op and real arguments of ``call``; None if they cannot be made."""
+
     def real(a: Any) -> Any:
         return _materialize(a, dev, gen) if isinstance(a, _TensorSpec) else a
 
     try:
-        op = _resolve(call.op)
-        args = tree_map(real, call.args)
-        kwargs = tree_map(real, call.kwargs)
+        return _resolve(call.op), tree_map(real, call.args), tree_map(real, call.kwargs)
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None  # not materializable (exotic dtype or layout): counted as no scratch
-    if dev.type == "cuda":
-        with CudaRecording(dev) as cuda:
-            result = _run(op, args, kwargs)
-        peak = cuda.peak_bytes
-    else:
-        with CpuRecording() as cpu:
-            result = _run(op, args, kwargs)
-        peak = cpu.memory().peak_bytes
+
+
+def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> int | None:
+    prepared = _prepare(call, dev, gen)
+    if prepared is None:
+        return None
+    with CudaRecording(dev) as cuda:
+        result = _run(*prepared)
     if result is _FAILED:
         return None
+    return max(0, cuda.peak_bytes - _nbytes(result))
+
+
+def _nbytes(result: Any) -> int:
     outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-    return max(0, peak - sum(t.untyped_storage().nbytes() for t in outputs))
+    return sum(t.untyped_storage().nbytes() for t in outputs)
 
 
 def _run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -176,9 +176,51 @@ class CpuRecording:
         Raises:
             RuntimeError: the recording has not ended yet.
         """
+        events, aligned, begin_ns, end_ns = self._events()
+        running = peak = 0
+        timeline: list[tuple[float, int]] = [(0.0, 0)]
+        limit = duration_s if duration_s is not None else (end_ns - begin_ns) / 1e9
+        for t, n in events:
+            running += n
+            peak = max(peak, running)
+            seconds = (t - begin_ns) / 1e9
+            timeline.append((min(max(0.0, seconds), limit) if aligned else seconds, running))
+        return CpuMemory(peak, running, timeline)
+
+    def window_peaks(self, windows: list[tuple[int, int]]) -> list[int]:
+        """Peak live bytes inside each ``(start_ns, end_ns)`` window (``time.time_ns()`` values
+        taken during the recording), above what was live when the window began.
+
+        One recording with many windows costs one profiler session, where a recording per window
+        would cost a session each. Windows must not overlap and come in time order.
+
+        Raises:
+            RuntimeError: the recording has not ended yet, or the profiler's clock is not
+                ``time.time_ns()``'s (then windows cannot be placed).
+        """
+        events, aligned, _, _ = self._events()
+        if not aligned:
+            raise RuntimeError("the profiler's clock does not match time.time_ns(): no windows")
+        peaks: list[int] = []
+        running, i = 0, 0
+        for start, end in windows:
+            while i < len(events) and events[i][0] < start:
+                running += events[i][1]
+                i += 1
+            base = peak = running
+            while i < len(events) and events[i][0] <= end:
+                running += events[i][1]
+                peak = max(peak, running)
+                i += 1
+            peaks.append(peak - base)
+        return peaks
+
+    def _events(self) -> tuple[list[tuple[int, int]], bool, int, int]:
+        """``(time_ns, signed bytes)`` in order, whether their clock is ``time.time_ns()``'s, and
+        the recording's begin and end on that clock."""
         prof, storages = self._prof, self._storages
         if self._end_ns is None or prof is None or storages is None:
-            raise RuntimeError("CpuRecording.memory() is available once the recording has ended")
+            raise RuntimeError("CpuRecording results are available once the recording has ended")
         begin_ns, end_ns = self._begin_ns, self._end_ns
         events = _cpu_memory_events(prof)
         # Kineto stamps events on the Unix-epoch clock that time.time_ns() reads; check it.
@@ -189,17 +231,8 @@ class CpuRecording:
             end_ns = max(t for t, _ in events) + 1
         if storages.freed:
             events = _merge_preexisting_frees(prof, events, storages.freed, aligned, end_ns)
-
         events.sort(key=lambda e: (e[0], e[1] < 0))  # on ties, allocations first (upper bound)
-        running = peak = 0
-        timeline: list[tuple[float, int]] = [(0.0, 0)]
-        limit = duration_s if duration_s is not None else (end_ns - begin_ns) / 1e9
-        for t, n in events:
-            running += n
-            peak = max(peak, running)
-            seconds = (t - begin_ns) / 1e9
-            timeline.append((min(max(0.0, seconds), limit) if aligned else seconds, running))
-        return CpuMemory(peak, running, timeline)
+        return events, aligned, begin_ns, end_ns
 
 
 class _PreexistingStorages:
