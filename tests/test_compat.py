@@ -98,15 +98,22 @@ def test_aot_autograd_split_and_boxed_code() -> None:
 
 
 def test_graph_break_reasons_count_new_breaks() -> None:
-    def broken(x: torch.Tensor) -> torch.Tensor:
+    def untraceable_call(x: torch.Tensor) -> torch.Tensor:
         y = x + 1
-        print("a side effect Dynamo cannot trace")  # noqa: T201 - the graph break under test
+        print("a side effect Dynamo cannot trace")  # the graph break under test
         return y * 2
 
-    torch.compiler.reset()
-    before = sum(_compat.graph_break_reasons().values())
-    torch.compile(broken, backend="eager")(torch.ones(2))
-    assert sum(_compat.graph_break_reasons().values()) > before
+    def data_dependent(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        if y.sum() > 0:  # the graph break under test
+            y = y * 2
+        return y
+
+    for fn in (untraceable_call, data_dependent):
+        torch.compiler.reset()
+        before = sum(_compat.graph_break_reasons().values())
+        torch.compile(fn, backend="eager")(torch.ones(2))
+        assert sum(_compat.graph_break_reasons().values()) > before, fn.__name__
 
 
 def test_profiler_events_and_allocations() -> None:

@@ -144,11 +144,17 @@ def boxed_codegen() -> Any:
 def graph_break_reasons() -> dict[str, int]:
     """How often Dynamo recorded each graph-break reason so far in this process.
 
-    ``counters["graph_break"]``, reason text to count (checked 2.13.0).
+    Dynamo counts them under two keys of ``torch._dynamo.utils.counters`` (checked 2.13.0):
+    ``graph_break`` (an untraceable call, such as ``print``) and ``unimplemented`` (data-dependent
+    control flow, such as an ``if`` on a tensor's value).
     """
     from torch._dynamo.utils import counters
 
-    return dict(counters.get("graph_break", {}))
+    out: dict[str, int] = {}
+    for key in ("graph_break", "unimplemented"):
+        for reason, count in counters.get(key, {}).items():
+            out[reason] = out.get(reason, 0) + count
+    return out
 
 
 def unique_graph_count() -> int:
