@@ -116,8 +116,12 @@ def pareto_frontier(
         points.append(_point(jg, kept, "budget", costs))
     # The model places checkpoints by segment totals; near the least peak the simulator's view of
     # which tensors meet at the peak decides, so a local search in the simulator goes further.
+    # It may take as long as everything before it did (at least half a second), so planning time
+    # at most about doubles on graphs where each simulation is slow.
     lowest = min(points, key=lambda p: p.peak_bytes)
-    refined, _ = refine_least_peak(jg, set(lowest.kept), deadline=started + time_limit_s)
+    now = time.perf_counter()
+    deadline = min(started + time_limit_s, now + max(now - started, 0.5))
+    refined, _ = refine_least_peak(jg, set(lowest.kept), deadline=deadline)
     if frozenset(refined) not in seen:
         points.append(_point(jg, refined, "refined", costs))
     return _pareto(points, min_gap * base.peak_bytes)

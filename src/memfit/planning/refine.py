@@ -12,8 +12,10 @@ How. Start from a kept set; simulate it and note the storages alive at its peak.
 value of real size (at least 1% of the largest storage) whose storage is alive there is a move:
 keep it if it is recomputed, recompute it if it is kept. The move that lowers the simulated peak
 most is taken, and the search repeats from there, until no move helps, ``max_rounds`` are spent or
-the deadline passes. Random ops' outputs, the step's outputs and inputs are never moved. Each
-candidate is one simulation, milliseconds on graphs of a few thousand nodes.
+the deadline passes (moves are tried largest value first, and the best move found before the
+deadline is still taken). Random ops' outputs, the step's outputs and inputs are never moved. Each
+candidate is one simulation: milliseconds on graphs of a thousand nodes, 15-50 ms at 4-10k, where
+``planning.frontier`` gives the search as much time as the rest of planning took.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def refine_least_peak(
         and n not in fixed
         and jg.bytes_of([n]) >= min_fraction * largest
     ]
+    movable.sort(key=lambda n: -jg.bytes_of([n]))  # large moves first: a deadline cuts the rest
     best_kept = jg.saved_needed(kept)
     best = simulate_step(jg, best_kept, record_peak=True)
     for _ in range(max_rounds):
