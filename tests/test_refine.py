@@ -34,7 +34,7 @@ def test_every_single_move_from_its_answer_is_no_better() -> None:
     """A local minimum among the moves it tries: toggling any value of real size (1% of the
     largest storage) alive at the peak."""
     jg = _resnet_graph()
-    kept, sim = refine_least_peak(jg, keep_all(jg), max_rounds=1000)
+    kept, sim = refine_least_peak(jg, keep_all(jg), max_simulations=100_000)
     fixed = always_kept(jg)
     largest = max(jg.storage_bytes.values())
     for value in jg.forward:
@@ -55,6 +55,15 @@ def test_frontier_lowest_point_is_refined() -> None:
     assert points[0].peak_bytes <= min(p.peak_bytes for p in unrefined)
     again, _ = refine_least_peak(jg, set(points[0].kept))
     assert simulate_step(jg, again).peak_bytes == points[0].peak_bytes  # nothing left to find
+
+
+def test_search_is_bounded_by_simulations_and_deterministic() -> None:
+    jg = _resnet_graph()
+    start = keep_all(jg)
+    assert refine_least_peak(jg, start, max_simulations=0)[0] == jg.saved_needed(start)
+    few = refine_least_peak(jg, start, max_simulations=5)[1].peak_bytes
+    assert refine_least_peak(jg, start, max_simulations=5)[1].peak_bytes == few  # no clock in it
+    assert refine_least_peak(jg, start, max_simulations=500)[1].peak_bytes <= few
 
 
 def test_deadline_in_the_past_tries_no_move() -> None:

@@ -11,11 +11,13 @@ the same improvements as toggling every value, so the search looks only where th
 How. Start from a kept set; simulate it and note the storages alive at its peak. Every forward
 value of real size (at least 1% of the largest storage) whose storage is alive there is a move:
 keep it if it is recomputed, recompute it if it is kept. The move that lowers the simulated peak
-most is taken, and the search repeats from there, until no move helps, ``max_rounds`` are spent or
-the deadline passes (moves are tried largest value first, and the best move found before the
-deadline is still taken). Random ops' outputs, the step's outputs and inputs are never moved. Each
-candidate is one simulation: milliseconds on graphs of a thousand nodes, 15-50 ms at 4-10k, where
-``planning.frontier`` gives the search as much time as the rest of planning took.
+most is taken, and the search repeats from there, until no move helps or ``max_simulations``
+are spent (moves are tried largest value first, and the best move found before the limit is still
+taken). The limit counts simulations, not seconds, so a plan never depends on how busy the
+machine was; a ``deadline`` is only a safety net. Random ops' outputs, the step's outputs and
+inputs are never moved. Each candidate is one simulation: milliseconds on graphs of a thousand
+nodes, 15-50 ms at 4-10k nodes, which is why ``planning.frontier`` allows fewer simulations on
+larger graphs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def refine_least_peak(
     jg: JointGraph,
     kept: set[fx.Node],
     *,
+    max_simulations: int = 256,
     deadline: float = float("inf"),
-    max_rounds: int = 16,
     min_fraction: float = 0.01,
 ) -> tuple[set[fx.Node], StepSimulation]:
     """The kept set of least simulated peak reachable from ``kept`` by single-value moves.
@@ -54,19 +56,21 @@ def refine_least_peak(
         and n not in fixed
         and jg.bytes_of([n]) >= min_fraction * largest
     ]
-    movable.sort(key=lambda n: -jg.bytes_of([n]))  # large moves first: a deadline cuts the rest
+    movable.sort(key=lambda n: -jg.bytes_of([n]))  # large moves first: the limit cuts the rest
     best_kept = jg.saved_needed(kept)
     best = simulate_step(jg, best_kept, record_peak=True)
-    for _ in range(max_rounds):
+    simulations = 0
+    while True:
         improved: tuple[set[fx.Node], StepSimulation] | None = None
         for value in movable:
-            if time.perf_counter() > deadline:
+            if simulations >= max_simulations or time.perf_counter() > deadline:
                 break
             if not any(k in best.peak_live for k in jg.storages[value]):
                 continue
             moved = best_kept - {value} if value in best_kept else best_kept | {value}
             candidate = jg.saved_needed(moved)
             sim = simulate_step(jg, candidate, record_peak=True)
+            simulations += 1
             if sim.peak_bytes < (improved[1] if improved else best).peak_bytes:
                 improved = (candidate, sim)
         if improved is None:
