@@ -132,3 +132,32 @@ def test_profile_help_has_an_example() -> None:
     proc = run_memfit("profile", "--help")
     assert proc.returncode == 0, explain(proc)
     assert "examples:" in proc.stdout and "memfit profile " in proc.stdout
+
+
+def test_next_step_names_the_python_call_of_the_lowest_policy() -> None:
+    from memfit.cli.profile import _next_step
+    from memfit.cli.steps import PolicyResult
+    from memfit.planning.plan import Plan
+    from memfit.planning.policy import Policy
+
+    def result(name: str, peak: int) -> PolicyResult:
+        return PolicyResult(
+            policy=Policy(name),
+            peak_bytes=peak,
+            plan=Plan(name),
+            step_times=[],
+            compile_s=0.0,
+            timeline=[],
+            forward_end=0.5,
+            measured_s=1.0,
+        )
+
+    results = [
+        result("none", 100 * 2**20),
+        result("speed", 60 * 2**20),
+        result("memory", 40 * 2**20),
+    ]
+    assert "memfit.checkpoint(model, 'memory')" in _next_step(results, searched=True)
+    assert "--budget" in _next_step(results, searched=False)
+    assert "small part" in _next_step([results[0], result("memory", 95 * 2**20)], True)
+    assert "--policies" in _next_step(results[:1], True)

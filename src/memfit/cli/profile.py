@@ -43,7 +43,7 @@ from memfit.cli.options import (
     parse_policies,
     parse_shape,
 )
-from memfit.cli.steps import Workload, resident_bytes, run_policies
+from memfit.cli.steps import PolicyResult, Workload, resident_bytes, run_policies
 from memfit.cli.tables import batch_table, mib, module_table, policy_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
 from memfit.measurement.activations import saved_activations
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _next_step(results: list[Any], searched: bool) -> str:
+def _next_step(results: list[PolicyResult], searched: bool) -> str:
     """One line on what to try next, from what was measured."""
     base, others = results[0], results[1:]
     best = min(others, key=lambda r: r.peak_bytes, default=None)
@@ -399,7 +399,7 @@ def _next_step(results: list[Any], searched: bool) -> str:
         )
     hint = "" if searched else ", or add --budget 2GiB to find the largest batch that fits"
     return (
-        f"Next: train with [bold]{best.spec.call()}[/bold] ({mib(best.peak_bytes)} instead "
+        f"Next: train with [bold]{best.policy.call()}[/bold] ({mib(best.peak_bytes)} instead "
         f"of {mib(base.peak_bytes)} per step){hint}."
     )
 
