@@ -1,7 +1,9 @@
 """The layering written in each folder's README holds in the code: no module imports upwards.
 
-capture and measurement sit at the bottom (torch, ``memfit._compat`` and ``memfit.units`` only),
-then analysis, planning and execution, each importing only layers below it; the CLI, the
+``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``
+and ``memfit.units`` only), then capture (whose attention pass rewrites into ``nn``'s kernels) and
+measurement, then analysis, planning, execution and ``pipeline``, each importing only layers below
+it; the CLI, the
 benchmarks and the package root may import anything. Only ``memfit._compat`` imports torch's
 private modules.
 """
@@ -19,11 +21,13 @@ SRC = Path(memfit.__file__).resolve().parent
 LAYERS = {
     "_compat": 0,
     "units": 0,
-    "capture": 1,
-    "measurement": 1,
-    "analysis": 2,
-    "planning": 3,
-    "execution": 4,
+    "nn": 1,
+    "capture": 2,
+    "measurement": 2,
+    "analysis": 3,
+    "planning": 4,
+    "execution": 5,
+    "pipeline": 6,
 }
 PRIVATE = ("torch._", "torch.utils._", "functorch")
 
@@ -71,5 +75,5 @@ def test_only_compat_imports_private_torch() -> None:
 
 
 def test_every_layer_has_a_readme() -> None:
-    for folder in ("capture", "analysis", "planning", "execution", "measurement"):
+    for folder in ("nn", "capture", "analysis", "planning", "execution", "measurement", "pipeline"):
         assert (SRC / folder / "README.md").is_file(), folder

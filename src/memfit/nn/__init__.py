@@ -1,0 +1,7 @@
+"""memfit.nn: memory-linear kernels and modules a user can call directly.
+
+The capture pass (``memfit.capture.attention``) rewrites naive attention found in a model's graph
+into these kernels; the same kernels are public so a model can use them without capture.
+"""
+
+__all__: list[str] = []
