@@ -7,6 +7,9 @@ plan, the wrapper module) → ``measurement`` (exact peak memory and time). Priv
 reached only through ``memfit._compat``.
 """
 
+import sys
+
+from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, checkpoint, plan
 from memfit.measurement import Measurement, measure
@@ -18,6 +21,7 @@ from memfit.planning.policy import Policy, parse_policy
 __all__ = [
     "checkpoint",
     "plan",
+    "nn",
     "BudgetError",
     "Budget",
     "parse_budget",
@@ -33,3 +37,6 @@ __all__ = [
     "GraphPlan",
 ]
 __version__ = "0.1.0"
+
+if "transformers" in sys.modules:  # attn_implementation="memfit"; see memfit.nn.huggingface
+    nn.register_huggingface()

@@ -56,9 +56,21 @@ def _packet(node: fx.Node) -> Any:
     return getattr(node.target, "overloadpacket", None)
 
 
+def _is_memfit_attention(node: fx.Node) -> bool:
+    """memfit's own attention kernels (``memfit.nn``): custom ops in the ``memfit`` namespace.
+
+    Their FLOP formulas are registered with ``torch.utils.flop_counter`` where they are defined,
+    so ``node_flops`` prices them like SDPA; they are heavy for the same reason SDPA is.
+    """
+    target = node.target
+    return getattr(target, "namespace", None) == "memfit" and "attention" in str(target)
+
+
 def is_compute_heavy(node: fx.Node) -> bool:
     """Matrix products, convolutions and attention: the ops ``"speed"`` mode never recomputes."""
-    return node.op == "call_function" and _packet(node) in _HEAVY_PACKETS
+    return node.op == "call_function" and (
+        _packet(node) in _HEAVY_PACKETS or _is_memfit_attention(node)
+    )
 
 
 def _attention_flops(node: fx.Node) -> int:

@@ -23,6 +23,7 @@ import torch.fx as fx
 from memfit._compat import aot_autograd, boxed_codegen
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.partition import split_joint_graph
@@ -69,15 +70,27 @@ class StepBudget:
 
 
 def make_backend(
-    policy: Policy, on_plan: Callable[[GraphPlan], None], step_budget: StepBudget | None = None
+    policy: Policy,
+    on_plan: Callable[[GraphPlan], None],
+    step_budget: StepBudget | None = None,
+    attention: str = "auto",
 ) -> Callable[..., Any]:
-    """A Dynamo backend planning every joint graph with ``policy``; reports each plan."""
+    """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
+
+    With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
+    that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
+    graph's plan.
+    """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    sites: list[AttentionSite] = []
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
         graph_plan = plan_graph(jg, policy, spent_bytes=step_budget.spent if step_budget else 0)
+        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites))
         if step_budget is not None:
             step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
@@ -88,4 +101,12 @@ def make_backend(
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
         )
 
-    return aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)
+    compile_joint = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)
+
+    def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        sites.clear()
+        if attention == "auto":
+            sites.extend(replace_attention(gm))
+        return compile_joint(gm, example_inputs)
+
+    return backend

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from memfit._compat import tree_map
+from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
 from memfit.execution.backend import StepBudget, make_backend
@@ -75,7 +76,7 @@ class CheckpointedModule(nn.Module):
     _compiled: Callable[..., Any]
     _hooks: list[Any]
 
-    def __init__(self, model: nn.Module, policy: Policy) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, attention: str = "auto") -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
         self._parameters = model._parameters
@@ -89,7 +90,7 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_step_budget"] = StepBudget() if policy.name == BUDGET else None
         self.__dict__["_compiled"] = torch.compile(
             model,
-            backend=make_backend(policy, self._pending.append, self._step_budget),
+            backend=make_backend(policy, self._pending.append, self._step_budget, attention),
             dynamic=False,
         )
         named = dict(model.named_modules())
@@ -168,6 +169,7 @@ def checkpoint(
     policy: Policy | str | Sequence[str] | None = None,
     *,
     budget: int | str | float | Budget | None = None,
+    attention: str = "auto",
     checkpoints: str | Sequence[str] | None = None,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
@@ -182,7 +184,15 @@ def checkpoint(
     raises ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing
     fits. The returned module shares the model's parameters and buffers; its ``plan`` describes
     the choice after the first training call. ``checkpoints=`` is the old name of ``policy``.
+
+    ``attention="auto"`` (the default) rewrites every attention memfit finds in the model to a
+    kernel that keeps no sequence-length-squared tensor: PyTorch's fused SDPA where it applies,
+    memfit's chunked kernel otherwise (dropout masks as ``F.dropout`` draws them). Outputs then
+    equal plain PyTorch's to floating-point tolerance rather than bit for bit; ``plan.attention``
+    lists every site and the kernel chosen. ``attention="off"`` leaves attention as written.
     """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CheckpointedModule):
@@ -202,7 +212,7 @@ def checkpoint(
                 "give either a policy or budget=, not both: with a budget memfit chooses "
                 "what to keep itself"
             )
-        return CheckpointedModule(model, Policy(BUDGET, budget=parse_budget(budget)))
+        return CheckpointedModule(model, Policy(BUDGET, budget=parse_budget(budget)), attention)
     chosen = parse_policy("memory" if policy is None else policy)
     _validate_names(model, chosen.modules)
     if isinstance(policy, (list, tuple)) and not chosen.modules:
@@ -210,13 +220,14 @@ def checkpoint(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(model, chosen)
+    return CheckpointedModule(model, chosen, attention)
 
 
 def plan(
     model: nn.Module,
     *example_inputs: Any,
     budget: int | str | float | Budget = 1.0,
+    attention: str = "auto",
     **example_kwargs: Any,
 ) -> Plan:
     """What ``checkpoint(model, budget=budget)`` would keep and recompute, without training.
@@ -228,7 +239,7 @@ def plan(
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
     plan fits.
     """
-    wrapped = checkpoint(model, budget=budget)
+    wrapped = checkpoint(model, budget=budget, attention=attention)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None

@@ -4,4 +4,7 @@ The capture pass (``memfit.capture.attention``) rewrites naive attention found i
 into these kernels; the same kernels are public so a model can use them without capture.
 """
 
-__all__: list[str] = []
+from memfit.nn.attention import attention as attention
+from memfit.nn.huggingface import register_huggingface as register_huggingface
+
+__all__ = ["attention", "register_huggingface"]

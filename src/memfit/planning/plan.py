@@ -12,9 +12,13 @@ printed, compared, serialised or asserted on without touching a graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.capture.attention import AttentionSite
 
 __all__ = ["GraphPlan", "ParetoPoint", "Plan"]
 
@@ -58,6 +62,8 @@ class GraphPlan:
     budget_bytes: int | None = None
     #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
     frontier: tuple[ParetoPoint, ...] = ()
+    #: Every attention the capture pass found in this graph, and the kernel it now runs.
+    attention: tuple[AttentionSite, ...] = ()
 
     def saved(self) -> list[str]:
         """Names of the values decided ``SAVE``, in the order the decisions were made."""
@@ -84,6 +90,11 @@ class Plan:
     @property
     def recomputed(self) -> tuple[str, ...]:
         return tuple(name for g in self.graphs for name in g.recomputed)
+
+    @property
+    def attention(self) -> tuple[AttentionSite, ...]:
+        """Every attention found (module and line), the kernel chosen, or why it was left alone."""
+        return tuple(site for g in self.graphs for site in g.attention)
 
     @property
     def kept_bytes(self) -> int:

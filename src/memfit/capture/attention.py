@@ -1,0 +1,481 @@
+"""Find attention in a captured model and rewrite it to a kernel that keeps no Lq x Lk tensor.
+
+Naive attention, ``softmax(q @ k^T * scale + mask) @ v``, keeps its [.., Lq, Lk] probabilities
+(and often the scores) for backward: the only quadratic tensors in a transformer's step, and at
+long sequence lengths nearly all of its memory. Many models still write it out (HuggingFace's
+``attn_implementation="eager"``, ``output_attentions``, older architectures, hand-written
+layers), and PyTorch's own SDPA silently takes the same quadratic path for dropout, 3-D inputs
+and a value head dim unlike the query's.
+
+The pass reads the Dynamo graph, before AOTAutograd, where the model's own torch calls are still
+visible. It finds attention semantically rather than by template: a softmax over the last dim
+whose input comes from ``a @ b`` through any chain of scale (multiply or divide), additive mask,
+``masked_fill``/``where`` and casts, and whose output, through optional casts and dropout, is read
+only by ``@ v``. That one rule covers fused or split q/k/v projections, scale on q or on the
+scores, causal masks sliced from a buffer, padding masks, and HuggingFace's eager attention.
+Each site is rewritten to
+
+- SDPA restricted to its fused kernels, when the chain is ``scale`` then at most one mask that
+  SDPA can take and no dropout runs (``memfit.nn.attention.why_not_fused_sdpa`` decides);
+- otherwise memfit's chunked kernel, which replays the chain op by op on blocks of keys, with
+  dropout masks drawn where the model drew them and exactly as ``F.dropout`` draws them.
+
+Existing SDPA calls that would take the math path are sent to ``memfit.nn.attention`` too.
+Sites whose probabilities have another reader (``output_attentions=True``) are left alone and
+reported with the reason; nothing is replaced silently and nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from memfit.nn.attention import attention, fused_sdpa, why_not_fused_sdpa
+from memfit.nn.chunked_attention import chunked_attention
+from memfit.nn.dropout_mask import attention_dropout_mask
+
+__all__ = ["AttentionSite", "replace_attention", "ATTENTION_MODES", "SDPA", "MEMFIT"]
+
+#: ``attention=`` values: "auto" rewrites every site found, "off" leaves the graph alone.
+ATTENTION_MODES = ("auto", "off")
+#: Kernel names in ``AttentionSite.kernel``.
+SDPA, MEMFIT = "sdpa", "memfit"
+
+#: A fill value at or below this acts as "minus infinity" for softmax while a row keeps at least
+#: one real score: adding it to a score gives the same value as replacing the score (fp32 and
+#: bf16 round s + v to v for any |s| < 1e22), so such a fill can become an additive SDPA mask.
+_REPLACING_FILL = -1e30
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention found in a captured graph, and what memfit did with it.
+
+    ``kernel`` is ``"sdpa"`` (PyTorch's fused kernel), ``"memfit"`` (memfit's chunked kernel) or
+    None when the site was left as the model wrote it; ``reason`` says why in either case.
+    """
+
+    where: str
+    kernel: str | None
+    reason: str
+    scores_shape: tuple[int, ...]
+    dropout_p: float = 0.0
+
+    def __str__(self) -> str:
+        shape = "x".join(str(s) for s in self.scores_shape)
+        done = f"-> {self.kernel}" if self.kernel else "left alone"
+        return f"{self.where}: [{shape}] scores {done} ({self.reason})"
+
+
+# -- recognising torch calls in a Dynamo graph ------------------------------------------------
+
+
+#: The torch functions and the Tensor method names that compute one thing.
+_Calls = tuple[tuple[Callable[..., Any], ...], tuple[str, ...]]
+
+
+def _is(node: Any, calls: _Calls) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    functions, methods = calls
+    if node.op == "call_function":
+        return node.target in functions
+    return node.op == "call_method" and node.target in methods
+
+
+_MATMUL: _Calls = (
+    (torch.matmul, operator.matmul, torch.bmm, torch.Tensor.matmul),
+    ("matmul", "bmm"),
+)
+_SOFTMAX: _Calls = (
+    (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax),
+    ("softmax",),
+)
+_DROPOUT: _Calls = ((F.dropout, torch.dropout), ())
+_MUL: _Calls = ((operator.mul, operator.imul, torch.mul), ("mul",))
+_DIV: _Calls = (
+    (operator.truediv, operator.itruediv, torch.div, torch.true_divide),
+    ("div", "true_divide"),
+)
+_ADD: _Calls = ((operator.add, operator.iadd, torch.add), ("add",))
+_FILL: _Calls = ((torch.masked_fill,), ("masked_fill",))
+_WHERE: _Calls = ((torch.where,), ())
+_SDPA_CALL: _Calls = ((F.scaled_dot_product_attention,), ())
+_CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous"}
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    value = _value(node)
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_cast(node: Any) -> bool:
+    """A dtype cast (or ``contiguous``): the kernel computes in fp32 whatever the model cast."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS):
+        return False
+    extra = list(node.args[1:]) + [v for k, v in node.kwargs.items() if k in ("dtype", "other")]
+    for a in extra:
+        if isinstance(a, torch.dtype):
+            if not a.is_floating_point:
+                return False
+        elif not (isinstance(a, fx.Node) and isinstance(_value(a), torch.Tensor)):
+            return False  # a device or a string: not a plain cast
+    return not any(k in node.kwargs for k in ("device", "copy"))
+
+
+def _constant(arg: Any) -> float | None:
+    """A Python number, or a 0-dim tensor made in the graph from one (``torch.full([], v)``)."""
+    if isinstance(arg, bool):
+        return None
+    if isinstance(arg, (int, float)):
+        return float(arg)
+    if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is torch.full:
+        size, fill = _arg(arg, 0, "size"), _arg(arg, 1, "fill_value")
+        if tuple(size) == () and isinstance(fill, (int, float)) and not isinstance(fill, bool):
+            return float(fill)
+    return None
+
+
+def _where(node: fx.Node) -> str:
+    """The model's submodule (as in ``named_modules()``) and source line of a node."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = "model"
+    if stack:
+        path, kind = list(stack.values())[-1]
+        name = re.sub(r"^L\['[^']*'\]\.?|^L__[a-z]+__\.?", "", str(path))
+        name = re.sub(r"_modules\['([^']*)'\]", r"\1", name).replace("['", ".").replace("']", "")
+        module = name or getattr(kind, "__name__", str(kind))
+    found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    return f"{module} ({found[-1][0].rsplit('/', 1)[-1]}:{found[-1][1]})" if found else module
+
+
+# -- matching ------------------------------------------------------------------------------
+
+
+class _Skip(Exception):
+    """The softmax is not an attention this pass can rewrite; the message says why."""
+
+
+@dataclass
+class _Match:
+    scores: fx.Node  # the a @ b node
+    q: fx.Node
+    k_t: fx.Node
+    v: fx.Node
+    chain: list[fx.Node]  # nodes between scores and the final matmul, to erase
+    ops: list[tuple[str, fx.Node | None, float]]  # score ops in the order they apply
+    dropout_p: float
+    dropout_node: fx.Node | None
+    out: fx.Node  # the final p @ v
+
+
+def _only_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        names = ", ".join(u.name for u in users) or "nothing"
+        raise _Skip(f"the {what} are read by {len(users)} ops ({names})")
+    return users[0]
+
+
+def _walk_scores(
+    node: Any, shape: tuple[int, ...], ops: list[Any], chain: list[fx.Node]
+) -> fx.Node:
+    """From the softmax input back to ``a @ b``, recording the ops on the scores (reversed)."""
+    if not isinstance(node, fx.Node):
+        raise _Skip("the softmax input is not computed from a matmul")
+    if _shape(node) != shape:
+        raise _Skip(f"{node.name} changes the scores' shape")
+    if _is(node, _MATMUL):
+        return node
+    chain.append(node)
+    if len(node.users) != 1:
+        raise _Skip(f"the scores ({node.name}) are also read elsewhere")
+    if _is_cast(node):
+        return _walk_scores(node.args[0], shape, ops, chain)
+    if _is(node, _FILL):
+        value = _constant(_arg(node, 2, "value"))
+        if value is None:
+            raise _Skip(f"masked_fill with a computed value ({node.name})")
+        ops.append(("fill", _arg(node, 1, "mask"), value))
+        return _walk_scores(node.args[0], shape, ops, chain)
+    if _is(node, _WHERE) and len(node.args) == 3:
+        cond, a, b = node.args
+        for score_side, other, negate in ((a, b, True), (b, a, False)):
+            value = _constant(other)
+            if (
+                value is not None
+                and isinstance(score_side, fx.Node)
+                and _shape(score_side) == shape
+            ):
+                ops.append(("fill_not" if negate else "fill", cond, value))
+                return _walk_scores(score_side, shape, ops, chain)
+        raise _Skip(f"torch.where with a computed value ({node.name})")
+    binary = {"mul": _MUL, "div": _DIV, "add": _ADD}
+    for kind, calls in binary.items():
+        if not _is(node, calls):
+            continue
+        if "alpha" in node.kwargs or "rounding_mode" in node.kwargs or len(node.args) != 2:
+            raise _Skip(f"{node.name} has arguments this pass does not model")
+        sides = [(0, 1), (1, 0)] if kind != "div" else [(0, 1)]
+        for s, o in sides:
+            score_side, other = node.args[s], node.args[o]
+            if not (isinstance(score_side, fx.Node) and _shape(score_side) == shape):
+                continue
+            try:
+                trial_ops: list[Any] = []
+                trial_chain: list[fx.Node] = []
+                found = _walk_scores(score_side, shape, trial_ops, trial_chain)
+            except _Skip:
+                continue
+            ops.append(_operand_op(kind, other, node))
+            ops.extend(trial_ops)
+            chain.extend(trial_chain)
+            return found
+        raise _Skip(f"{node.name} does not lead back to a matmul")
+    raise _Skip(f"{node.name} ({node.target}) is not an op this pass models on scores")
+
+
+def _operand_op(kind: str, other: Any, node: fx.Node) -> tuple[str, fx.Node | None, float]:
+    value = _constant(other)
+    if value is not None:
+        if kind == "add":
+            raise _Skip(f"{node.name} adds a constant to the scores")
+        return (kind, None, value)
+    operand = _value(other)
+    if not isinstance(operand, torch.Tensor):
+        raise _Skip(f"{node.name}'s other operand is not a tensor")
+    if kind != "add" and operand.requires_grad:
+        raise _Skip(f"{node.name} scales the scores by a tensor that requires grad")
+    return (kind, other, 0.0)
+
+
+def _match(softmax: fx.Node) -> _Match:
+    scores_in = _arg(softmax, 0, "input")
+    shape = _shape(scores_in)
+    if shape is None or len(shape) < 2:
+        raise _Skip("the softmax input has no known shape")
+    dim = _arg(softmax, 1, "dim")
+    if dim not in (-1, len(shape) - 1):
+        raise _Skip(f"softmax over dim {dim}, not the last")
+    dtype = softmax.kwargs.get("dtype")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise _Skip(f"softmax in {dtype}")
+    ops: list[Any] = []
+    chain: list[fx.Node] = []
+    scores = _walk_scores(scores_in, shape, ops, chain)
+    ops.reverse()
+    chain.reverse()
+    if not (
+        isinstance(scores.args[0], fx.Node)
+        and isinstance(scores.args[1], fx.Node)
+        and len(scores.args) == 2
+        and not scores.kwargs
+    ):
+        raise _Skip("the scores' matmul has unusual arguments")
+    if len(scores.users) != 1:
+        raise _Skip("the raw scores are also read elsewhere")
+    chain.insert(0, scores)
+    chain.append(softmax)
+    node, dropout_p, dropout_node = softmax, 0.0, None
+    while True:
+        user = _only_user(node, "probabilities (e.g. output_attentions=True)")
+        if _is_cast(user) and user.args[0] is node:
+            node = user
+        elif _is(user, _DROPOUT) and user.args[0] is node and dropout_node is None:
+            p = _arg(user, 1, "p", 0.5)
+            training = _arg(user, 2, "training" if user.target is F.dropout else "train", True)
+            if not isinstance(p, (int, float)) or not isinstance(training, bool):
+                raise _Skip("dropout with a computed probability or training flag")
+            dropout_p, dropout_node, node = (float(p) if training else 0.0), user, user
+        elif _is(user, _MATMUL) and user.args[0] is node and len(user.args) == 2:
+            chain.append(user)
+            break
+        else:
+            raise _Skip(f"the probabilities are read by {user.name} ({user.target}), not @ v")
+        chain.append(node)
+    out = chain[-1]
+    q, k_t, v = scores.args[0], scores.args[1], out.args[1]
+    assert isinstance(q, fx.Node) and isinstance(k_t, fx.Node)
+    if not isinstance(v, fx.Node):
+        raise _Skip("the value is not a tensor")
+    q_shape, k_shape, v_shape = _shape(q), _shape(k_t), _shape(v)
+    if q_shape is None or k_shape is None or v_shape is None or len(v_shape) < 2:
+        raise _Skip("q, k or v has no known shape")
+    if not (q_shape[:-2] == k_shape[:-2] == v_shape[:-2] == shape[:-2]):
+        raise _Skip(f"batch dims of q {q_shape}, k^T {k_shape}, v {v_shape} differ (broadcast)")
+    return _Match(scores, q, k_t, v, chain, ops, dropout_p, dropout_node, out)
+
+
+# -- choosing and rewriting ----------------------------------------------------------------
+
+
+def _sdpa_form(m: _Match) -> tuple[float, tuple[str, fx.Node, float] | None] | None:
+    """``(scale, mask)`` when the chain is a scale then at most one SDPA-style mask, else None."""
+    scale, mask = 1.0, None
+    for kind, operand, value in m.ops:
+        if kind in ("mul", "div") and operand is None and mask is None:
+            scale = scale * value if kind == "mul" else scale / value
+        elif kind == "add" and mask is None and operand is not None:
+            example = _value(operand)
+            if example.requires_grad or not example.is_floating_point():
+                return None
+            mask = ("add", operand, 0.0)
+        elif kind in ("fill", "fill_not") and mask is None and operand is not None:
+            if not (value == -math.inf or value <= _REPLACING_FILL):
+                return None
+            mask = (kind, operand, value)
+        else:
+            return None
+    return scale, mask
+
+
+def _example_mask(mask: tuple[str, fx.Node, float] | None, dtype: torch.dtype) -> Any:
+    if mask is None:
+        return None
+    kind, operand, value = mask
+    shape = _shape(operand)
+    if kind == "add":
+        return torch.empty(shape or (), dtype=_value(operand).dtype, device="meta")
+    return torch.empty(
+        shape or (), dtype=torch.bool if value == -math.inf else dtype, device="meta"
+    )
+
+
+def _rewrite(gm: fx.GraphModule, m: _Match) -> str:
+    graph = gm.graph
+    q_val, v_val, out_val = _value(m.q), _value(m.v), _value(m.out)
+    k_val = _value(m.k_t).transpose(-2, -1)
+    sdpa = _sdpa_form(m) if m.dropout_p == 0 else None
+    why: str | None = "dropout" if m.dropout_p else "the scores pass more than a scale and a mask"
+    if sdpa is not None:
+        why = why_not_fused_sdpa(q_val, k_val, v_val, _example_mask(sdpa[1], q_val.dtype))
+    with graph.inserting_before(m.out):
+        k = graph.call_method("transpose", (m.k_t, -2, -1))
+        if sdpa is not None and why is None:
+            scale, mask = sdpa
+            attn_mask: fx.Node | None = None
+            if mask is not None:
+                kind, operand, value = mask
+                if kind == "add":
+                    attn_mask = operand
+                elif value == -math.inf:  # bool SDPA masks say where to attend
+                    attn_mask = (
+                        operand
+                        if kind == "fill_not"
+                        else graph.call_method("logical_not", (operand,))
+                    )
+                else:  # a replacing fill of a huge negative value: the same as adding it
+                    hit = (
+                        operand if kind == "fill" else graph.call_method("logical_not", (operand,))
+                    )
+                    zeros = graph.call_function(torch.zeros_like, (hit,), {"dtype": q_val.dtype})
+                    attn_mask = graph.call_method("masked_fill", (zeros, hit, value))
+            new = graph.call_function(
+                fused_sdpa, (m.q, k, m.v), {"attn_mask": attn_mask, "scale": scale}
+            )
+            kernel, reason = SDPA, "a scale and at most one mask, no dropout: SDPA's fused kernel"
+        else:
+            kinds: list[str] = []
+            operands: list[fx.Node | None] = []
+            values: list[float] = []
+            for op_kind, op_operand, op_value in m.ops:
+                if op_kind == "fill_not":
+                    op_operand = graph.call_method("logical_not", (op_operand,))
+                    op_kind = "fill"
+                kinds.append(op_kind)
+                operands.append(op_operand)
+                values.append(op_value)
+            keep = None
+            if m.dropout_p > 0:
+                shape = list(_shape(m.scores) or ())
+                keep = graph.call_function(
+                    attention_dropout_mask, (shape, m.dropout_p, q_val.device)
+                )
+            new = graph.call_function(
+                chunked_attention,
+                (m.q, k, m.v, kinds, operands, values),
+                {"dropout_p": m.dropout_p, "dropout_mask": keep},
+            )
+            kernel, reason = MEMFIT, f"SDPA would store the probabilities: {why}"
+        if out_val.dtype != v_val.dtype:
+            new = graph.call_method("to", (new, out_val.dtype))
+    m.out.replace_all_uses_with(new)
+    for node in reversed(m.chain):
+        if not node.users:
+            graph.erase_node(node)
+    return f"{kernel}:{reason}"
+
+
+def _rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    args = {n: _arg(node, i, n, d) for i, (n, d) in enumerate(zip(names, defaults, strict=True))}
+    q, k, v = (_value(args[n]) for n in names[:3])
+    mask = _value(args["attn_mask"])
+    shape = (*q.shape[:-1], k.shape[-2]) if isinstance(q, torch.Tensor) else ()
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not all(
+        isinstance(args[n], (int, float, bool, type(None))) for n in names[4:]
+    ):
+        return AttentionSite(_where(node), None, "SDPA with computed arguments", tuple(shape))
+    why = why_not_fused_sdpa(
+        q, k, v, mask, args["dropout_p"], args["is_causal"], args["enable_gqa"]
+    )
+    p = float(args["dropout_p"])
+    if why is None:
+        return AttentionSite(_where(node), SDPA, "already SDPA's fused kernel", tuple(shape), p)
+    node.target = attention
+    node.args, node.kwargs = (), {n: args[n] for n in names}
+    reason = f"SDPA would take its math path ({why})"
+    return AttentionSite(_where(node), MEMFIT, reason, tuple(int(s) for s in shape), p)
+
+
+def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Rewrite, in place, every attention in a Dynamo graph; return what was found and done."""
+    sites: list[AttentionSite] = []
+    for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node.op == "output":
+            continue
+        if _is(node, _SDPA_CALL):
+            sites.append(_rewrite_sdpa_call(gm, node))
+        elif _is(node, _SOFTMAX):
+            where, shape = _where(node), _shape(_arg(node, 0, "input")) or ()
+            try:
+                m = _match(node)
+            except _Skip as skip:
+                if _looks_like_attention(node):
+                    sites.append(AttentionSite(where, None, str(skip), shape))
+                continue
+            kernel, reason = _rewrite(gm, m).split(":", 1)
+            sites.append(AttentionSite(where, kernel, reason, shape, m.dropout_p))
+    if sites:
+        gm.graph.lint()
+        gm.recompile()
+    return sites
+
+
+def _looks_like_attention(softmax: fx.Node) -> bool:
+    """A softmax fed by a matmul within a few ops: worth reporting when it is left alone."""
+    level: list[Any] = [_arg(softmax, 0, "input")]
+    for _ in range(6):
+        if any(_is(node, _MATMUL) for node in level):
+            return True
+        level = [a for node in level if isinstance(node, fx.Node) for a in node.all_input_nodes]
+    return False

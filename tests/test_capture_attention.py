@@ -1,0 +1,188 @@
+"""The attention pass finds attention however a model writes it, and changes nothing else.
+
+Every realistic variant (``memfit.bench.attention_layers``) is found and rewritten to the kernel
+expected on CPU; outputs and gradients match plain PyTorch to fp32 tolerance, with dropout (the
+masks are eager's, so the same seed gives the same result); a site whose probabilities are also
+returned is left alone and reported; HuggingFace models with eager attention are matched; and the
+quadratic tensors are really gone from what the step keeps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memfit
+from memfit.bench.attention_layers import VARIANTS, AttentionVariant, SelfAttention
+from memfit.capture.attention import MEMFIT, SDPA
+
+B, T, D = 2, 24, 32
+
+
+def _inputs(variant: AttentionVariant) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, generator=g)
+    if not variant.needs_padding:
+        return (x,)
+    pad = torch.ones(B, T, dtype=torch.bool)
+    pad[1, T - 7 :] = False
+    return (x, pad)
+
+
+def _step(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 7
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    grads = [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ]
+    return out.detach(), grads, torch.get_rng_state()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+    return bool((a - b).abs().max() <= rtol * b.abs().max().clamp_min(1e-12))
+
+
+def _grads_close(grads: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:
+    """Each gradient within ``rtol`` of the largest reference gradient entry.
+
+    Relative to the largest entry rather than per tensor: some gradients are zero in exact
+    arithmetic (a key bias under softmax) and only rounding noise in both runs.
+    """
+    scale = max(r.abs().max() for r in ref)
+    for i, (g, r) in enumerate(zip(grads, ref, strict=True)):
+        err = (g - r).abs().max()
+        assert err <= rtol * scale, f"gradient {i}: error {err:.3g}, largest gradient {scale:.3g}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_each_variant_is_found_and_matches_plain_pytorch(variant: AttentionVariant) -> None:
+    torch.manual_seed(0)
+    model = variant.make()
+    inputs = _inputs(variant)
+    ref_out, ref_grads, ref_rng = _step(model, inputs)
+    wrapped = memfit.checkpoint(model, "none")
+    out, grads, rng = _step(wrapped, inputs)
+    (site,) = wrapped.plan.attention
+    assert site.kernel == variant.expected_kernel, site
+    assert site.scores_shape[-2:] == (T, T)
+    assert "attention_layers.py:" in site.where
+    assert _close(out, ref_out, 1e-5), (out - ref_out).abs().max()
+    _grads_close(grads, ref_grads, 1e-4)
+    assert torch.equal(rng, ref_rng), "the step drew a different amount of randomness than eager"
+
+
+def test_attention_off_leaves_the_graph_as_written() -> None:
+    variant = VARIANTS[0]
+    torch.manual_seed(0)
+    model = variant.make()
+    inputs = _inputs(variant)
+    ref_out, ref_grads, _ = _step(model, inputs)
+    wrapped = memfit.checkpoint(model, "none", attention="off")
+    out, grads, _ = _step(wrapped, inputs)
+    assert wrapped.plan.attention == ()
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_probabilities_read_elsewhere_are_left_alone_and_reported() -> None:
+    model = SelfAttention("causal_masked_fill", return_probs=True)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, probs = self.attn(x)
+            return y + probs.mean()
+
+    wrapped = memfit.checkpoint(Both(), "none")
+    _step(wrapped, (torch.randn(B, T, D),))
+    (site,) = wrapped.plan.attention
+    assert site.kernel is None
+    assert "probabilities" in site.reason and "attn" in site.where
+
+
+def test_bad_attention_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention must be one of"):
+        memfit.checkpoint(SelfAttention("fused_qkv"), attention="flash")
+
+
+def test_the_quadratic_tensors_are_no_longer_kept() -> None:
+    """At T=256 the [B,H,T,T] probabilities dominate what "none" keeps; the pass removes them."""
+    torch.manual_seed(0)
+    model = SelfAttention("causal_masked_fill", dropout=0.1)
+    x = torch.randn(1, 256, D)
+    kept = {}
+    for mode in ("off", "auto"):
+        wrapped = memfit.checkpoint(model, "none", attention=mode)
+        _step(wrapped, (x,))
+        kept[mode] = wrapped.plan.kept_bytes
+    scores_bytes = 1 * 4 * 256 * 256 * 4
+    assert kept["off"] > 2 * scores_bytes  # naive keeps probabilities and the dropout output
+    assert kept["auto"] < scores_bytes / 4  # out, logsumexp, q, k, v and a packed mask
+
+
+def _hf(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    small = dict(num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    if name == "bert":
+        config = transformers.BertConfig(hidden_size=32, max_position_embeddings=64, **small)
+        model = transformers.BertModel(config, add_pooling_layer=False)
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 11:] = 0
+        return model, {"input_ids": ids, "attention_mask": mask}
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=64
+        )
+        return transformers.GPT2LMHeadModel(config), {"input_ids": ids}
+    config = transformers.LlamaConfig(hidden_size=32, num_key_value_heads=2, **small)
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids}
+
+
+@pytest.mark.parametrize("name,kernel", [("bert", MEMFIT), ("gpt2", MEMFIT), ("llama", SDPA)])
+def test_huggingface_eager_attention_is_matched(name: str, kernel: str) -> None:
+    torch.manual_seed(0)
+    model, inputs = _hf(name)
+    model.config._attn_implementation = "eager"
+    model.train()
+
+    def loss(m: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(3)
+        model.zero_grad(set_to_none=True)
+        out = m(**inputs).last_hidden_state if name == "bert" else m(**inputs).logits
+        weights = torch.randn(out.shape[-1], generator=torch.Generator().manual_seed(1))
+        (out.float() * weights).sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref_out, ref_grads = loss(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = memfit.checkpoint(model, "none")
+        out, grads = loss(wrapped)
+    sites = wrapped.plan.attention
+    assert [s.kernel for s in sites] == [kernel], sites
+    assert _close(out, ref_out, 1e-5)
+    _grads_close(grads, ref_grads, 1e-4)
+
+
+def test_huggingface_output_attentions_is_left_alone() -> None:
+    torch.manual_seed(0)
+    model, inputs = _hf("llama")
+    model.config._attn_implementation = "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = memfit.checkpoint(model, "none")
+        out = wrapped(**inputs, output_attentions=True)
+        out.logits.sum().backward()
+    (site,) = wrapped.plan.attention
+    assert site.kernel is None and "probabilities" in site.reason
