@@ -406,8 +406,12 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> str:
             keep = None
             if m.dropout_p > 0:
                 shape = list(_shape(m.scores) or ())
+                assert m.dropout_node is not None
+                probs = _value(m.dropout_node.args[0])
                 keep = graph.call_function(
-                    attention_dropout_mask, (shape, m.dropout_p, q_val.device)
+                    attention_dropout_mask,
+                    (shape, m.dropout_p, q_val.device),
+                    {"dtype": probs.dtype},
                 )
             new = graph.call_function(
                 chunked_attention,

@@ -171,7 +171,9 @@ def attention(
             values.append(0.0)
     keep = None
     if dropout_p > 0:
-        keep = attention_dropout_mask([*lead, q.shape[-2], k.shape[-2]], dropout_p, q.device)
+        keep = attention_dropout_mask(
+            [*lead, q.shape[-2], k.shape[-2]], dropout_p, q.device, dtype=q.dtype
+        )
     return chunked_attention(
         q, k, v, kinds, operands, values, dropout_p=dropout_p, dropout_mask=keep
     )
