@@ -15,7 +15,8 @@ exactly, with memory as a hard per-stage constraint:
   feasibility probe, after which the problem repeats on the rest with one stage fewer. A probe
   takes ``O(K log n)`` (bisection over prefix sums, each stage extended as far as both its cost
   bound and the memory capacity allow); the search makes ``O(K log n)`` probes, so
-  ``O(n + K² log² n)`` in all (10,000 items, 64 stages: tens of milliseconds).
+  ``O(n log n + K² log² n)`` in all, the memory limits of each position included (10,000
+  items, 64 stages: tens of milliseconds).
 * :func:`balance_pipeline` minimises the predicted step time itself, with a transfer cost for
   each possible cut: a DP over cut positions (least total transfer under a bound on the stage
   time, a heap sweep per stage count) for candidate bounds in increasing order, stepping from
@@ -59,8 +60,8 @@ def balance(
     ``costs[i]`` is item ``i``'s cost (a layer's or node's predicted time); the result sums to
     ``len(costs)``. With ``memory`` (bytes per item) and ``capacity`` (bytes per stage), every
     stage's summed memory stays ``<= capacity``. Exact (Nicol's parametric search, see the
-    module docstring), ``O(n + K² log² n)``; among optimal partitions the one with the earliest
-    cuts.
+    module docstring), ``O(n log n + K² log² n)``; among optimal partitions the one with the
+    earliest cuts.
 
     Raises ``ValueError`` on bad input, and when no partition into ``stages`` stages fits
     ``capacity`` (naming the smallest capacity that does).
