@@ -216,6 +216,7 @@ def test_capacity_error_names_the_smallest_feasible_capacity() -> None:
         ({"costs": [1, math.nan], "stages": 1}, r"costs\[1\] is nan"),
         ({"costs": [math.inf], "stages": 1}, r"costs\[0\] is inf"),
         ({"costs": ["1"], "stages": 1}, r"costs\[0\] must be a number, got '1'"),
+        ({"costs": [1e308, 1e308], "stages": 1}, r"costs sum past the largest float"),
         (
             {"costs": [1, 2], "stages": 1, "memory": [1, 1]},
             r"memory was given without capacity",
