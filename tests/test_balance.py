@@ -109,6 +109,8 @@ def test_literal_pipeline() -> None:
     assert balance_pipeline(six, 2, microbatches=64, cut_costs=[0, 0, 3, 0, 0]) == [2, 4]
     # one micro-batch, a free cut at the end: the cut decides alone
     assert balance_pipeline(six, 2, microbatches=1, cut_costs=[9, 9, 1, 9, 0]) == [5, 1]
+    # all free but the first cut: the earliest free cuts
+    assert balance_pipeline([0] * 5, 3, microbatches=1, cut_costs=[1, 0, 0, 0]) == [2, 1, 2]
 
 
 # ---------------------------------------------------------------------- against brute force
