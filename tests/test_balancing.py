@@ -1,4 +1,4 @@
-"""memfit.pipeline.balance: exact stage balance, checked against brute force over compositions.
+"""memfit.pipeline.balancing: exact stage balance, checked against brute force over compositions.
 
 The oracle enumerates every partition of a short chain into ``K`` contiguous non-empty stages
 (all compositions), so optimality, the tie rule (earliest cuts) and the capacity error's
