@@ -4,4 +4,7 @@ The capture pass (``memfit.capture.attention``) rewrites naive attention found i
 into these kernels; the same kernels are public so a model can use them without capture.
 """
 
-__all__: list[str] = []
+from memfit.nn.additive import AdditiveAttention as AdditiveAttention
+from memfit.nn.additive import additive_attention as additive_attention
+
+__all__: list[str] = ["additive_attention", "AdditiveAttention"]
