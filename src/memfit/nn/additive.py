@@ -187,11 +187,14 @@ def _backward_op(
                 d_scores.masked_fill_(~keep, 0.0)  # as masked_fill's backward does
             d_scores = d_scores.to(block.dtype)
             d_v += (d_scores.reshape(1, -1) @ block.reshape(-1, hidden)).reshape(-1).to(acc)
-            # d(pre-tanh) = d_scores * v * (1 - tanh²), built in the block's own storage.
-            block.mul_(block).neg_().add_(1.0).mul_(d_scores[..., None]).mul_(v)
-            d_pq[:, q0:q1] += block.sum(2, dtype=acc)
-            d_pk[:, k0:k1] += block.sum(1, dtype=acc)
-            del block, d_scores
+            # d(pre-tanh) = (d_scores ⊗ v) * (1 - tanh²): two passes over a second block.
+            d_pre = d_scores[..., None] * v
+            del d_scores
+            torch.ops.aten.tanh_backward.grad_input(d_pre, block, grad_input=d_pre)
+            del block
+            d_pq[:, q0:q1] += d_pre[:, :, 0] if k1 - k0 == 1 else d_pre.sum(2, dtype=acc)
+            d_pk[:, k0:k1] += d_pre[:, 0] if q1 - q0 == 1 else d_pre.sum(1, dtype=acc)
+            del d_pre
     d_pq_t, d_pk_t = d_pq.to(query.dtype), d_pk.to(keys.dtype)
     # A weight passed as None gets an empty gradient (two distinct ones: outputs may not alias).
     if w_query is None:
