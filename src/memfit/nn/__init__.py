@@ -4,7 +4,9 @@ The capture pass (``memfit.capture.attention``) rewrites naive attention found i
 into these kernels; the same kernels are public so a model can use them without capture.
 """
 
+from memfit.nn.additive import AdditiveAttention as AdditiveAttention
+from memfit.nn.additive import additive_attention as additive_attention
 from memfit.nn.attention import attention as attention
 from memfit.nn.huggingface import register_huggingface as register_huggingface
 
-__all__ = ["attention", "register_huggingface"]
+__all__ = ["attention", "additive_attention", "AdditiveAttention", "register_huggingface"]
