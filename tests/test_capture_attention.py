@@ -127,7 +127,8 @@ def test_the_quadratic_tensors_are_no_longer_kept() -> None:
         kept[mode] = wrapped.plan.kept_bytes
     scores_bytes = 1 * 4 * 256 * 256 * 4
     assert kept["off"] > 2 * scores_bytes  # naive keeps probabilities and the dropout output
-    assert kept["auto"] < scores_bytes / 4  # out, logsumexp, q, k, v and a packed mask
+    # what is left: the layer's inputs and outputs, q, k, v, logsumexp and a packed mask
+    assert kept["auto"] < scores_bytes / 2
 
 
 def _hf(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -105,8 +105,8 @@ def test_matches_naive_attention(case: str) -> None:
 
 
 def test_dropout_step_keeps_no_quadratic_tensor() -> None:
-    q, k, v = (_t(1, 2, 1024, 32) for _ in range(3))
-    one_scores = 2 * 1024 * 1024 * 4
+    q, k, v = (_t(1, 2, 2048, 32) for _ in range(3))
+    one_scores = 2 * 2048 * 2048 * 4
     peaks = {}
     for name, fn in (("memfit", attention), ("sdpa", F.scaled_dot_product_attention)):
         m = memfit.measure(lambda fn=fn: fn(q, k, v, dropout_p=0.1).sum().backward())
