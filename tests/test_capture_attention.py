@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import memfit
-from memfit.bench.attention_layers import VARIANTS, AttentionVariant, SelfAttention
-from memfit.capture.attention import MEMFIT, SDPA
+from memfit.bench.attention_layers import VARIANTS, AdditiveDecoder, AttentionVariant, SelfAttention
+from memfit.capture.attention import ADDITIVE, MEMFIT, SDPA
 
 B, T, D = 2, 24, 32
 
@@ -187,3 +187,38 @@ def test_huggingface_output_attentions_is_left_alone() -> None:
         out.logits.sum().backward()
     (site,) = wrapped.plan.attention
     assert site.kernel is None and "probabilities" in site.reason
+
+
+def _additive_inputs(steps: int, keys: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    pad = torch.ones(2, keys, dtype=torch.bool)
+    pad[1, keys - 3 :] = False
+    return torch.randn(2, steps, 16, generator=g), torch.randn(2, keys, 16, generator=g), pad
+
+
+@pytest.mark.parametrize("all_steps", [False, True], ids=["per-step", "all-queries"])
+def test_additive_attention_is_found_and_matches_plain_pytorch(all_steps: bool) -> None:
+    torch.manual_seed(0)
+    model = AdditiveDecoder(all_steps=all_steps)
+    inputs = _additive_inputs(steps=4, keys=9)
+    ref_out, ref_grads, _ = _step(model, inputs)
+    wrapped = memfit.checkpoint(model, "none")
+    out, grads, _ = _step(wrapped, inputs)
+    sites = wrapped.plan.attention
+    assert [s.kernel for s in sites] == [ADDITIVE] * (1 if all_steps else 4), sites
+    assert _close(out, ref_out, 1e-5)
+    _grads_close(grads, ref_grads, 1e-4)
+
+
+def test_additive_decoder_keeps_no_tanh_per_step() -> None:
+    """Naive keeps a [B, Tk, H] tanh per decoder step; after the pass no step keeps one."""
+    torch.manual_seed(0)
+    model = AdditiveDecoder()
+    inputs = _additive_inputs(steps=16, keys=64)
+    kept = {}
+    for mode in ("off", "auto"):
+        wrapped = memfit.checkpoint(model, "none", attention=mode)
+        _step(wrapped, inputs)
+        kept[mode] = wrapped.plan.kept_bytes
+    tanh_per_step = 2 * 64 * 32 * 4
+    assert kept["off"] - kept["auto"] >= 16 * tanh_per_step * 0.9

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["AttentionVariant", "VARIANTS", "SelfAttention"]
+__all__ = ["AttentionVariant", "VARIANTS", "SelfAttention", "AdditiveDecoder"]
 
 
 class SelfAttention(nn.Module):
@@ -149,3 +149,40 @@ VARIANTS = (
         "3-D inputs and a value head dim unlike the query's",
     ),
 )
+
+
+class AdditiveDecoder(nn.Module):
+    """A seq2seq decoder's attention written out as Bahdanau did, over ``steps`` decoder steps.
+
+    The keys are projected once per sequence ("processed memory"); each step projects its query,
+    adds, takes ``tanh``, scores with a bias-free ``Linear(H, 1)``, masks padding with -inf,
+    softmaxes and reads the values. ``all_steps=True`` writes the same attention for every query
+    at once ([B, Tq, Tk, H]), as a Transformer-era reimplementation would. Naive autograd keeps a
+    [B, Tk, H] ``tanh`` output per step.
+    """
+
+    def __init__(self, dim: int = 16, hidden: int = 32, all_steps: bool = False) -> None:
+        super().__init__()
+        self.w_query = nn.Linear(dim, hidden)
+        self.w_keys = nn.Linear(dim, hidden, bias=False)
+        self.v = nn.Linear(hidden, 1, bias=False)
+        self.cell = nn.GRUCell(dim, dim)
+        self.all_steps = all_steps
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        memory = self.w_keys(keys)  # [B, Tk, H], once
+        if self.all_steps:
+            energy = torch.tanh(self.w_query(queries)[:, :, None, :] + memory[:, None, :, :])
+            scores = energy @ self.v.weight[0]
+            scores = scores.masked_fill(~pad[:, None, :], float("-inf"))
+            return scores.softmax(-1) @ keys
+        h = queries[:, 0]
+        outs = []
+        for t in range(queries.shape[1]):
+            energy = torch.tanh(self.w_query(h).unsqueeze(1) + memory)
+            scores = self.v(energy).squeeze(-1).masked_fill(~pad, float("-inf"))
+            alpha = F.softmax(scores, dim=-1)
+            context = torch.bmm(alpha.unsqueeze(1), keys).squeeze(1)
+            h = self.cell(context + queries[:, t], h)
+            outs.append(h)
+        return torch.stack(outs, 1)

@@ -38,16 +38,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from memfit.nn.additive import additive_attention
 from memfit.nn.attention import attention, fused_sdpa, why_not_fused_sdpa
 from memfit.nn.chunked_attention import chunked_attention
 from memfit.nn.dropout_mask import attention_dropout_mask
 
-__all__ = ["AttentionSite", "replace_attention", "ATTENTION_MODES", "SDPA", "MEMFIT"]
+__all__ = ["AttentionSite", "replace_attention", "ATTENTION_MODES", "SDPA", "MEMFIT", "ADDITIVE"]
 
 #: ``attention=`` values: "auto" rewrites every site found, "off" leaves the graph alone.
 ATTENTION_MODES = ("auto", "off")
 #: Kernel names in ``AttentionSite.kernel``.
-SDPA, MEMFIT = "sdpa", "memfit"
+SDPA, MEMFIT, ADDITIVE = "sdpa", "memfit", "memfit-additive"
 
 #: A fill value at or below this acts as "minus infinity" for softmax while a row keeps at least
 #: one real score: adding it to a score gives the same value as replacing the score (fp32 and
@@ -109,6 +110,10 @@ _ADD: _Calls = ((operator.add, operator.iadd, torch.add), ("add",))
 _FILL: _Calls = ((torch.masked_fill,), ("masked_fill",))
 _WHERE: _Calls = ((torch.where,), ())
 _SDPA_CALL: _Calls = ((F.scaled_dot_product_attention,), ())
+_TANH: _Calls = ((torch.tanh, F.tanh, torch.Tensor.tanh), ("tanh",))
+_LINEAR: _Calls = ((F.linear,), ())
+_SQUEEZE: _Calls = ((torch.squeeze,), ("squeeze",))
+_UNSQUEEZE: _Calls = ((torch.unsqueeze,), ("unsqueeze",))
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous"}
 
 
@@ -324,6 +329,124 @@ def _match(softmax: fx.Node) -> _Match:
     return _Match(scores, q, k_t, v, chain, ops, dropout_p, dropout_node, out)
 
 
+# -- additive (Bahdanau) attention -----------------------------------------------------------
+
+
+@dataclass
+class _Additive:
+    query: fx.Node  # projected query, [B, Tq, 1, H] or [B, 1, H] (one decoder step)
+    keys: fx.Node  # projected keys, [B, 1, Tk, H] or [B, Tk, H]
+    v: fx.Node  # [H], or a [1, H] Linear weight
+    v_is_weight: bool
+    masked: fx.Node | None  # bool, True where the scores were filled with -inf
+    values: fx.Node
+    step: bool  # one decoder step: query [B, H], probabilities [B, Tk]
+    out: fx.Node  # the node whose value the op's result replaces
+    unsqueezed: bool  # out is [B, 1, Dv] (probabilities unsqueezed before @ values)
+    chain: list[fx.Node]
+
+
+def _match_additive(softmax: fx.Node) -> _Additive:
+    """``softmax(v . tanh(Wq q + Wk k)) @ values``, Meng et al.'s layer, as seq2seq code writes it.
+
+    The projections are computed by the model as before; the rewrite takes them as projected
+    inputs (``w_query=None, w_keys=None``), so what it removes is the [.., Tk, H] ``tanh`` the
+    naive form keeps for backward.
+    """
+    node = _arg(softmax, 0, "input")
+    chain = [softmax]
+    masked: fx.Node | None = None
+    while isinstance(node, fx.Node) and (_is_cast(node) or _is(node, _FILL)):
+        if len(node.users) != 1:
+            raise _Skip(f"the scores ({node.name}) are also read elsewhere")
+        if _is(node, _FILL):
+            value = _constant(_arg(node, 2, "value"))
+            if masked is not None or value is None or value > _REPLACING_FILL:
+                raise _Skip("additive scores filled other than once with -inf")
+            masked = _arg(node, 1, "mask")
+        chain.append(node)
+        node = node.args[0]
+    if _is(node, _SQUEEZE) and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    if _is(node, _LINEAR) and len(node.users) == 1:
+        weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if bias is not None or _shape(weight) is None or len(_shape(weight) or ()) != 2:
+            raise _Skip("additive scores from a Linear with a bias")
+        if (_shape(weight) or (0,))[0] != 1:
+            raise _Skip("additive scores from a Linear with more than one output")
+        v, v_is_weight = weight, True
+    elif _is(node, _MATMUL) and len(node.users) == 1 and len(_shape(node.args[1]) or ()) == 1:
+        v, v_is_weight = node.args[1], False
+    else:
+        raise _Skip("no v . tanh(..) producing the scores")
+    chain.append(node)
+    tanh = node.args[0]
+    if not (_is(tanh, _TANH) and len(tanh.users) == 1):
+        raise _Skip("no tanh under the additive scores")
+    added = tanh.args[0]
+    if not (_is(added, _ADD) and len(added.users) == 1 and len(added.args) == 2):
+        raise _Skip("the tanh's input is not a sum of two projections")
+    chain += [tanh, added]
+    shape = _shape(added) or ()
+    a, b = added.args
+    sa, sb = _shape(a), _shape(b)
+    if len(shape) not in (3, 4) or sa is None or sb is None or len(sa) != len(shape):
+        raise _Skip("the projections' shapes are not [B, (Tq,) Tk, H]")
+    step = len(shape) == 3
+    key_axis = len(shape) - 2
+    query_side, key_side = (a, b) if sa[key_axis] == 1 else (b, a)
+    sq, sk = _shape(query_side) or (), _shape(key_side) or ()
+    if sq[0] != shape[0] or sk[0] != shape[0] or sq[key_axis] != 1:
+        raise _Skip("the projections broadcast over the batch")
+    if not step and sk[1] != 1:
+        raise _Skip("the key projection is not [B, 1, Tk, H]")
+    user = _only_user(softmax, "probabilities")
+    unsqueezed = False
+    if step:
+        is_unsqueeze = _is(user, _UNSQUEEZE) and _arg(user, 1, "dim") in (1, -2)
+        is_index = (
+            user.op == "call_function"
+            and user.target is operator.getitem
+            and user.args[1] in ((slice(None), None), (slice(None), None, slice(None)))
+        )
+        if not (is_unsqueeze or is_index) or len(user.users) != 1:
+            raise _Skip("the step's probabilities are not unsqueezed before @ values")
+        chain.append(user)
+        user, unsqueezed = next(iter(user.users)), True
+    if not (_is(user, _MATMUL) and user.args[0] is chain[-1 if step else 0]):
+        raise _Skip("the probabilities are not multiplied into values")
+    values = user.args[1]
+    if not isinstance(values, fx.Node) or len(_shape(values) or ()) != 3:
+        raise _Skip("values are not [B, Tk, Dv]")
+    chain.append(user)
+    assert isinstance(query_side, fx.Node) and isinstance(key_side, fx.Node)
+    assert isinstance(v, fx.Node)
+    return _Additive(
+        query_side, key_side, v, v_is_weight, masked, values, step, user, unsqueezed, chain
+    )
+
+
+def _rewrite_additive(gm: fx.GraphModule, m: _Additive) -> None:
+    graph = gm.graph
+    with graph.inserting_before(m.out):
+        if m.step:  # query [B, 1, H] -> [B, H]; keys [B, Tk, H] as they are
+            query = graph.call_method("squeeze", (m.query, 1))
+            keys = m.keys
+        else:  # query [B, Tq, 1, H] -> [B, Tq, H]; keys [B, 1, Tk, H] -> [B, Tk, H]
+            query = graph.call_method("squeeze", (m.query, 2))
+            keys = graph.call_method("squeeze", (m.keys, 1))
+        v = graph.call_method("reshape", (m.v, -1)) if m.v_is_weight else m.v
+        mask = graph.call_method("logical_not", (m.masked,)) if m.masked is not None else None
+        new = graph.call_function(additive_attention, (query, keys, m.values, None, None, v, mask))
+        if m.unsqueezed:
+            new = graph.call_method("unsqueeze", (new, 1))
+    m.out.replace_all_uses_with(new)
+    for node in reversed(m.chain):
+        if not node.users:
+            graph.erase_node(node)
+
+
 # -- choosing and rewriting ----------------------------------------------------------------
 
 
@@ -464,8 +587,17 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
             try:
                 m = _match(node)
             except _Skip as skip:
-                if _looks_like_attention(node):
-                    sites.append(AttentionSite(where, None, str(skip), shape))
+                try:
+                    additive = _match_additive(node)
+                except _Skip as not_additive:
+                    if _feeds_from_tanh(node):
+                        sites.append(AttentionSite(where, None, str(not_additive), shape))
+                    elif _looks_like_attention(node):
+                        sites.append(AttentionSite(where, None, str(skip), shape))
+                    continue
+                _rewrite_additive(gm, additive)
+                reason = "additive attention: the tanh block is recomputed in backward"
+                sites.append(AttentionSite(where, ADDITIVE, reason, shape))
                 continue
             kernel, reason = _rewrite(gm, m).split(":", 1)
             sites.append(AttentionSite(where, kernel, reason, shape, m.dropout_p))
@@ -480,6 +612,16 @@ def _looks_like_attention(softmax: fx.Node) -> bool:
     level: list[Any] = [_arg(softmax, 0, "input")]
     for _ in range(6):
         if any(_is(node, _MATMUL) for node in level):
+            return True
+        level = [a for node in level if isinstance(node, fx.Node) for a in node.all_input_nodes]
+    return False
+
+
+def _feeds_from_tanh(softmax: fx.Node) -> bool:
+    """A softmax over scores computed through a tanh: additive attention, worth reporting."""
+    level: list[Any] = [_arg(softmax, 0, "input")]
+    for _ in range(5):
+        if any(_is(node, _TANH) for node in level):
             return True
         level = [a for node in level if isinstance(node, fx.Node) for a in node.all_input_nodes]
     return False
