@@ -7,6 +7,15 @@ into these kernels; the same kernels are public so a model can use them without 
 from memfit.nn.additive import AdditiveAttention as AdditiveAttention
 from memfit.nn.additive import additive_attention as additive_attention
 from memfit.nn.attention import attention as attention
+from memfit.nn.chunked_attention import chunked_attention as chunked_attention
+from memfit.nn.dropout_mask import attention_dropout_mask as attention_dropout_mask
 from memfit.nn.huggingface import register_huggingface as register_huggingface
 
-__all__ = ["attention", "additive_attention", "AdditiveAttention", "register_huggingface"]
+__all__ = [
+    "attention",
+    "chunked_attention",
+    "attention_dropout_mask",
+    "additive_attention",
+    "AdditiveAttention",
+    "register_huggingface",
+]
