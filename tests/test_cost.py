@@ -14,3 +14,25 @@ def test_matmul_flops_and_heaviness() -> None:
     assert node_flops(addmm) == 2 * 8 * 32 * 64
     assert is_compute_heavy(addmm) and not is_compute_heavy(relu)
     assert node_flops(relu) == 8 * 64  # one per output element
+
+
+class _Chunked(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from memfit.nn import chunked_attention
+
+        return chunked_attention(q, k, v, ["mul"], [None], [0.25])
+
+
+def test_memfit_attention_kernels_are_heavy_and_priced() -> None:
+    """The planner must see memfit's kernels as attention: heavy, with attention's FLOPs.
+
+    So budget plans keep their small outputs (out, logsumexp) rather than recompute them.
+    """
+    q, k, v = (torch.randn(2, 3, 40, 8, requires_grad=True) for _ in range(3))
+    (jg,) = joint_graphs(_Chunked(), q, k, v)
+    fwd = [n for n in jg.forward if "chunked_attention_fwd" in str(n.target)]
+    bwd = [n for n in jg.nodes if "chunked_attention_bwd" in str(n.target)]
+    assert len(fwd) == 1 and len(bwd) == 1
+    assert is_compute_heavy(fwd[0]) and is_compute_heavy(bwd[0])
+    assert node_flops(fwd[0]) == 2 * (2 * 3) * 40 * 40 * (8 + 8)
+    assert node_flops(bwd[0]) > node_flops(fwd[0])
