@@ -590,9 +590,9 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
                 try:
                     additive = _match_additive(node)
                 except _Skip as not_additive:
-                    if _feeds_from_tanh(node):
+                    if _fed_by(node, _TANH):
                         sites.append(AttentionSite(where, None, str(not_additive), shape))
-                    elif _looks_like_attention(node):
+                    elif _fed_by(node, _MATMUL):
                         sites.append(AttentionSite(where, None, str(skip), shape))
                     continue
                 _rewrite_additive(gm, additive)
@@ -607,21 +607,12 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
     return sites
 
 
-def _looks_like_attention(softmax: fx.Node) -> bool:
-    """A softmax fed by a matmul within a few ops: worth reporting when it is left alone."""
+def _fed_by(softmax: fx.Node, calls: _Calls, depth: int = 6) -> bool:
+    """Whether ``calls`` computes the softmax's input within ``depth`` ops: a softmax fed by a
+    matmul (or a tanh, for additive attention) is worth reporting when it is left alone."""
     level: list[Any] = [_arg(softmax, 0, "input")]
-    for _ in range(6):
-        if any(_is(node, _MATMUL) for node in level):
-            return True
-        level = [a for node in level if isinstance(node, fx.Node) for a in node.all_input_nodes]
-    return False
-
-
-def _feeds_from_tanh(softmax: fx.Node) -> bool:
-    """A softmax over scores computed through a tanh: additive attention, worth reporting."""
-    level: list[Any] = [_arg(softmax, 0, "input")]
-    for _ in range(5):
-        if any(_is(node, _TANH) for node in level):
+    for _ in range(depth):
+        if any(_is(node, calls) for node in level):
             return True
         level = [a for node in level if isinstance(node, fx.Node) for a in node.all_input_nodes]
     return False
