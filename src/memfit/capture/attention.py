@@ -361,7 +361,8 @@ def _match_additive(softmax: fx.Node) -> _Additive:
             raise _Skip(f"the scores ({node.name}) are also read elsewhere")
         if _is(node, _FILL):
             value = _constant(_arg(node, 2, "value"))
-            if masked is not None or value is None or value > _REPLACING_FILL:
+            if masked is not None or value != -math.inf:
+                # the kernel masks with -inf: a finite fill would differ on fully masked rows
                 raise _Skip("additive scores filled other than once with -inf")
             masked = _arg(node, 1, "mask")
         chain.append(node)
@@ -442,12 +443,18 @@ def _rewrite_additive(gm: fx.GraphModule, m: _Additive) -> None:
         if m.unsqueezed:
             new = graph.call_method("unsqueeze", (new, 1))
     m.out.replace_all_uses_with(new)
-    for node in reversed(m.chain):
-        if not node.users:
-            graph.erase_node(node)
+    _erase_unused(graph, m.chain)
 
 
 # -- choosing and rewriting ----------------------------------------------------------------
+
+
+def _erase_unused(graph: fx.Graph, chain: list[fx.Node]) -> None:
+    """Erase the replaced nodes, last first, so each one's readers are gone when it is reached."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted(chain, key=position.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _sdpa_form(m: _Match) -> tuple[float, tuple[str, fx.Node, float] | None] | None:
@@ -545,9 +552,7 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> str:
         if out_val.dtype != v_val.dtype:
             new = graph.call_method("to", (new, out_val.dtype))
     m.out.replace_all_uses_with(new)
-    for node in reversed(m.chain):
-        if not node.users:
-            graph.erase_node(node)
+    _erase_unused(graph, m.chain)
     return f"{kernel}:{reason}"
 
 
