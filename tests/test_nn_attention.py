@@ -116,6 +116,31 @@ def test_dropout_step_keeps_no_quadratic_tensor() -> None:
     assert peaks["memfit"] < one_scores / 4
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["fused", "chunked"])
+def test_a_query_with_no_key_gets_zeros_as_with_sdpa(dropout_p: float) -> None:
+    """Left-padded batches mask every key of some queries: SDPA gives 0 there, never NaN."""
+    q, k, v = (_t(2, 2, 12, 8) for _ in range(3))
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    mask[1, :, :3] = False  # the first three queries of the second sequence see nothing
+    out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert torch.equal(out[1, :, :3], torch.zeros_like(out[1, :, :3]))
+    assert all(torch.isfinite(g).all() for g in grads)
+    if dropout_p == 0:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        assert torch.allclose(out, ref)
+        assert all(torch.allclose(g, r, atol=1e-6) for g, r in zip(grads, ref_grads, strict=True))
+    else:  # the rows that see keys equal naive attention with the same dropout masks
+        torch.manual_seed(4)
+        out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        torch.manual_seed(4)
+        ref = _naive(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        assert torch.allclose(out[0], ref[0], atol=1e-6)
+        assert torch.allclose(out[1, :, 3:], ref[1, :, 3:], atol=1e-6)
+
+
 def test_bad_arguments_are_refused() -> None:
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(ValueError, match="dropout_p"):

@@ -134,6 +134,8 @@ def attention(
     (top-left aligned, as SDPA); ``scale`` defaults to 1/sqrt(D). As with SDPA, dropout applies
     whenever ``dropout_p > 0`` (pass ``dropout_p=0.0`` in eval); its masks are the ones
     ``F.dropout`` would draw on the probabilities, so a model keeps plain PyTorch's RNG stream.
+    A query whose boolean mask admits no key gets a zero output and no gradient, as with SDPA
+    (naive softmax would give NaN), whichever kernel runs.
     """
     if is_causal and attn_mask is not None:
         raise ValueError(
@@ -151,6 +153,7 @@ def attention(
     q = q.expand(*lead, *q.shape[-2:])
     k = k.expand(*lead, *k.shape[-2:])
     v = v.expand(*lead, *v.shape[-2:])
+    no_key: torch.Tensor | None = None
     kinds: list[str] = ["mul"]
     operands: list[torch.Tensor | None] = [None]
     values: list[float] = [1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)]
@@ -162,9 +165,13 @@ def attention(
         values.append(float("-inf"))
     elif attn_mask is not None:
         if attn_mask.dtype == torch.bool:
+            # finfo.min rather than -inf: a query with no key to attend stays finite in the kernel
+            # (its output is zeroed below, as SDPA zeroes it); with -inf it would be NaN, and
+            # backward's sums over queries would carry the NaN into every key's gradient.
             kinds.append("fill")
             operands.append(attn_mask.logical_not())
-            values.append(float("-inf"))
+            values.append(torch.finfo(torch.float32).min)
+            no_key = attn_mask.logical_not().all(-1, keepdim=True)
         else:
             kinds.append("add")
             operands.append(attn_mask)
@@ -174,6 +181,7 @@ def attention(
         keep = attention_dropout_mask(
             [*lead, q.shape[-2], k.shape[-2]], dropout_p, q.device, dtype=q.dtype
         )
-    return chunked_attention(
+    out = chunked_attention(
         q, k, v, kinds, operands, values, dropout_p=dropout_p, dropout_mask=keep
     )
+    return out if no_key is None else out.masked_fill(no_key, 0.0)
