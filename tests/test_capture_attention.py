@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from hf_models import tiny_hf
 from memfit.bench.attention_layers import VARIANTS, AdditiveDecoder, AttentionVariant, SelfAttention
 from memfit.capture.attention import ADDITIVE, MEMFIT, SDPA
 
@@ -132,29 +133,19 @@ def test_the_quadratic_tensors_are_no_longer_kept() -> None:
 
 
 def _hf(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    transformers = pytest.importorskip("transformers")
+    model = tiny_hf(name)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    small = dict(num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=100)
     if name == "bert":
-        config = transformers.BertConfig(hidden_size=32, max_position_embeddings=64, **small)
-        model = transformers.BertModel(config, add_pooling_layer=False)
         mask = torch.ones(2, 16, dtype=torch.long)
         mask[1, 11:] = 0
         return model, {"input_ids": ids, "attention_mask": mask}
-    if name == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=64
-        )
-        return transformers.GPT2LMHeadModel(config), {"input_ids": ids}
-    config = transformers.LlamaConfig(hidden_size=32, num_key_value_heads=2, **small)
-    return transformers.LlamaForCausalLM(config), {"input_ids": ids}
+    return model, {"input_ids": ids}
 
 
 @pytest.mark.parametrize("name,kernel", [("bert", MEMFIT), ("gpt2", MEMFIT), ("llama", SDPA)])
 def test_huggingface_eager_attention_is_matched(name: str, kernel: str) -> None:
     torch.manual_seed(0)
     model, inputs = _hf(name)
-    model.config._attn_implementation = "eager"
     model.train()
 
     def loss(m: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -179,7 +170,6 @@ def test_huggingface_eager_attention_is_matched(name: str, kernel: str) -> None:
 def test_huggingface_output_attentions_is_left_alone() -> None:
     torch.manual_seed(0)
     model, inputs = _hf("llama")
-    model.config._attn_implementation = "eager"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         wrapped = memfit.checkpoint(model, "none")

@@ -7,37 +7,18 @@ import warnings
 import pytest
 import torch
 
+from hf_models import tiny_hf
 from memfit.nn.huggingface import register_huggingface
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 def _llama(impl: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        attn_implementation=impl,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_hf("llama", impl)
 
 
 def _bert(impl: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=64,
-        attn_implementation=impl,
-    )
-    return transformers.BertModel(config, add_pooling_layer=False)
+    return tiny_hf("bert", impl)
 
 
 def _step(

@@ -489,7 +489,8 @@ def _example_mask(mask: tuple[str, fx.Node, float] | None, dtype: torch.dtype) -
     )
 
 
-def _rewrite(gm: fx.GraphModule, m: _Match) -> str:
+def _rewrite(gm: fx.GraphModule, m: _Match) -> tuple[str, str]:
+    """Replace the matched attention by its kernel; returns ``(kernel, reason)``."""
     graph = gm.graph
     q_val, v_val, out_val = _value(m.q), _value(m.v), _value(m.out)
     k_val = _value(m.k_t).transpose(-2, -1)
@@ -553,7 +554,7 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> str:
             new = graph.call_method("to", (new, out_val.dtype))
     m.out.replace_all_uses_with(new)
     _erase_unused(graph, m.chain)
-    return f"{kernel}:{reason}"
+    return kernel, reason
 
 
 def _rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
@@ -604,7 +605,7 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
                 reason = "additive attention: the tanh block is recomputed in backward"
                 sites.append(AttentionSite(where, ADDITIVE, reason, shape))
                 continue
-            kernel, reason = _rewrite(gm, m).split(":", 1)
+            kernel, reason = _rewrite(gm, m)
             sites.append(AttentionSite(where, kernel, reason, shape, m.dropout_p))
     if sites:
         gm.graph.lint()

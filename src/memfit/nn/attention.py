@@ -168,10 +168,11 @@ def attention(
             # finfo.min rather than -inf: a query with no key to attend stays finite in the kernel
             # (its output is zeroed below, as SDPA zeroes it); with -inf it would be NaN, and
             # backward's sums over queries would carry the NaN into every key's gradient.
+            masked = attn_mask.logical_not()
             kinds.append("fill")
-            operands.append(attn_mask.logical_not())
+            operands.append(masked)
             values.append(torch.finfo(torch.float32).min)
-            no_key = attn_mask.logical_not().all(-1, keepdim=True)
+            no_key = masked.all(-1, keepdim=True)
         else:
             kinds.append("add")
             operands.append(attn_mask)
