@@ -1,13 +1,26 @@
 """memfit.pipeline: GPipe-style pipelines, stages balanced for time and memory.
 
-``balance`` (pure: contiguous stage sizes from per-layer costs, exact, with an optional
-per-stage memory capacity) is the core the planner and the runtime build on;
-``balance_pipeline`` minimises the predicted GPipe step time with transfer costs at the cuts.
+``balance``, ``balance_pipeline`` and ``balance_intervals`` are the pure, exact stage searches;
+``launch`` runs a function in K local processes and ends them all, naming the rank, when one
+fails.
 """
 
 from memfit.pipeline.balancing import balance as balance
 from memfit.pipeline.balancing import balance_pipeline as balance_pipeline
 from memfit.pipeline.balancing import pipeline_step_time as pipeline_step_time
 from memfit.pipeline.balancing import stage_sums as stage_sums
+from memfit.pipeline.intervals import CapacityError as CapacityError
+from memfit.pipeline.intervals import balance_intervals as balance_intervals
+from memfit.pipeline.launch import RankError as RankError
+from memfit.pipeline.launch import launch as launch
 
-__all__ = ["balance", "balance_pipeline", "pipeline_step_time", "stage_sums"]
+__all__ = [
+    "CapacityError",
+    "RankError",
+    "balance",
+    "balance_intervals",
+    "balance_pipeline",
+    "launch",
+    "pipeline_step_time",
+    "stage_sums",
+]

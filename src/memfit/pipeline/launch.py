@@ -1,0 +1,196 @@
+"""Run a function in K local processes, one rank each, and never hang when one of them fails.
+
+A pipeline rank that raises or dies leaves its neighbours blocked in a receive that no one will
+send; gloo notices a closed connection only sometimes, and a rank killed while its peers compute
+leaves them waiting for the collective timeout (30 minutes by default). ``torchrun`` watches its
+workers for this; for local runs (tests, ``memfit pipeline --run``) this module does the same
+with ``torch.multiprocessing``: the parent polls its children, and when one reports an
+exception, exits or is killed, it ends all the others and raises :class:`RankError` naming the
+first rank that failed (not the neighbours that failed after it with "connection closed"). A
+wall-clock ``timeout`` bounds the whole run.
+
+Results travel back pickled to bytes: a tensor sent through a multiprocessing queue is shared
+through a file descriptor that dies with the child, and children end as soon as they report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "free_port", "launch"]
+
+T = TypeVar("T")
+
+#: seconds to let other ranks report after the first failure, so the root cause can be picked
+_GRACE = 1.5
+_POLL = 0.05
+
+
+class RankError(RuntimeError):
+    """A rank of a local launch failed; ``rank`` is the first that did, ``reason`` why."""
+
+    def __init__(self, rank: int, world: int, reason: str) -> None:
+        super().__init__(f"pipeline rank {rank} of {world} failed: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dumps(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+        )
+        value = fn(rank, *args)
+        results.put((rank, "ok", _dumps(value)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is in; a peer gone first is no failure
+        pass
+
+
+def _is_echo(reason: str) -> bool:
+    """A failure caused by another rank's (a peer closing the connection)."""
+    text = reason.lower()
+    return any(
+        s in text
+        for s in ("connection closed by peer", "connection reset", "broken pipe", "socket closed")
+    )
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} without reporting"
+
+
+def launch(
+    fn: Callable[..., T],
+    nprocs: int,
+    *,
+    args: tuple[Any, ...] = (),
+    timeout: float = 60.0,
+    backend: str = "gloo",
+) -> list[T]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes in one process group; results by rank.
+
+    Each process initialises ``torch.distributed`` (``backend``, rendezvous on a free local
+    port, ``timeout`` for its collectives) before calling ``fn``, which must be importable
+    (spawned processes import it by name) and return something picklable. Raises
+    :class:`RankError` naming the first rank that failed, after ending every other process,
+    and when the whole run takes longer than ``timeout`` seconds.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, nprocs, port, backend, timeout, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    first_failure: float | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < nprocs:
+            try:
+                rank, kind, payload = results.get(timeout=_POLL)
+                if kind == "ok":
+                    done[rank] = _loads(payload)
+                else:
+                    failures.setdefault(rank, payload)
+            except queue.Empty:
+                pass
+            for rank, p in enumerate(procs):
+                if rank not in done and rank not in failures and not p.is_alive():
+                    time.sleep(_POLL)  # a report sent just before exiting may still be queued
+                    if results.empty():
+                        failures[rank] = _exit_reason(p.exitcode)
+            now = time.monotonic()
+            if failures:
+                first_failure = first_failure or now
+                if now - first_failure >= _GRACE or len(done) + len(failures) == nprocs:
+                    break
+            if now > deadline:
+                running = [r for r in range(nprocs) if r not in done and r not in failures]
+                raise RankError(
+                    running[0] if running else 0,
+                    nprocs,
+                    f"timed out after {timeout:g} s; ranks {running} had not finished",
+                )
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if failures:
+        causes = [r for r in sorted(failures) if not _is_echo(failures[r])]
+        rank = causes[0] if causes else min(failures)
+        raise RankError(rank, nprocs, failures[rank])
+    return [done[r] for r in range(nprocs)]
