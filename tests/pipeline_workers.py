@@ -2,9 +2,72 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from typing import Any
 
 import torch
+
+import memfit
+from memfit.pipeline import Pipeline
+from pipeline_models import build
+
+#: each rank's generator is seeded with this plus its rank before the first step
+SEED = 100
+
+
+def train(
+    rank: int,
+    name: str,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    budget: int | None = None,
+    steps: int = 1,
+) -> dict[str, Any]:
+    """Plan the pipeline, run ``steps`` steps; report cuts, losses, gradients, buffers."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(
+        model,
+        x,
+        loss_fn,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget,
+    )
+    torch.manual_seed(SEED + rank)
+    losses = []
+    for _ in range(steps):
+        losses.append(pipe.step(x, target=target).item())
+    return {
+        "start": pipe.graph.start,
+        "end": pipe.graph.end,
+        "losses": losses,
+        "grads": {n: p.grad.detach().clone() for n, p in pipe.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in pipe.module.named_buffers()},
+    }
+
+
+def measured_peak(rank: int, name: str, stages: int, microbatches: int, schedule: str) -> Any:
+    """Predicted and measured peak of a step (after a first step that compiles)."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(model, x, loss_fn, stages=stages, microbatches=microbatches, schedule=schedule)
+    pipe.step(x, target=target)
+    for p in pipe.parameters():
+        p.grad = None
+    measured = memfit.measure(lambda: pipe.step(x, target=target))
+    return pipe.plan, measured.peak_bytes
+
+
+def dies(rank: int, name: str, stages: int) -> None:
+    """Rank 1 is killed (as by the OOM killer) when the others are in the middle of a step."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(model, x, loss_fn, stages=stages, microbatches=4)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pipe.step(x, target=target)
 
 
 def summed(rank: int) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ def test_pytrees() -> None:
     tree = {"a": (torch.ones(1), 2), "b": [3]}
     leaves, spec = _compat.tree_flatten(tree)
     assert len(leaves) == 3
+    assert _compat.tree_unflatten(leaves, spec)["b"] == [3]
     assert _compat.tree_map(lambda x: x, tree)["b"] == [3]
     doubled = _compat.tree_map_only(int, lambda x: 2 * x, tree)
     assert doubled["a"][1] == 4 and doubled["b"] == [6]

@@ -45,6 +45,7 @@ __all__ = [
     "tree_flatten_with_path",
     "tree_map",
     "tree_map_only",
+    "tree_unflatten",
     "unique_graph_count",
     # added for benchmarks
     "activation_memory_budget",
@@ -95,6 +96,7 @@ from torch.utils._pytree import (  # noqa: E402
     tree_flatten_with_path,
     tree_map,
     tree_map_only,
+    tree_unflatten,
 )
 
 

@@ -1,8 +1,10 @@
 """memfit.pipeline: GPipe-style pipelines, stages balanced for time and memory.
 
-``balance``, ``balance_pipeline`` and ``balance_intervals`` are the pure, exact stage searches;
-``launch`` runs a function in K local processes and ends them all, naming the rank, when one
-fails.
+``plan`` cuts a model's captured forward into K stages (exact search for the predicted step of
+the schedule, every stage within the per-device budget, each stage planned by memfit's planner);
+``Pipeline`` runs this rank's stage with ``torch.distributed.pipelining``; ``launch`` runs a
+function in K local processes and ends them all, naming the rank, when one fails. ``balance``,
+``balance_pipeline`` and ``balance_intervals`` are the pure searches underneath.
 """
 
 from memfit.pipeline.balancing import balance as balance
@@ -13,14 +15,22 @@ from memfit.pipeline.intervals import CapacityError as CapacityError
 from memfit.pipeline.intervals import balance_intervals as balance_intervals
 from memfit.pipeline.launch import RankError as RankError
 from memfit.pipeline.launch import launch as launch
+from memfit.pipeline.plan import PipelinePlan as PipelinePlan
+from memfit.pipeline.plan import StagePlan as StagePlan
+from memfit.pipeline.plan import plan as plan
+from memfit.pipeline.runtime import Pipeline as Pipeline
 
 __all__ = [
     "CapacityError",
+    "Pipeline",
+    "PipelinePlan",
     "RankError",
+    "StagePlan",
     "balance",
     "balance_intervals",
     "balance_pipeline",
     "launch",
     "pipeline_step_time",
+    "plan",
     "stage_sums",
 ]

@@ -1,0 +1,550 @@
+"""``memfit.pipeline.plan``: where to cut a model into K stages, and what each stage will cost.
+
+The cut is chosen exactly (``balancing.balance_intervals``) over the candidate cuts of the
+captured forward (``partition.item_boundaries``) for the predicted step time of the schedule,
+``(M - 1) * slowest stage + sum of stages``, with every stage's predicted peak within the
+per-device budget. The stage model used for the search is GPipe's: a stage keeps, per micro-batch
+in flight, only what crosses its cuts and recomputes the rest in backward, so while one
+micro-batch's backward runs it holds that micro-batch's activations (``costs``). Then each stage
+gets memfit's own plan: the stage's graph is planned by memfit's planner (its Pareto frontier of
+peak against recomputation), and the point with the least recomputation whose predicted peak,
+with the other micro-batches in flight, fits the budget is kept. Without a budget every stage
+keeps everything (the fastest plan).
+
+What a stage holds, in the terms of the table this module prints (per device):
+
+* state: its parameters and buffers, their gradients, and the optimizer state if given
+  (``optimizer_state`` bytes per parameter byte: 2 for Adam, 1 for SGD with momentum);
+* buffers: ``torch.distributed.pipelining`` allocates a receive buffer for every micro-batch's
+  input and every micro-batch's output gradient when the schedule first runs, and keeps them,
+  so ``M x (received + sent)`` bytes whatever the schedule;
+* in flight: micro-batches whose forward has run and whose backward has not, each holding what
+  the stage's plan keeps plus its outputs: ``M`` of them under GPipe, at most ``K - s`` under
+  1F1B (stage ``s``);
+* the transient of one micro-batch's forward and backward, as memfit's simulator predicts it.
+
+Time per micro-batch is profiled forward time times three (forward, backward at twice the
+forward) plus the recomputation the plan does, plus, when ``bandwidth`` is given, the transfer of
+what crosses the stage's outgoing cut forward and its gradient back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from memfit.pipeline.balancing import pipeline_step_time
+from memfit.pipeline.costs import ItemCosts, measure_items
+from memfit.pipeline.intervals import CapacityError, balance_intervals
+from memfit.pipeline.partition import (
+    CapturedForward,
+    StageGraph,
+    capture_forward,
+    crossing_bytes,
+    item_boundaries,
+    split_stages,
+    tensor_bytes,
+)
+from memfit.planning.budget import BudgetError, parse_budget
+from memfit.planning.plan import ParetoPoint
+from memfit.units import format_bytes
+
+__all__ = [
+    "SCHEDULES",
+    "PipelinePlan",
+    "StagePlan",
+    "choose_cuts",
+    "in_flight",
+    "microbatch",
+    "plan",
+    "plan_stage",
+    "stage_inputs",
+]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+#: forward + backward as a multiple of the forward alone (backward ~ 2x forward)
+TRAINING_FACTOR = 3.0
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches stage ``stage`` holds at once: all under GPipe, ``K - s`` under 1F1B."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, stages - stage)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's cut, plan and prediction. Bytes are per device; times per micro-batch."""
+
+    index: int
+    start: int
+    end: int
+    modules: tuple[str, ...]
+    parameter_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+    receive_bytes: int
+    send_bytes: int
+    in_flight: int
+    microbatches: int
+    kept_bytes: int
+    transient_bytes: int
+    forward_seconds: float
+    recompute_seconds: float
+    transfer_seconds: float
+    #: the activation budget memfit plans this stage's graph with (one micro-batch)
+    budget_bytes: int
+    #: the last stage sends nothing: its "sent" bytes are the model's outputs, held per
+    #: micro-batch until the loss's backward, with no gradient buffer
+    is_last: bool = False
+
+    @property
+    def first_module(self) -> str:
+        return self.modules[0] if self.modules else ""
+
+    @property
+    def last_module(self) -> str:
+        return self.modules[-1] if self.modules else ""
+
+    @property
+    def time_seconds(self) -> float:
+        """Forward, backward, recomputation and transfer of one micro-batch."""
+        return (
+            TRAINING_FACTOR * self.forward_seconds + self.recompute_seconds + self.transfer_seconds
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, buffers, gradients and optimizer state: held between steps."""
+        return 2 * self.parameter_bytes + self.buffer_bytes + self.optimizer_bytes
+
+    @property
+    def buffers_bytes(self) -> int:
+        """The schedule's receive buffers: every micro-batch's input and output gradient."""
+        return self.microbatches * (self.receive_bytes + (0 if self.is_last else self.send_bytes))
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Peak above what is live before a step (gradients not yet allocated)."""
+        held = (self.in_flight - 1) * (self.kept_bytes + self.send_bytes)
+        return held + self.transient_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything the stage's device holds at the peak of a step."""
+        return (
+            self.parameter_bytes
+            + self.buffer_bytes
+            + self.optimizer_bytes
+            + self.buffers_bytes
+            + self.step_peak_bytes
+        )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stage boundaries, per-stage predictions and the predicted step of the schedule."""
+
+    stages: tuple[StagePlan, ...]
+    schedule: str
+    microbatches: int
+    cuts: tuple[int, ...]
+    budget_bytes: int | None
+    candidate_cuts: int
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted step: ``(M - 1) * slowest stage + sum of stages``."""
+        times = [s.time_seconds for s in self.stages]
+        return pipeline_step_time(times, [1] * len(times), microbatches=self.microbatches)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the devices' time: ``1 - M * mean stage time / step``; for equal stages
+        ``(K - 1) / (M + K - 1)``."""
+        step = self.step_seconds
+        if step <= 0:
+            return 0.0
+        mean = sum(s.time_seconds for s in self.stages) / len(self.stages)
+        return max(0.0, 1.0 - self.microbatches * mean / step)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.peak_bytes for s in self.stages)
+
+    def __str__(self) -> str:
+        k = len(self.stages)
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        lines = [
+            f"memfit pipeline: {k} stages, {self.microbatches} micro-batches, "
+            f"{self.schedule}, budget {budget} per device "
+            f"({self.candidate_cuts} candidate cuts)",
+            f"{'stage':>5}  {'modules':<32} {'time/mb':>9} {'state':>10} {'buffers':>10} "
+            f"{'in flight':>9} {'kept/mb':>10} {'peak':>10}",
+        ]
+        for s in self.stages:
+            span = (
+                s.first_module
+                if s.first_module == s.last_module
+                else (f"{s.first_module} .. {s.last_module}")
+            )
+            lines.append(
+                f"{s.index:>5}  {span[:32]:<32} {s.time_seconds * 1e3:>7.2f}ms "
+                f"{format_bytes(s.state_bytes):>10} {format_bytes(s.buffers_bytes):>10} "
+                f"{s.in_flight:>9} {format_bytes(s.kept_bytes):>10} "
+                f"{format_bytes(s.peak_bytes):>10}"
+            )
+        lines.append(
+            f"predicted step {self.step_seconds * 1e3:.2f} ms, bubble {self.bubble:.1%} "
+            f"((K-1)/(M+K-1) = {(k - 1) / (self.microbatches + k - 1):.1%}), "
+            f"largest stage peak {format_bytes(self.peak_bytes)}"
+        )
+        return "\n".join(lines)
+
+
+def microbatch(example_inputs: tuple[Any, ...], microbatches: int) -> tuple[Any, ...]:
+    """The first of ``microbatches`` equal chunks (along dim 0) of every tensor input.
+
+    The schedule splits a mini-batch with ``tensor_split`` along dim 0; memfit plans for equal
+    micro-batches, so every tensor's first dimension must be the same multiple of ``M``.
+    """
+    sizes = {t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not sizes:
+        raise ValueError("the pipeline needs at least one tensor input with a batch dimension")
+    if len(sizes) > 1:
+        raise ValueError(f"tensor inputs have different batch sizes {sorted(sizes)} (dim 0)")
+    batch = sizes.pop()
+    if batch % microbatches:
+        raise ValueError(
+            f"a batch of {batch} does not split into {microbatches} equal micro-batches; "
+            f"use a batch size that is a multiple of {microbatches}"
+        )
+    return tuple(
+        t.tensor_split(microbatches)[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+        for t in example_inputs
+    )
+
+
+def _check(stages: int, microbatches: int, schedule: str, optimizer_state: float) -> None:
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "1f1b" and microbatches < stages:
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages ({microbatches} < {stages}); "
+            "use more micro-batches or schedule='gpipe'"
+        )
+    if not math.isfinite(optimizer_state) or optimizer_state < 0:
+        raise ValueError("optimizer_state must be >= 0 bytes per parameter byte")
+
+
+def _budget_bytes(budget: int | str | None) -> int | None:
+    if budget is None:
+        return None
+    parsed = parse_budget(budget)
+    if parsed.bytes is None:
+        raise ValueError(
+            "a pipeline budget is bytes per device (an int or a size such as '2GiB'), "
+            "not a fraction"
+        )
+    return parsed.bytes
+
+
+@dataclass
+class _Search:
+    """The captured forward and its profiled items: what the cut search reads."""
+
+    captured: CapturedForward
+    costs: ItemCosts
+    crossing: list[int]
+    output_bytes: int
+
+
+def _prepare(model: nn.Module, micro: tuple[Any, ...], max_items: int) -> _Search:
+    captured = capture_forward(model, micro)
+    boundaries = item_boundaries(captured, max_items)
+    costs = measure_items(captured, captured.placeholder_values, boundaries)
+    output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
+    outputs = [a for a in output_node.all_input_nodes]
+    output_bytes = sum(tensor_bytes(a.meta.get("example_value")) for a in outputs)
+    return _Search(captured, costs, crossing_bytes(captured), output_bytes)
+
+
+def _state_bytes(
+    search: _Search, names: set[str] | frozenset[str], optimizer_state: float
+) -> tuple[int, int, int]:
+    params = sum(
+        tensor_bytes(search.captured.tensors[n])
+        for n in names
+        if n in search.captured.parameter_names
+    )
+    buffers = sum(
+        tensor_bytes(search.captured.tensors[n])
+        for n in names
+        if n not in search.captured.parameter_names
+    )
+    return params, buffers, int(optimizer_state * params)
+
+
+def choose_cuts(
+    search: _Search,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    budget: int | None,
+    optimizer_state: float,
+    bandwidth: float | None,
+) -> list[int]:
+    """Node positions of the ``stages - 1`` cuts minimising the predicted step (exact)."""
+    costs = search.costs
+    n = costs.count
+    if stages > n:
+        raise ValueError(
+            f"{stages} stages need {stages} pieces, but the model has only {n} between its "
+            f"{n - 1} candidate cuts (module boundaries)"
+        )
+    bounds = costs.boundaries
+    last = bounds[-1]
+    fwd = [0.0]
+    act = [0]
+    for f, a in zip(costs.forward_seconds, costs.activation_bytes):
+        fwd.append(fwd[-1] + f)
+        act.append(act[-1] + a)
+
+    def sent(j: int) -> int:
+        return search.crossing[bounds[j]] if bounds[j] < last else search.output_bytes
+
+    def received(i: int) -> int:
+        return search.crossing[bounds[i]] if i > 0 else 0
+
+    def stage_time(i: int, j: int) -> float:
+        transfer = 2 * sent(j) / bandwidth if bandwidth and j < n else 0.0
+        return TRAINING_FACTOR * (fwd[j] - fwd[i]) + transfer
+
+    # state held by a stage over items [i, j): a union of names, summed once per interval
+    held: dict[tuple[int, int], int] = {}
+    for i in range(n):
+        names: set[str] = set()
+        total = 0
+        for j in range(i + 1, n + 1):
+            new = costs.state[j - 1] - names
+            if new:
+                params, buffers, opt = _state_bytes(search, new, optimizer_state)
+                total += 2 * params + buffers + opt
+                names |= new
+            held[i, j] = total
+
+    def stage_memory(s: int, i: int, j: int) -> float:
+        flight = in_flight(schedule, s, stages, microbatches)
+        return (
+            held[i, j]
+            + microbatches * (received(i) + (sent(j) if j < n else 0))
+            + flight * sent(j)
+            + (act[j] - act[i])
+        )
+
+    try:
+        sizes = balance_intervals(
+            n,
+            stages,
+            microbatches=microbatches,
+            stage_time=stage_time,
+            stage_memory=stage_memory if budget is not None else None,
+            capacity=budget,
+        )
+    except CapacityError as exc:
+        raise BudgetError(
+            f"no split into {stages} stages fits {format_bytes(budget or 0)} per device, even "
+            f"with every activation recomputed inside the stages; the smallest per-device "
+            f"budget that fits is about {format_bytes(int(exc.least_capacity))}",
+            budget_bytes=budget,
+            smallest_bytes=int(math.ceil(exc.least_capacity)),
+        ) from None
+    cuts, pos = [], 0
+    for size in sizes[:-1]:
+        pos += size
+        cuts.append(bounds[pos])
+    return cuts
+
+
+def stage_inputs(
+    stages: Sequence[StageGraph], micro: tuple[Any, ...], captured: CapturedForward
+) -> list[tuple[torch.Tensor, ...]]:
+    """Real example inputs of every stage: the micro-batch run through the stages before it.
+
+    Run without gradients and with buffers and random states restored, so it changes nothing.
+    """
+    buffers = [t for n, t in captured.tensors.items() if n not in captured.parameter_names]
+    saved = [(b, b.detach().clone()) for b in buffers]
+    cpu_rng = torch.random.get_rng_state()
+    values = {
+        node: v
+        for node, v in zip(captured.inputs, [t for t in micro if isinstance(t, torch.Tensor)])
+    }
+    result = []
+    try:
+        with torch.no_grad():
+            for stage in stages:
+                args = tuple(values[v] for v in stage.receives)
+                result.append(
+                    tuple(
+                        a.detach().requires_grad_(bool(v.meta["example_value"].requires_grad))
+                        if a.is_floating_point()
+                        else a
+                        for a, v in zip(args, stage.receives)
+                    )
+                )
+                out = stage.module(*args)
+                if stage.sends:
+                    values.update(zip(stage.sends, out))
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+        torch.random.set_rng_state(cpu_rng)
+    return result
+
+
+def _choose_point(
+    frontier: Sequence[ParetoPoint], fits: Callable[[ParetoPoint], bool]
+) -> ParetoPoint | None:
+    fitting = [p for p in frontier if fits(p)]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (p.recompute_seconds, p.recompute_flops, p.peak_bytes))
+
+
+def plan_stage(
+    search: _Search,
+    stage: StageGraph,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    budget: int | None,
+    optimizer_state: float,
+    bandwidth: float | None,
+    attention: str = "auto",
+) -> StagePlan:
+    """memfit's plan for one stage's graph: the least recomputation that fits the budget."""
+    from memfit.execution.module import plan as memfit_plan
+
+    names = set(stage.state_names)
+    params, buffers, opt = _state_bytes(search, names, optimizer_state)
+    last = stage.end == len(search.captured.nodes)
+    send = search.output_bytes if last else stage.send_bytes
+    receive = stage.receive_bytes if stage.index > 0 else 0
+    flight = in_flight(schedule, stage.index, stages, microbatches)
+    graph_plan = memfit_plan(stage.module, *inputs, budget=1.0, attention=attention)
+    frontier = graph_plan.pareto()
+    fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
+
+    def fits(p: ParetoPoint) -> bool:
+        if budget is None:
+            return True
+        return fixed + (flight - 1) * (p.kept_bytes + send) + p.peak_bytes <= budget
+
+    point = _choose_point(frontier, fits)
+    if point is None:
+        least = min(fixed + (flight - 1) * (p.kept_bytes + send) + p.peak_bytes for p in frontier)
+        raise BudgetError(
+            f"stage {stage.index} ({stage.modules[0] if stage.modules else '?'} ..) does not fit "
+            f"{format_bytes(budget or 0)}: its least predicted peak with memfit's plan is "
+            f"{format_bytes(least)}",
+            budget_bytes=budget,
+            smallest_bytes=least,
+        )
+    # The frontier is a search; the plan ``checkpoint(budget=...)`` makes for that budget is
+    # what runs (it may keep less): predict with that one.
+    chosen = memfit_plan(stage.module, *inputs, budget=point.peak_bytes, attention=attention)
+    costs = search.costs
+    first_item = costs.boundaries.index(stage.start)
+    last_item = costs.boundaries.index(stage.end)
+    forward = sum(costs.forward_seconds[first_item:last_item])
+    ratio = chosen.recompute_flops / chosen.forward_flops if chosen.forward_flops else 0.0
+    transfer = 2 * send / bandwidth if bandwidth and not last else 0.0
+    return StagePlan(
+        index=stage.index,
+        start=stage.start,
+        end=stage.end,
+        modules=tuple(stage.modules),
+        parameter_bytes=params,
+        buffer_bytes=buffers,
+        optimizer_bytes=opt,
+        receive_bytes=receive,
+        send_bytes=send,
+        in_flight=flight,
+        microbatches=microbatches,
+        kept_bytes=chosen.kept_bytes,
+        transient_bytes=chosen.predicted_peak_bytes,
+        forward_seconds=forward,
+        recompute_seconds=ratio * forward,
+        transfer_seconds=transfer,
+        budget_bytes=point.peak_bytes,
+        is_last=last,
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "gpipe",
+    budget: int | str | None = None,
+    optimizer_state: float = 0.0,
+    bandwidth: float | None = None,
+    max_items: int = 128,
+) -> PipelinePlan:
+    """Plan ``model`` as a pipeline of ``stages`` stages and ``microbatches`` micro-batches.
+
+    ``example_inputs`` (a tensor or a tuple of the model's positional arguments) is one
+    mini-batch; it is split into equal micro-batches along dim 0. ``budget`` is bytes per
+    device (``"2GiB"``); raises ``memfit.BudgetError`` naming the least budget when no split
+    fits, and ``ValueError`` for arguments no pipeline can honour, before anything runs.
+    ``loss_fn`` is not needed to plan (the loss runs after the last stage); it is accepted so
+    ``plan`` and ``Pipeline`` take the same arguments. Changes nothing in the model.
+    """
+    del loss_fn
+    _check(stages, microbatches, schedule, optimizer_state)
+    budget_bytes = _budget_bytes(budget)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    micro = microbatch(inputs, microbatches)
+    search = _prepare(model, micro, max_items)
+    options = dict(
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget_bytes,
+        optimizer_state=optimizer_state,
+        bandwidth=bandwidth,
+    )
+    cuts = choose_cuts(search, **options)  # type: ignore[arg-type]
+    graphs = split_stages(search.captured, cuts)
+    examples = stage_inputs(graphs, micro, search.captured)
+    planned = tuple(
+        plan_stage(search, g, x, **options)  # type: ignore[arg-type]
+        for g, x in zip(graphs, examples)
+    )
+    return PipelinePlan(
+        stages=planned,
+        schedule=schedule,
+        microbatches=microbatches,
+        cuts=tuple(cuts),
+        budget_bytes=budget_bytes,
+        candidate_cuts=search.costs.count - 1,
+    )

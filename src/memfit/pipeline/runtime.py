@@ -1,0 +1,284 @@
+"""``memfit.pipeline.Pipeline``: this rank's stage, run by ``torch.distributed.pipelining``.
+
+memfit decides the cut and each stage's plan; PyTorch runs the schedule. Every rank builds the
+whole model (as with any ``torch.distributed`` program), captures it the same way and splits it
+at the same cuts; rank 0 alone profiles and searches, and broadcasts the cuts, so ranks whose
+timings differ cannot disagree on the split. Each rank then plans its own stage with memfit's
+planner, wraps the stage in ``memfit.checkpoint`` with that plan's budget, and hands it to a
+``PipelineStage`` driven by ``ScheduleGPipe`` or ``Schedule1F1B`` (point-to-point over gloo on
+CPU, NCCL on CUDA).
+
+Two things ``torch.distributed.pipelining`` leaves to its user are done here. A parameter read
+by several stages (a tied embedding and LM head) exists once per stage that reads it; after the
+schedule's backward its gradients are summed over those ranks, which is the gradient plain
+PyTorch computes for a tied weight. And the schedule divides gradients by ``M`` (its
+``scale_grads``), so with a loss that averages over its micro-batch the gradients are those of
+the mean loss over the whole mini-batch, as plain PyTorch computes them on the mini-batch.
+
+Dropout draws from each rank's own generator, micro-batch after micro-batch, so the masks are
+not those one process would draw for the whole model (no pipeline can reproduce one process's
+random stream without running every stage before it); they are the masks that running the same
+stages one after another in one process, each stage seeded as its rank is, draws. BatchNorm
+sees micro-batches, as in GPipe: its statistics are those of ``M`` plain-PyTorch steps on the
+micro-batches, not of one step on the mini-batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from memfit.pipeline.partition import StageGraph, split_stages
+from memfit.pipeline.plan import (
+    StagePlan,
+    _budget_bytes,
+    _check,
+    _prepare,
+    choose_cuts,
+    microbatch,
+    plan_stage,
+    stage_inputs,
+)
+from memfit.planning.budget import BudgetError
+
+__all__ = ["Pipeline"]
+
+
+def _example(node: Any) -> torch.Tensor:
+    """An empty tensor shaped like a graph value, requiring grad where the value does."""
+    value = node.meta["example_value"]
+    out = torch.empty(value.shape, dtype=value.dtype)
+    return out.requires_grad_(bool(value.requires_grad) and value.is_floating_point())
+
+
+class Pipeline:
+    """This rank's stage of ``model`` in a ``stages``-stage pipeline; see the module docstring.
+
+    Call after ``torch.distributed.init_process_group`` in every rank (``stages`` ranks in the
+    group), with the same model (same initial parameters) and example mini-batch everywhere.
+    ``pipe.step(*inputs, target=target)`` runs one training step's forward and backward over
+    ``microbatches`` micro-batches and returns the mean loss (on every rank); rank 0's inputs and
+    the last rank's target are used, the others may pass anything. ``named_parameters()`` are
+    this rank's parameters under their names in ``model``: build the optimizer on them.
+    Parameters of other stages are released on this rank (their storage is freed) unless
+    ``release_others=False``, so each device holds only its stage.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str = "gpipe",
+        budget: int | str | None = None,
+        optimizer_state: float = 0.0,
+        bandwidth: float | None = None,
+        max_items: int = 128,
+        group: dist.ProcessGroup | None = None,
+        release_others: bool = True,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "memfit.pipeline.Pipeline runs one stage per process: call "
+                "torch.distributed.init_process_group first (memfit.pipeline.launch does it for "
+                "local runs)"
+            )
+        _check(stages, microbatches, schedule, optimizer_state)
+        world = dist.get_world_size(group)
+        if world != stages:
+            raise ValueError(f"{stages} stages need {stages} ranks; the process group has {world}")
+        self.rank = dist.get_rank(group)
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule_name = schedule
+        self._group = group
+        self._loss_fn = loss_fn
+        self._no_target = False
+        budget_bytes = _budget_bytes(budget)
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        micro = microbatch(inputs, microbatches)
+        search = _prepare(model, micro, max_items)
+        self._captured = search.captured
+        options: dict[str, Any] = dict(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            budget=budget_bytes,
+            optimizer_state=optimizer_state,
+            bandwidth=bandwidth,
+        )
+        cuts = self._agree_on_cuts(search, options)
+        graphs = split_stages(search.captured, cuts)
+        examples = stage_inputs(graphs, micro, search.captured)
+        mine = graphs[self.rank]
+        self.plan: StagePlan = plan_stage(search, mine, examples[self.rank], **options)
+        self._example_inputs = examples[self.rank]
+        self.graph: StageGraph = mine
+        from memfit.execution.module import checkpoint
+
+        self.module = checkpoint(mine.module, budget=self.plan.budget_bytes)
+        device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
+        last = self.rank == stages - 1
+        if self.rank == 0:
+            input_args = tuple(examples[0])
+        else:
+            input_args = tuple(_example(v) for v in mine.receives)
+        if last:
+            output_node = next(iter(search.captured.graph.graph.find_nodes(op="output")))
+            output_args = tuple(_example(v) for v in output_node.all_input_nodes)
+        else:
+            output_args = tuple(_example(v) for v in mine.sends)
+        self._stage = PipelineStage(
+            self.module,
+            self.rank,
+            stages,
+            device,
+            input_args=input_args,
+            output_args=output_args,
+            group=group,
+        )
+        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self._schedule = schedule_cls(
+            self._stage, microbatches, loss_fn=self._loss, scale_grads=True
+        )
+        self._input_positions = [search.captured.inputs.index(v) for v in graphs[0].receives]
+        self._tied = self._tie(graphs)
+        if release_others:
+            self._release(model, set(mine.state_names))
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self._group is None:
+            return group_rank
+        return dist.get_global_rank(self._group, group_rank)
+
+    def _agree_on_cuts(self, search: Any, options: dict[str, Any]) -> list[int]:
+        """Rank 0 searches; every rank gets its cuts, or its error, so all fail alike."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                payload[0] = ("ok", choose_cuts(search, **options))
+            except (BudgetError, ValueError) as exc:
+                smallest = getattr(exc, "smallest_bytes", None)
+                payload[0] = (type(exc).__name__, str(exc), smallest)
+        dist.broadcast_object_list(payload, src=self._global_rank(0), group=self._group)
+        kind, *rest = payload[0]
+        if kind == "ok":
+            return list(rest[0])
+        if kind == "BudgetError":
+            raise BudgetError(rest[0], budget_bytes=options["budget"], smallest_bytes=rest[1])
+        raise ValueError(rest[0])
+
+    def _tie(self, graphs: list[StageGraph]) -> list[tuple[nn.Parameter, Any]]:
+        """Process groups over the ranks sharing each tied parameter (created on every rank)."""
+        names = self._captured.parameter_names
+        tied: list[tuple[nn.Parameter, Any]] = []
+        seen: dict[tuple[int, ...], Any] = {}
+        for name in sorted(names):
+            ranks = tuple(s for s, g in enumerate(graphs) if name in g.state_names)
+            if len(ranks) < 2:
+                continue
+            if ranks not in seen:
+                seen[ranks] = dist.new_group([self._global_rank(r) for r in ranks])
+            if self.rank in ranks:
+                param = self._captured.tensors[name]
+                assert isinstance(param, nn.Parameter)
+                tied.append((param, seen[ranks]))
+        return tied
+
+    def _release(self, model: nn.Module, keep: set[str]) -> None:
+        kept = {id(self._captured.tensors[n]) for n in keep}
+        for p in model.parameters():
+            if id(p) not in kept:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        flat = output if isinstance(output, tuple) else (output,)
+        if self._no_target:
+            target = None
+        return self._loss_fn(self._captured.rebuild_output(flat), target)
+
+    def time_stage_alone(self, repeats: int = 3) -> float:
+        """Median seconds of this stage's forward and backward on one micro-batch, alone.
+
+        No communication: what the stage would take per micro-batch if its neighbours were
+        infinitely fast, the "stage time" of the schedule's model. Gradients it adds are
+        removed again; buffers (BatchNorm statistics) and random states are restored.
+        """
+        grads = {p: None if p.grad is None else p.grad.clone() for p in self.parameters()}
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        rng = torch.random.get_rng_state()
+        times = []
+        try:
+            for _ in range(repeats):
+                inputs = tuple(
+                    x.detach().requires_grad_(x.requires_grad) for x in self._example_inputs
+                )
+                start = time.perf_counter()
+                out = self.module(*inputs)
+                flat = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+                torch.autograd.backward(flat, [torch.ones_like(o) for o in flat])
+                times.append(time.perf_counter() - start)
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+            torch.random.set_rng_state(rng)
+        return statistics.median(times)
+
+    def step(self, *inputs: Any, target: Any = None) -> torch.Tensor:
+        """One forward and backward of the mini-batch; gradients accumulate into ``.grad``."""
+        losses: list[torch.Tensor] = []
+        first, last = self.rank == 0, self.rank == self.stages - 1
+        self._no_target = target is None
+        if last and target is None:  # the schedule splits a target: give it one to split
+            target = torch.zeros(self.microbatches)
+        args = tuple(inputs[i] for i in self._tensor_inputs(inputs)) if first else ()
+        if first and last:
+            self._schedule.step(*args, target=target, losses=losses)
+        elif first:
+            self._schedule.step(*args)
+        elif last:
+            self._schedule.step(target=target, losses=losses)
+        else:
+            self._schedule.step()
+        for param, group in self._tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+        loss = torch.zeros((), dtype=torch.float32, device=self._stage.device)
+        if last:
+            loss.copy_(torch.stack([x.detach().float() for x in losses]).mean())
+        dist.broadcast(loss, src=self._global_rank(self.stages - 1), group=self._group)
+        return loss
+
+    def _tensor_inputs(self, inputs: tuple[Any, ...]) -> list[int]:
+        tensors = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(self._captured.inputs):
+            raise ValueError(
+                f"the pipeline was planned with {len(self._captured.inputs)} tensor inputs, "
+                f"got {len(tensors)}"
+            )
+        return [tensors[i] for i in self._input_positions]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the model."""
+        return self.module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers under their names in the model."""
+        return self.module.state_dict()

@@ -1,0 +1,77 @@
+"""``memfit.pipeline.plan``: the cut, each stage's plan and prediction, errors before any run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memfit
+from memfit.pipeline import plan
+from memfit.pipeline.plan import in_flight, microbatch
+from pipeline_models import build
+
+
+def test_a_plan_has_k_contiguous_stages_covering_the_graph_and_prints_a_table() -> None:
+    model, x, target, loss_fn = build("gpt")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    planned = plan(model, x, loss_fn, stages=3, microbatches=4)
+    assert len(planned.stages) == 3
+    assert planned.stages[0].start == 0
+    for a, b in zip(planned.stages, planned.stages[1:]):
+        assert a.end == b.start
+    assert [s.start for s in planned.stages[1:]] == list(planned.cuts)
+    assert planned.stages[0].first_module == "emb" and planned.stages[-1].last_module == "head"
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())  # unchanged
+    text = str(planned)
+    assert "3 stages, 4 micro-batches" in text and "bubble" in text
+    times = [s.time_seconds for s in planned.stages]
+    assert planned.step_seconds == pytest.approx(3 * max(times) + sum(times))
+
+
+def test_in_flight_micro_batches_follow_the_schedule() -> None:
+    assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8, 8, 8, 8]
+    assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    model, x, target, loss_fn = build("mlp")
+    planned = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="1f1b")
+    assert [s.in_flight for s in planned.stages] == [2, 1]
+
+
+def test_a_budget_is_met_by_every_stage_or_refused_with_the_least_that_fits() -> None:
+    model, x, target, loss_fn = build("skip")
+    free = plan(model, x, loss_fn, stages=2, microbatches=4)
+    budget = int(0.9 * free.peak_bytes)
+    try:
+        tight = plan(model, x, loss_fn, stages=2, microbatches=4, budget=budget)
+    except memfit.BudgetError as err:
+        assert err.smallest_bytes is not None and err.smallest_bytes > budget
+    else:
+        assert tight.peak_bytes <= budget
+    with pytest.raises(memfit.BudgetError, match="smallest per-device budget") as info:
+        plan(model, x, loss_fn, stages=2, microbatches=4, budget=1000)
+    smallest = info.value.smallest_bytes
+    assert smallest is not None and smallest > 1000
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stages": 100, "microbatches": 4}, "candidate cuts"),
+        ({"stages": 4, "microbatches": 2, "schedule": "1f1b"}, "1F1B needs"),
+        ({"stages": 2, "microbatches": 3}, "multiple of 3"),
+        ({"stages": 2, "microbatches": 4, "budget": 0.5}, "bytes per device"),
+        ({"stages": 2, "microbatches": 4, "schedule": "zb"}, "schedule must be"),
+        ({"stages": 0, "microbatches": 4}, "stages must be"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(kwargs: dict, message: str) -> None:
+    model, x, target, loss_fn = build("mlp")
+    with pytest.raises(ValueError, match=message):
+        plan(model, x, loss_fn, **kwargs)
+
+
+def test_micro_batches_are_equal_chunks_of_every_input() -> None:
+    a, b = torch.randn(8, 3), torch.randn(8, 5)
+    first = microbatch((a, b, 7), 4)
+    assert torch.equal(first[0], a[:2]) and torch.equal(first[1], b[:2]) and first[2] == 7
+    with pytest.raises(ValueError, match="different batch sizes"):
+        microbatch((a, torch.randn(6, 2)), 2)

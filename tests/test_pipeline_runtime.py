@@ -1,0 +1,101 @@
+"""Pipelines on torch.distributed (gloo, one process per stage) against one process.
+
+Each test starts real processes (a few seconds each on 2 cores), so every launch checks as much
+as it can: both schedules' gradients in one file take four launches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from memfit.pipeline import RankError, launch
+from memfit.pipeline.partition import capture_forward, split_stages
+from memfit.pipeline.plan import microbatch
+from pipeline_models import build
+from pipeline_workers import SEED, dies, measured_peak, train
+
+
+def _plain_gradients(name: str, microbatches: int) -> dict[str, torch.Tensor]:
+    """One process, plain PyTorch, the whole mini-batch: the mean loss's gradients."""
+    model, x, target, loss_fn = build(name)
+    loss_fn(model(x), target).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _stages_in_one_process(name: str, cuts: list[int], microbatches: int) -> dict[str, object]:
+    """The same stages run one after another in one process, each seeded as its rank is."""
+    model, x, target, loss_fn = build(name)
+    captured = capture_forward(model, microbatch((x,), microbatches))
+    stages = split_stages(captured, cuts)
+    values: list[tuple[torch.Tensor, ...]] = [(c,) for c in x.tensor_split(microbatches)]
+    for s, stage in enumerate(stages):
+        torch.manual_seed(SEED + s)
+        values = [stage.module(*v) for v in values]
+    losses = [
+        loss_fn(captured.rebuild_output(v), t)
+        for v, t in zip(values, target.tensor_split(microbatches))
+    ]
+    (sum(losses) / microbatches).backward()
+    return {
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "buffers": dict(model.named_buffers()),
+        "loss": float(sum(losses) / microbatches),
+    }
+
+
+def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
+    grads: dict[str, torch.Tensor] = {}
+    for r in results:
+        for n, g in r["grads"].items():
+            if n in grads:  # a tied parameter: every rank holding it has the summed gradient
+                torch.testing.assert_close(g, grads[n], rtol=0, atol=0)
+            grads[n] = g
+    return grads
+
+
+@pytest.mark.parametrize(("name", "stages", "schedule"), [("mlp", 2, "1f1b"), ("gpt", 3, "gpipe")])
+def test_gradients_equal_plain_pytorch_on_the_mini_batch(
+    name: str, stages: int, schedule: str
+) -> None:
+    results = launch(train, stages, args=(name, stages, 4, schedule), timeout=120)
+    expected = _plain_gradients(name, 4)
+    got = _merged(results)
+    assert set(got) == set(expected)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-6, msg=n)
+    model, x, target, loss_fn = build(name)
+    assert results[0]["losses"][0] == pytest.approx(float(loss_fn(model(x), target)), rel=1e-5)
+    assert len({r["losses"][0] for r in results}) == 1  # every rank returns the same loss
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_skip_batchnorm_and_dropout_across_stages_are_exact(schedule: str) -> None:
+    results = launch(train, 3, args=("skip", 3, 4, schedule), timeout=120)
+    cuts = [r["start"] for r in results[1:]]
+    expected = _stages_in_one_process("skip", cuts, 4)
+    got = _merged(results)
+    for n, g in expected["grads"].items():  # type: ignore[union-attr]
+        torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
+    buffers = {n: b for r in results for n, b in r["buffers"].items()}
+    assert buffers  # the BatchNorm is in some stage
+    for n, b in buffers.items():
+        torch.testing.assert_close(b, expected["buffers"][n], rtol=1e-6, atol=0, msg=n)  # type: ignore[index]
+    assert results[0]["losses"][0] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_measured_peak_of_each_stage_is_within_ten_percent_of_the_prediction() -> None:
+    results = launch(measured_peak, 2, args=("gpt", 2, 4, "gpipe"), timeout=120)
+    for plan, measured in results:
+        assert measured == pytest.approx(plan.step_peak_bytes, rel=0.10), plan
+
+
+def test_a_killed_rank_ends_the_job_with_an_error_naming_it() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(dies, 3, args=("mlp", 3), timeout=60)
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value)
+    assert time.monotonic() - start < 60
