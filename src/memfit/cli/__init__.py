@@ -1,11 +1,12 @@
-"""``memfit``: the command line. ``memfit demo``, ``memfit profile TARGET``, ``memfit bench``.
+"""``memfit``: the command line: ``demo``, ``profile TARGET``, ``pipeline TARGET``, ``bench``.
 
-One module per command (``demo``, ``profile``, ``bench``), each with ``add_parser`` and ``run``;
-the measuring they share is in ``steps`` (a training step per policy), ``activations`` (saved
-tensors by submodule), ``batch_search`` (largest batch within a budget), ``figures``, ``tables``
-and ``report`` (the JSON report and its schema). Input checks raise ``errors.CliError``, which
-:func:`main` prints as one line ``memfit: error: ...`` with exit status 2; ``--debug`` adds the
-traceback. argparse (standard library) parses, rich prints tables and progress, matplotlib draws.
+One module per command (``demo``, ``profile``, ``pipeline``, ``bench``), each with
+``add_parser`` and ``run``; the measuring they share is in ``steps`` (a training step per
+policy), ``activations`` (saved tensors by submodule), ``batch_search`` (largest batch within a
+budget), ``figures``, ``tables`` and ``report`` (the JSON report and its schema). Input checks
+raise ``errors.CliError``, which :func:`main` prints as one line ``memfit: error: ...`` with exit
+status 2; ``--debug`` adds the traceback. argparse (standard library) parses, rich prints tables
+and progress, matplotlib draws.
 
 OpenMP's wait policy: the commands time training steps, and with OpenMP's default (active)
 waiting, threads spin at every barrier; when another process holds one of the cores, a 2-thread
@@ -29,12 +30,13 @@ from memfit.cli.errors import EXIT_USAGE, CliError, first_line
 
 __all__ = ["main", "console_main", "build_parser", "CliError"]
 
-_COMMANDS = ("demo", "profile", "bench")
+_COMMANDS = ("demo", "profile", "pipeline", "bench")
 
 EXAMPLES = """\
 examples:
   memfit demo                                   # what memfit does, on a ResNet, in ~20 s
   memfit profile model.py:make --budget 2GiB    # your model: memory by layer, largest batch
+  memfit pipeline model.py:make --stages 4 --microbatches 8   # cut into pipeline stages
   memfit bench depth-sweep --quick              # the depth benchmark, small
 
 Run `memfit COMMAND --help` for each command's options and examples.
@@ -42,7 +44,7 @@ Run `memfit COMMAND --help` for each command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import bench, demo, profile
+    from memfit.cli import bench, demo, pipeline, profile
     from memfit.cli.options import HelpFormatter
 
     # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo.add_parser(sub, [common])
     profile.add_parser(sub, [common])
+    pipeline.add_parser(sub, [common])
     bench.add_parser(sub, [common])
     return parser
 

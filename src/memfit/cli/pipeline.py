@@ -1,0 +1,189 @@
+"""``memfit pipeline TARGET --stages K --microbatches M``: the plan, and with ``--run`` the run.
+
+Without ``--run`` nothing but the plan is computed (one process): the cuts, each stage's
+modules, predicted time per micro-batch and predicted peak, the step time and the bubble. With
+``--run`` K local processes (gloo, one stage each; ``memfit.pipeline.launch``) train
+``--steps`` steps with ``memfit.pipeline.Pipeline`` and the report sets the measurement beside
+the prediction: the step time (median over the steps after a first one that compiles), each
+stage's peak (exact tensor accounting on CPU, the allocator's statistics on CUDA) and the
+bubble, ``1 - M x mean stage time / step time``, where a stage's time is its forward and
+backward measured alone in its process (no communication). The loss is that of ``memfit
+profile``: the model's scalar output or ``loss`` field, else the sum of its outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from memfit.cli.errors import CliError
+from memfit.cli.options import HelpFormatter
+from memfit.units import format_bytes
+
+__all__ = ["add_parser", "run"]
+
+EXAMPLES = """\
+examples:
+  memfit pipeline model.py:make --stages 4 --microbatches 8
+  memfit pipeline model.py:make --stages 2 --microbatches 4 --budget 512MiB --schedule 1f1b
+  memfit pipeline model.py:make --stages 2 --microbatches 4 --run --steps 3
+"""
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "pipeline",
+        parents=parents,
+        help="split a model into pipeline stages; --run trains it in K local processes",
+        description="Plan a GPipe-style pipeline of TARGET (a factory returning (model, "
+        "example_inputs), the inputs being one mini-batch): where to cut, what each stage "
+        "keeps and recomputes, the predicted step time and per-stage peak. --run launches one "
+        "process per stage and reports measured against predicted.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory")
+    p.add_argument("--stages", type=int, required=True, help="number of stages (K)")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step (M)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--budget", help="bytes per device, e.g. 2GiB (default: none)")
+    p.add_argument(
+        "--optimizer-state",
+        type=float,
+        default=0.0,
+        help="optimizer state per parameter byte in the memory model (Adam: 2, default 0)",
+    )
+    p.add_argument(
+        "--run", dest="execute", action="store_true", help="train in K processes and measure"
+    )
+    p.add_argument("--steps", type=int, default=3, help="measured steps with --run (default 3)")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds before --run gives up (default 120)"
+    )
+    p.set_defaults(run=run)
+    return p
+
+
+def _inputs(spec: str) -> tuple[Any, tuple[Any, ...]]:
+    from memfit.cli.target import build_target
+
+    target = build_target(spec)
+    if target.kwargs:
+        raise CliError(f"{spec}: a pipeline takes positional inputs; the factory gave keywords")
+    return target.model, target.args
+
+
+def _loss(output: Any, target: Any) -> torch.Tensor:
+    from memfit.cli.steps import default_loss
+
+    return default_loss(output)
+
+
+def _rank(
+    rank: int,
+    spec: str,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    budget: str | None,
+    optimizer_state: float,
+    steps: int,
+) -> dict[str, Any]:
+    """One rank of ``--run``: build, plan, train; its prediction and measurements."""
+    import memfit
+    from memfit.pipeline import Pipeline
+
+    model, inputs = _inputs(spec)
+    pipe = Pipeline(
+        model,
+        inputs,
+        _loss,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget,
+        optimizer_state=optimizer_state,
+    )
+    pipe.step(*inputs)  # compiles this rank's stage
+    times, peaks = [], []
+    for _ in range(steps):
+        for p in pipe.parameters():
+            p.grad = None
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        measured = memfit.measure(lambda: pipe.step(*inputs))
+        times.append(time.perf_counter() - start)
+        peaks.append(measured.peak_bytes or 0)
+    return {
+        "plan": pipe.plan,
+        "step_seconds": statistics.median(times),
+        "peak_bytes": max(peaks),
+        "stage_seconds": pipe.time_stage_alone(),
+    }
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from memfit.pipeline import plan
+
+    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
+        if value < 1:
+            raise CliError(f"{flag} {value}: must be at least 1")
+    if args.steps < 1:
+        raise CliError(f"--steps {args.steps}: must be at least 1")
+    model, inputs = _inputs(args.target)
+    try:
+        planned = plan(
+            model,
+            inputs,
+            stages=args.stages,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            budget=args.budget,
+            optimizer_state=args.optimizer_state,
+        )
+    except ValueError as err:  # BudgetError is one: a budget no split fits, before any process
+        raise CliError(str(err)) from err
+    console.print(str(planned), highlight=False, markup=False)
+    if not args.execute:
+        return 0
+    from memfit.pipeline import launch
+
+    console.print(f"running {args.stages} processes (gloo) ...", highlight=False)
+    results = launch(
+        _rank,
+        args.stages,
+        args=(
+            args.target,
+            args.stages,
+            args.microbatches,
+            args.schedule,
+            args.budget,
+            args.optimizer_state,
+            args.steps,
+        ),
+        timeout=args.timeout,
+    )
+    step = max(r["step_seconds"] for r in results)
+    busy = statistics.fmean(r["stage_seconds"] for r in results) * args.microbatches
+    lines = [f"{'stage':>5} {'predicted peak':>15} {'measured peak':>14} {'ratio':>6}"]
+    for r in results:
+        stage_plan = r["plan"]
+        predicted = stage_plan.step_peak_bytes
+        ratio = r["peak_bytes"] / predicted if predicted else float("nan")
+        lines.append(
+            f"{stage_plan.index:>5} {format_bytes(predicted):>15} "
+            f"{format_bytes(r['peak_bytes']):>14} {ratio:>6.2f}"
+        )
+    k, m = args.stages, args.microbatches
+    lines.append(
+        f"step: measured {step * 1e3:.1f} ms, predicted {planned.step_seconds * 1e3:.1f} ms; "
+        f"bubble measured {max(0.0, 1 - busy / step):.1%}, predicted {planned.bubble:.1%}, "
+        f"(K-1)/(M+K-1) = {(k - 1) / (m + k - 1):.1%}"
+    )
+    lines.append("peaks are above what is live before a step (state and buffers excluded)")
+    console.print("\n".join(lines), highlight=False, markup=False)
+    return 0

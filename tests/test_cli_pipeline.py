@@ -1,0 +1,39 @@
+"""``memfit pipeline``: the plan printed, bad input refused in one line, ``--run`` measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from clitools import run_memfit
+from memfit.cli import main
+
+FACTORY = "tests/cli_factories.py:tiny_mlp"
+
+
+def test_the_plan_is_printed_without_running_anything() -> None:
+    done = run_memfit("pipeline", FACTORY, "--stages", "2", "--microbatches", "4")
+    assert done.returncode == 0, done.stderr
+    assert "2 stages, 4 micro-batches, gpipe" in done.stdout
+    assert "bubble" in done.stdout and "measured" not in done.stdout
+
+
+def test_arguments_no_pipeline_can_honour_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for args, message in (
+        (("--stages", "50", "--microbatches", "4"), "candidate cuts"),
+        (("--stages", "2", "--microbatches", "4", "--budget", "1KiB"), "smallest per-device"),
+        (("--stages", "3", "--microbatches", "2", "--schedule", "1f1b"), "1F1B needs"),
+    ):
+        assert main(["pipeline", FACTORY, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
+def test_run_trains_in_k_processes_and_sets_measured_beside_predicted() -> None:
+    done = run_memfit(
+        "pipeline", FACTORY, "--stages", "2", "--microbatches", "4", "--run", "--steps", "2"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "predicted peak" in done.stdout and "measured peak" in done.stdout
+    assert "step: measured" in done.stdout
