@@ -50,10 +50,20 @@ def train(
     }
 
 
-def measured_peak(rank: int, name: str, stages: int, microbatches: int, schedule: str) -> Any:
+def measured_peak(
+    rank: int, name: str, stages: int, microbatches: int, schedule: str, budget: int | None
+) -> Any:
     """Predicted and measured peak of a step (after a first step that compiles)."""
     model, x, target, loss_fn = build(name)
-    pipe = Pipeline(model, x, loss_fn, stages=stages, microbatches=microbatches, schedule=schedule)
+    pipe = Pipeline(
+        model,
+        x,
+        loss_fn,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget,
+    )
     pipe.step(x, target=target)
     for p in pipe.parameters():
         p.grad = None

@@ -130,9 +130,22 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
         with torch.enable_grad():
             out = compiled(*example_inputs)
     except Exception as exc:
+        reasons: list[str] = []
+        cause: BaseException | None = exc
+        while cause is not None and len(reasons) < 4:
+            text = str(cause).strip()
+            if text:
+                reasons.append(text.splitlines()[0])
+            cause = cause.__cause__
+        hint = (
+            "; Dynamo compiled this forward too many times in this process (a new model or "
+            "shape each time): call torch.compiler.reset() before planning again"
+            if any("recompile limit" in r.lower() or "recompile_limit" in r for r in reasons)
+            else ""
+        )
         raise PipelineCaptureError(
             f"memfit.pipeline needs {type(model).__name__}'s forward as one graph to cut it into "
-            f"stages, and Dynamo could not capture it whole: {str(exc).splitlines()[0]}"
+            f"stages, and Dynamo could not capture it whole: {' <- '.join(reasons)}{hint}"
         ) from exc
     finally:
         with torch.no_grad():

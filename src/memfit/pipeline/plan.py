@@ -63,7 +63,9 @@ __all__ = [
     "microbatch",
     "plan",
     "plan_stage",
+    "refuse",
     "stage_inputs",
+    "step_peak",
 ]
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -77,6 +79,17 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     if schedule == "gpipe":
         return microbatches
     return min(microbatches, stages - stage)
+
+
+def step_peak(
+    schedule: str, microbatches: int, flight: int, each: int, transient: int, grads: int
+) -> int:
+    """A stage's peak during a step; see :attr:`StagePlan.step_peak_bytes`."""
+    if microbatches == 1:
+        return transient
+    if schedule == "1f1b" and microbatches > flight:
+        return (flight - 1) * each + transient + grads
+    return (flight - 2) * each + transient + max(each, grads)
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class StagePlan:
     #: the last stage sends nothing: its "sent" bytes are the model's outputs, held per
     #: micro-batch until the loss's backward, with no gradient buffer
     is_last: bool = False
+    schedule: str = "gpipe"
 
     @property
     def first_module(self) -> str:
@@ -132,9 +146,25 @@ class StagePlan:
 
     @property
     def step_peak_bytes(self) -> int:
-        """Peak above what is live before a step (gradients not yet allocated)."""
-        held = (self.in_flight - 1) * (self.kept_bytes + self.send_bytes)
-        return held + self.transient_bytes
+        """Peak above what is live before a step (gradients not yet allocated).
+
+        ``transient_bytes`` is memfit's prediction for one micro-batch's forward and backward,
+        its parameter gradients included. Around it: the other micro-batches in flight, each
+        holding what the plan keeps and its outputs; and, from the second backward on, the
+        gradients accumulated so far, alive beside the new ones the backward makes. Under
+        GPipe the first backward has ``M - 1`` others in flight and no gradients yet, the
+        second ``M - 2`` and the gradients; under 1F1B with more micro-batches than stages, a
+        new forward refills the stage after each backward, so later backwards run beside
+        ``in_flight - 1`` others and the gradients.
+        """
+        return step_peak(
+            self.schedule,
+            self.microbatches,
+            self.in_flight,
+            self.kept_bytes + self.send_bytes,
+            self.transient_bytes,
+            self.parameter_bytes,
+        )
 
     @property
     def peak_bytes(self) -> int:
@@ -305,8 +335,13 @@ def choose_cuts(
     budget: int | None,
     optimizer_state: float,
     bandwidth: float | None,
+    refused: frozenset[tuple[int, int, int]] = frozenset(),
 ) -> list[int]:
-    """Node positions of the ``stages - 1`` cuts minimising the predicted step (exact)."""
+    """Node positions of the ``stages - 1`` cuts minimising the predicted step (exact).
+
+    ``refused``: ``(stage, first node, end node)`` spans memfit's planner could not fit in the
+    budget although the search's model said they would; the search avoids them.
+    """
     costs = search.costs
     n = costs.count
     if stages > n:
@@ -334,24 +369,33 @@ def choose_cuts(
 
     # state held by a stage over items [i, j): a union of names, summed once per interval
     held: dict[tuple[int, int], int] = {}
+    grads: dict[tuple[int, int], int] = {}
     for i in range(n):
         names: set[str] = set()
-        total = 0
+        total = params_total = 0
         for j in range(i + 1, n + 1):
             new = costs.state[j - 1] - names
             if new:
                 params, buffers, opt = _state_bytes(search, new, optimizer_state)
-                total += 2 * params + buffers + opt
+                total += params + buffers + opt
+                params_total += params
                 names |= new
             held[i, j] = total
+            grads[i, j] = params_total
+
+    over = float(budget or 0) + 1.0
 
     def stage_memory(s: int, i: int, j: int) -> float:
+        if (s, bounds[i], bounds[j]) in refused:
+            return over
         flight = in_flight(schedule, s, stages, microbatches)
+        # GPipe's stage: nothing kept but what crosses the cuts; one micro-batch's activations
+        # (all recomputed) and its gradients while its backward runs
+        transient = act[j] - act[i] + grads[i, j]
         return (
             held[i, j]
             + microbatches * (received(i) + (sent(j) if j < n else 0))
-            + flight * sent(j)
-            + (act[j] - act[i])
+            + step_peak(schedule, microbatches, flight, sent(j), transient, grads[i, j])
         )
 
     try:
@@ -364,6 +408,13 @@ def choose_cuts(
             capacity=budget,
         )
     except CapacityError as exc:
+        if refused:
+            raise BudgetError(
+                f"no split into {stages} stages fits {format_bytes(budget or 0)} per device: "
+                f"memfit's planner could not fit {len(refused)} stage spans the search proposed, "
+                "and no other split fits the search's own estimate",
+                budget_bytes=budget,
+            ) from None
         raise BudgetError(
             f"no split into {stages} stages fits {format_bytes(budget or 0)} per device, even "
             f"with every activation recomputed inside the stages; the smallest per-device "
@@ -451,14 +502,17 @@ def plan_stage(
     frontier = graph_plan.pareto()
     fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
 
+    def peak_of(p: ParetoPoint) -> int:
+        return step_peak(schedule, microbatches, flight, p.kept_bytes + send, p.peak_bytes, params)
+
     def fits(p: ParetoPoint) -> bool:
         if budget is None:
             return True
-        return fixed + (flight - 1) * (p.kept_bytes + send) + p.peak_bytes <= budget
+        return fixed + peak_of(p) <= budget
 
     point = _choose_point(frontier, fits)
     if point is None:
-        least = min(fixed + (flight - 1) * (p.kept_bytes + send) + p.peak_bytes for p in frontier)
+        least = min(fixed + peak_of(p) for p in frontier)
         raise BudgetError(
             f"stage {stage.index} ({stage.modules[0] if stage.modules else '?'} ..) does not fit "
             f"{format_bytes(budget or 0)}: its least predicted peak with memfit's plan is "
@@ -494,7 +548,31 @@ def plan_stage(
         transfer_seconds=transfer,
         budget_bytes=point.peak_bytes,
         is_last=last,
+        schedule=schedule,
     )
+
+
+#: how many stage spans memfit's planner may refuse before the search gives up
+MAX_REFUSALS = 16
+
+
+def refuse(
+    refused: set[tuple[int, int, int]], stage: StageGraph, err: BudgetError, stages: int
+) -> None:
+    """Note a span the planner could not fit; raise ``err`` once too many were refused.
+
+    The cut search's stage model (GPipe's: everything recomputed) is an estimate; memfit's
+    planner, which decides what the stage really keeps, may need more. Then the search runs
+    again without that span, until a split whose every stage the planner fits is found.
+    """
+    refused.add((stage.index, stage.start, stage.end))
+    if len(refused) > max(MAX_REFUSALS, 2 * stages):
+        raise BudgetError(
+            f"{err} (and {len(refused) - 1} other stage spans the search proposed did not fit "
+            "either)",
+            budget_bytes=err.budget_bytes,
+            smallest_bytes=err.smallest_bytes,
+        )
 
 
 def plan(
@@ -533,15 +611,22 @@ def plan(
         optimizer_state=optimizer_state,
         bandwidth=bandwidth,
     )
-    cuts = choose_cuts(search, **options)  # type: ignore[arg-type]
-    graphs = split_stages(search.captured, cuts)
-    examples = stage_inputs(graphs, micro, search.captured)
-    planned = tuple(
-        plan_stage(search, g, x, **options)  # type: ignore[arg-type]
-        for g, x in zip(graphs, examples)
-    )
+    refused: set[tuple[int, int, int]] = set()
+    while True:
+        cuts = choose_cuts(search, refused=frozenset(refused), **options)  # type: ignore[arg-type]
+        graphs = split_stages(search.captured, cuts)
+        examples = stage_inputs(graphs, micro, search.captured)
+        planned: list[StagePlan] = []
+        for g, x in zip(graphs, examples):
+            try:
+                planned.append(plan_stage(search, g, x, **options))  # type: ignore[arg-type]
+            except BudgetError as err:
+                refuse(refused, g, err, stages)
+                break
+        else:
+            break
     return PipelinePlan(
-        stages=planned,
+        stages=tuple(planned),
         schedule=schedule,
         microbatches=microbatches,
         cuts=tuple(cuts),

@@ -44,6 +44,7 @@ from memfit.pipeline.plan import (
     choose_cuts,
     microbatch,
     plan_stage,
+    refuse,
     stage_inputs,
 )
 from memfit.planning.budget import BudgetError
@@ -117,11 +118,25 @@ class Pipeline:
             optimizer_state=optimizer_state,
             bandwidth=bandwidth,
         )
-        cuts = self._agree_on_cuts(search, options)
-        graphs = split_stages(search.captured, cuts)
-        examples = stage_inputs(graphs, micro, search.captured)
-        mine = graphs[self.rank]
-        self.plan: StagePlan = plan_stage(search, mine, examples[self.rank], **options)
+        refused: set[tuple[int, int, int]] = set()
+        while True:  # see plan.refuse: the search's stage model is checked by memfit's planner
+            cuts = self._agree_on_cuts(search, options, frozenset(refused))
+            graphs = split_stages(search.captured, cuts)
+            examples = stage_inputs(graphs, micro, search.captured)
+            mine = graphs[self.rank]
+            failure: tuple[str, int | None] | None = None
+            try:
+                self.plan: StagePlan = plan_stage(search, mine, examples[self.rank], **options)
+            except BudgetError as err:
+                failure = (str(err), err.smallest_bytes)
+            failures: list[Any] = [None] * stages
+            dist.all_gather_object(failures, failure, group=group)
+            if all(f is None for f in failures):
+                break
+            for s, f in enumerate(failures):
+                if f is not None:
+                    refusal = BudgetError(f[0], budget_bytes=budget_bytes, smallest_bytes=f[1])
+                    refuse(refused, graphs[s], refusal, stages)
         self._example_inputs = examples[self.rank]
         self.graph: StageGraph = mine
         from memfit.execution.module import checkpoint
@@ -161,12 +176,14 @@ class Pipeline:
             return group_rank
         return dist.get_global_rank(self._group, group_rank)
 
-    def _agree_on_cuts(self, search: Any, options: dict[str, Any]) -> list[int]:
+    def _agree_on_cuts(
+        self, search: Any, options: dict[str, Any], refused: frozenset[tuple[int, int, int]]
+    ) -> list[int]:
         """Rank 0 searches; every rank gets its cuts, or its error, so all fail alike."""
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                payload[0] = ("ok", choose_cuts(search, **options))
+                payload[0] = ("ok", choose_cuts(search, refused=refused, **options))
             except (BudgetError, ValueError) as exc:
                 smallest = getattr(exc, "smallest_bytes", None)
                 payload[0] = (type(exc).__name__, str(exc), smallest)
