@@ -22,32 +22,31 @@ def train(
     name: str,
     stages: int,
     microbatches: int,
-    schedule: str,
+    schedules: tuple[str, ...] = ("gpipe", "1f1b"),
     budget: int | None = None,
-    steps: int = 1,
-) -> dict[str, Any]:
-    """Plan the pipeline, run ``steps`` steps; report cuts, losses, gradients, buffers."""
-    model, x, target, loss_fn = build(name)
-    pipe = Pipeline(
-        model,
-        x,
-        loss_fn,
-        stages=stages,
-        microbatches=microbatches,
-        schedule=schedule,
-        budget=budget,
-    )
-    torch.manual_seed(SEED + rank)
-    losses = []
-    for _ in range(steps):
-        losses.append(pipe.step(x, target=target).item())
-    return {
-        "start": pipe.graph.start,
-        "end": pipe.graph.end,
-        "losses": losses,
-        "grads": {n: p.grad.detach().clone() for n, p in pipe.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in pipe.module.named_buffers()},
-    }
+) -> dict[str, dict[str, Any]]:
+    """Per schedule, on a fresh model: plan, one step; report cuts, loss, gradients, buffers."""
+    out = {}
+    for schedule in schedules:
+        model, x, target, loss_fn = build(name)
+        pipe = Pipeline(
+            model,
+            x,
+            loss_fn,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            budget=budget,
+        )
+        torch.manual_seed(SEED + rank)
+        loss = pipe.step(x, target=target).item()
+        out[schedule] = {
+            "start": pipe.graph.start,
+            "loss": loss,
+            "grads": {n: p.grad.detach().clone() for n, p in pipe.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in pipe.module.named_buffers()},
+        }
+    return out
 
 
 def measured_peak(
