@@ -1,6 +1,6 @@
 """``memfit.pipeline.plan``: where to cut a model into K stages, and what each stage will cost.
 
-The cut is chosen exactly (``balancing.balance_intervals``) over the candidate cuts of the
+The cut is chosen exactly (``intervals.balance_intervals``) over the candidate cuts of the
 captured forward (``partition.item_boundaries``) for the predicted step time of the schedule,
 ``(M - 1) * slowest stage + sum of stages``, with every stage's predicted peak within the
 per-device budget. The stage model used for the search is GPipe's: a stage keeps, per micro-batch
@@ -8,8 +8,10 @@ in flight, only what crosses its cuts and recomputes the rest in backward, so wh
 micro-batch's backward runs it holds that micro-batch's activations (``costs``). Then each stage
 gets memfit's own plan: the stage's graph is planned by memfit's planner (its Pareto frontier of
 peak against recomputation), and the point with the least recomputation whose predicted peak,
-with the other micro-batches in flight, fits the budget is kept. Without a budget every stage
-keeps everything (the fastest plan).
+with the other micro-batches in flight, fits the budget is kept (re-planned at that budget, which
+may keep less: its numbers are the prediction). A span the planner cannot fit within the budget
+is refused and the search runs again without it (``refuse``). Without a budget every stage keeps
+everything (the fastest plan).
 
 What a stage holds, in the terms of the table this module prints (per device):
 
@@ -21,7 +23,9 @@ What a stage holds, in the terms of the table this module prints (per device):
 * in flight: micro-batches whose forward has run and whose backward has not, each holding what
   the stage's plan keeps plus its outputs: ``M`` of them under GPipe, at most ``K - s`` under
   1F1B (stage ``s``);
-* the transient of one micro-batch's forward and backward, as memfit's simulator predicts it.
+* the transient of one micro-batch's forward and backward, as memfit's simulator predicts it,
+  and from the second backward on the gradients accumulated so far beside the new ones
+  (``step_peak``).
 
 Time per micro-batch is profiled forward time times three (forward, backward at twice the
 forward) plus the recomputation the plan does, plus, when ``bandwidth`` is given, the transfer of
@@ -57,7 +61,11 @@ from memfit.units import format_bytes
 __all__ = [
     "SCHEDULES",
     "PipelinePlan",
+    "Search",
     "StagePlan",
+    "budget_per_device",
+    "check_arguments",
+    "prepare_search",
     "choose_cuts",
     "in_flight",
     "microbatch",
@@ -262,7 +270,7 @@ def microbatch(example_inputs: tuple[Any, ...], microbatches: int) -> tuple[Any,
     )
 
 
-def _check(stages: int, microbatches: int, schedule: str, optimizer_state: float) -> None:
+def check_arguments(stages: int, microbatches: int, schedule: str, optimizer_state: float) -> None:
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -278,7 +286,7 @@ def _check(stages: int, microbatches: int, schedule: str, optimizer_state: float
         raise ValueError("optimizer_state must be >= 0 bytes per parameter byte")
 
 
-def _budget_bytes(budget: int | str | None) -> int | None:
+def budget_per_device(budget: int | str | None) -> int | None:
     if budget is None:
         return None
     parsed = parse_budget(budget)
@@ -291,8 +299,12 @@ def _budget_bytes(budget: int | str | None) -> int | None:
 
 
 @dataclass
-class _Search:
-    """The captured forward and its profiled items: what the cut search reads."""
+class Search:
+    """The captured forward and its profiled items: what the cut search reads.
+
+    Made once per model (``prepare_search``: capture, candidate cuts, profiling); the search,
+    the split and every stage's plan read it.
+    """
 
     captured: CapturedForward
     costs: ItemCosts
@@ -300,18 +312,18 @@ class _Search:
     output_bytes: int
 
 
-def _prepare(model: nn.Module, micro: tuple[Any, ...], max_items: int) -> _Search:
+def prepare_search(model: nn.Module, micro: tuple[Any, ...], max_items: int) -> Search:
     captured = capture_forward(model, micro)
     boundaries = item_boundaries(captured, max_items)
     costs = measure_items(captured, captured.placeholder_values, boundaries)
     output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
     outputs = [a for a in output_node.all_input_nodes]
     output_bytes = sum(tensor_bytes(a.meta.get("example_value")) for a in outputs)
-    return _Search(captured, costs, crossing_bytes(captured), output_bytes)
+    return Search(captured, costs, crossing_bytes(captured), output_bytes)
 
 
 def _state_bytes(
-    search: _Search, names: set[str] | frozenset[str], optimizer_state: float
+    search: Search, names: set[str] | frozenset[str], optimizer_state: float
 ) -> tuple[int, int, int]:
     params = sum(
         tensor_bytes(search.captured.tensors[n])
@@ -327,7 +339,7 @@ def _state_bytes(
 
 
 def choose_cuts(
-    search: _Search,
+    search: Search,
     *,
     stages: int,
     microbatches: int,
@@ -477,7 +489,7 @@ def _choose_point(
 
 
 def plan_stage(
-    search: _Search,
+    search: Search,
     stage: StageGraph,
     inputs: tuple[torch.Tensor, ...],
     *,
@@ -598,11 +610,11 @@ def plan(
     ``plan`` and ``Pipeline`` take the same arguments. Changes nothing in the model.
     """
     del loss_fn
-    _check(stages, microbatches, schedule, optimizer_state)
-    budget_bytes = _budget_bytes(budget)
+    check_arguments(stages, microbatches, schedule, optimizer_state)
+    budget_bytes = budget_per_device(budget)
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch(inputs, microbatches)
-    search = _prepare(model, micro, max_items)
+    search = prepare_search(model, micro, max_items)
     options = dict(
         stages=stages,
         microbatches=microbatches,

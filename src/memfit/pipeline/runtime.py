@@ -38,12 +38,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from memfit.pipeline.partition import StageGraph, split_stages
 from memfit.pipeline.plan import (
     StagePlan,
-    _budget_bytes,
-    _check,
-    _prepare,
+    budget_per_device,
+    check_arguments,
     choose_cuts,
     microbatch,
     plan_stage,
+    prepare_search,
     refuse,
     stage_inputs,
 )
@@ -94,7 +94,7 @@ class Pipeline:
                 "torch.distributed.init_process_group first (memfit.pipeline.launch does it for "
                 "local runs)"
             )
-        _check(stages, microbatches, schedule, optimizer_state)
+        check_arguments(stages, microbatches, schedule, optimizer_state)
         world = dist.get_world_size(group)
         if world != stages:
             raise ValueError(f"{stages} stages need {stages} ranks; the process group has {world}")
@@ -105,10 +105,10 @@ class Pipeline:
         self._group = group
         self._loss_fn = loss_fn
         self._no_target = False
-        budget_bytes = _budget_bytes(budget)
+        budget_bytes = budget_per_device(budget)
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         micro = microbatch(inputs, microbatches)
-        search = _prepare(model, micro, max_items)
+        search = prepare_search(model, micro, max_items)
         self._captured = search.captured
         options: dict[str, Any] = dict(
             stages=stages,
