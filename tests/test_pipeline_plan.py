@@ -12,7 +12,7 @@ from pipeline_models import build
 
 
 def test_a_plan_has_k_contiguous_stages_covering_the_graph_and_prints_a_table() -> None:
-    model, x, target, loss_fn = build("gpt")
+    model, x, target, loss_fn = build("skip")
     before = {n: t.clone() for n, t in model.state_dict().items()}
     planned = plan(model, x, loss_fn, stages=3, microbatches=4)
     assert len(planned.stages) == 3
@@ -20,7 +20,7 @@ def test_a_plan_has_k_contiguous_stages_covering_the_graph_and_prints_a_table() 
     for a, b in zip(planned.stages, planned.stages[1:]):
         assert a.end == b.start
     assert [s.start for s in planned.stages[1:]] == list(planned.cuts)
-    assert planned.stages[0].first_module == "emb" and planned.stages[-1].last_module == "head"
+    assert planned.stages[0].first_module == "inp" and planned.stages[-1].last_module == "out"
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())  # unchanged
     text = str(planned)
     assert "3 stages, 4 micro-batches" in text and "bubble" in text
