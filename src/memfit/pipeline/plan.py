@@ -224,8 +224,8 @@ class PipelinePlan:
             f"memfit pipeline: {k} stages, {self.microbatches} micro-batches, "
             f"{self.schedule}, budget {budget} per device "
             f"({self.candidate_cuts} candidate cuts)",
-            f"{'stage':>5}  {'modules':<32} {'time/mb':>9} {'state':>10} {'buffers':>10} "
-            f"{'in flight':>9} {'kept/mb':>10} {'peak':>10}",
+            f"{'stage':>5} {'time/mb':>9} {'state':>10} {'buffers':>10} "
+            f"{'in flight':>9} {'kept/mb':>10} {'peak':>10}  modules",
         ]
         for s in self.stages:
             span = (
@@ -234,10 +234,10 @@ class PipelinePlan:
                 else (f"{s.first_module} .. {s.last_module}")
             )
             lines.append(
-                f"{s.index:>5}  {span[:32]:<32} {s.time_seconds * 1e3:>7.2f}ms "
+                f"{s.index:>5} {s.time_seconds * 1e3:>7.2f}ms "
                 f"{format_bytes(s.state_bytes):>10} {format_bytes(s.buffers_bytes):>10} "
                 f"{s.in_flight:>9} {format_bytes(s.kept_bytes):>10} "
-                f"{format_bytes(s.peak_bytes):>10}"
+                f"{format_bytes(s.peak_bytes):>10}  {span}"
             )
         lines.append(
             f"predicted step {self.step_seconds * 1e3:.2f} ms, bubble {self.bubble:.1%} "
