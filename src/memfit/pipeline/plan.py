@@ -312,10 +312,17 @@ class Search:
     output_bytes: int
 
 
-def prepare_search(model: nn.Module, micro: tuple[Any, ...], max_items: int) -> Search:
+def prepare_search(
+    model: nn.Module, micro: tuple[Any, ...], max_items: int, repeats: int = 3
+) -> Search:
+    """Capture ``model`` on one micro-batch, choose candidate cuts, profile the items.
+
+    ``repeats``: profiled runs (the median is kept); 1 when the times will come from elsewhere
+    (ranks other than 0 take rank 0's).
+    """
     captured = capture_forward(model, micro)
     boundaries = item_boundaries(captured, max_items)
-    costs = measure_items(captured, captured.placeholder_values, boundaries)
+    costs = measure_items(captured, captured.placeholder_values, boundaries, repeats=repeats)
     output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
     outputs = [a for a in output_node.all_input_nodes]
     output_bytes = sum(tensor_bytes(a.meta.get("example_value")) for a in outputs)

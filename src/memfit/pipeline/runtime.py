@@ -25,6 +25,7 @@ micro-batches, not of one step on the mini-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from memfit.pipeline.costs import measure_items
 from memfit.pipeline.partition import StageGraph, split_stages
 from memfit.pipeline.plan import (
     StagePlan,
@@ -108,7 +110,14 @@ class Pipeline:
         budget_bytes = budget_per_device(budget)
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         micro = microbatch(inputs, microbatches)
-        search = prepare_search(model, micro, max_items)
+        # Every rank captures and measures bytes; only rank 0's times count, taken while the
+        # other ranks wait (on 2 cores, ranks profiling at once time each other's contention).
+        search = prepare_search(model, micro, max_items, repeats=1)
+        dist.barrier(group=group)
+        if self.rank == 0:
+            search.costs = measure_items(
+                search.captured, search.captured.placeholder_values, search.costs.boundaries
+            )
         self._captured = search.captured
         options: dict[str, Any] = dict(
             stages=stages,
@@ -183,13 +192,15 @@ class Pipeline:
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                payload[0] = ("ok", choose_cuts(search, refused=refused, **options))
+                cuts = choose_cuts(search, refused=refused, **options)
+                payload[0] = ("ok", cuts, search.costs.forward_seconds)
             except (BudgetError, ValueError) as exc:
                 smallest = getattr(exc, "smallest_bytes", None)
                 payload[0] = (type(exc).__name__, str(exc), smallest)
         dist.broadcast_object_list(payload, src=self._global_rank(0), group=self._group)
         kind, *rest = payload[0]
         if kind == "ok":
+            search.costs = dataclasses.replace(search.costs, forward_seconds=list(rest[1]))
             return list(rest[0])
         if kind == "BudgetError":
             raise BudgetError(rest[0], budget_bytes=options["budget"], smallest_bytes=rest[1])
