@@ -245,3 +245,25 @@ def test_infeasible_budget_raises_with_the_smallest() -> None:
         wrapped(*args, **kwargs)
     assert info.value.smallest_bytes == smallest
     assert f"{smallest} bytes" in str(info.value)
+
+
+def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
+    """``torch.compile(memfit.checkpoint(m))``: the outer compile steps around memfit's forward
+    (it would otherwise trace through it and run the model unplanned, keeping everything)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(256, 128)
+    plain = memfit.measure(lambda: model(x).sum().backward())
+    expected = [p.grad.clone() for p in model.parameters()]
+    wrapped = memfit.checkpoint(model, "memory")
+    outer = torch.compile(wrapped)
+    for p in model.parameters():
+        p.grad = None
+    outer(x).sum().backward()  # first call: capture and plan
+    for p in model.parameters():
+        p.grad = None
+    step = memfit.measure(lambda: outer(x).sum().backward())
+    assert wrapped.plan.recomputed  # memfit planned the step
+    assert (step.peak_bytes or 0) < 0.9 * (plain.peak_bytes or 0)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)

@@ -124,6 +124,7 @@ class CheckpointedModule(nn.Module):
         self.training = mode
         return self
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         global _capturing
         _capturing += 1
