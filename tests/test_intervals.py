@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
 import time
 
@@ -126,3 +127,18 @@ def test_two_hundred_items_in_sixteen_stages_is_quick() -> None:
     )
     assert sum(sizes) == 200 and len(sizes) == 16
     assert time.perf_counter() - start < 30  # generous: a hang or a blow-up fails, noise not
+
+
+def test_one_micro_batch_stops_at_the_least_sum_and_the_error_pickles() -> None:
+    rng = random.Random(1)
+    costs = [rng.random() for _ in range(200)]
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    start = time.perf_counter()
+    sizes = balance_intervals(
+        200, 16, microbatches=1, stage_time=lambda i, j: prefix[j] - prefix[i]
+    )
+    assert len(sizes) == 16 and time.perf_counter() - start < 10  # every bound took 25 s
+    error = pickle.loads(pickle.dumps(CapacityError("no fit", 12.5)))
+    assert isinstance(error, CapacityError) and error.least_capacity == 12.5

@@ -17,8 +17,9 @@ The optimum's slowest stage ``B`` is one of the interval times. For a bound ``B`
 true step of the partition found from above, and is exact at the optimum's own ``B``, so the
 least ``T(B)`` over candidate bounds is the optimum. Bounds are tried in increasing order from
 the least feasible one (found by bisection), and the walk stops once ``(M - 1) * B`` plus the
-least sum any partition has cannot beat the best found: with small transfer costs that is after
-a few bounds; the worst case tries all ``O(n^2)`` interval times (``O(K n^4)``).
+least sum any partition has cannot beat the best found, or once the sum within the bound is that
+least sum (no larger bound can lower it): with small transfer costs that is after a few bounds;
+the worst case tries all ``O(n^2)`` interval times (``O(K n^4)``).
 
 Ties: the smallest slowest stage among equal step times, then the earliest cuts (the
 lexicographically smallest cut positions), as in ``balancing``.
@@ -43,6 +44,10 @@ class CapacityError(ValueError):
     def __init__(self, message: str, least_capacity: float) -> None:
         super().__init__(message)
         self.least_capacity = least_capacity
+
+    def __reduce__(self) -> tuple[type, tuple[str, float]]:
+        # pickled by launch() when a rank raises it: keep least_capacity
+        return (type(self), (str(self), self.least_capacity))
 
 
 def _check(n: int, stages: int, microbatches: int) -> None:
@@ -185,9 +190,12 @@ def balance_intervals(
         rest = _least_sums(times, within, stages)
         if not math.isfinite(rest[0, 0]):
             continue
-        step = (microbatches - 1) * bound + float(rest[0, 0])
+        total = float(rest[0, 0])
+        step = (microbatches - 1) * bound + total
         if best is None or step < best[0] - _TOLERANCE * max(1.0, best[0]):
             best = (step, bound, _earliest(times, within, rest, stages))
+        if total <= least_sum + _TOLERANCE * max(1.0, least_sum):
+            break  # larger bounds cannot lower the sum, only raise (M - 1) * bound
     assert best is not None  # the least feasible bound has a partition
     return best[2]
 
