@@ -12,10 +12,10 @@ from pipeline_workers import raises_on_rank_one, sleeps, summed
 
 
 def test_results_come_back_in_rank_order_with_their_tensors() -> None:
-    results = launch(summed, 3, timeout=60)
-    assert [int(r["rank"]) for r in results] == [0, 1, 2]
+    results = launch(summed, 2, timeout=60)
+    assert [int(r["rank"]) for r in results] == [0, 1]
     for r in results:
-        assert torch.equal(r["sum"], torch.full((3,), 6.0))
+        assert torch.equal(r["sum"], torch.full((3,), 3.0))
 
 
 def test_a_rank_that_raises_ends_every_rank_and_is_named() -> None:

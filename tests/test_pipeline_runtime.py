@@ -56,7 +56,7 @@ def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize(("name", "stages"), [("mlp", 2), ("gpt", 3)])
+@pytest.mark.parametrize(("name", "stages"), [("mlp", 2), ("gpt", 2)])
 def test_gradients_equal_plain_pytorch_on_the_mini_batch(name: str, stages: int) -> None:
     """GPipe and 1F1B (run one after the other in the same processes)."""
     results = launch(train, stages, args=(name, stages, 4), timeout=180)
