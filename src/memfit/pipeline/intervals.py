@@ -46,7 +46,7 @@ class CapacityError(ValueError):
         self.least_capacity = least_capacity
 
     def __reduce__(self) -> tuple[type, tuple[str, float]]:
-        # pickled by launch() when a rank raises it: keep least_capacity
+        # keep least_capacity when the error is pickled (between processes, by any caller)
         return (type(self), (str(self), self.least_capacity))
 
 
