@@ -28,6 +28,7 @@ from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
 from memfit.execution.backend import StepBudget, make_backend
+from memfit.execution.state import preserved
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import BUDGET, Policy, parse_policy
@@ -241,17 +242,6 @@ def plan(
     plan fits.
     """
     wrapped = checkpoint(model, budget=budget, attention=attention)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        with torch.enable_grad():
-            wrapped(*example_inputs, **example_kwargs)
-    finally:
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    with preserved(model.buffers()), torch.enable_grad():
+        wrapped(*example_inputs, **example_kwargs)
     return wrapped.plan

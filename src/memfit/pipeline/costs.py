@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memfit.execution.state import preserved
 from memfit.pipeline.partition import CapturedForward, tensor_bytes
 
 __all__ = ["ItemCosts", "measure_items"]
@@ -78,26 +79,14 @@ def measure_items(
     example micro-batch). Buffers and random states are restored afterwards, so profiling
     leaves BatchNorm statistics and later dropout masks as they were.
     """
-    model_buffers = [t for n, t in captured.tensors.items() if n not in captured.parameter_names]
-    saved = [(b, b.detach().clone()) for b in model_buffers]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     runs: list[dict[fx.Node, float]] = []
     created: dict[fx.Node, int] = {}
-    try:
-        with torch.no_grad():
-            for _ in range(max(1, repeats)):
-                timer = _Timer(captured.graph)
-                timer.run(*placeholder_values)
-                runs.append(timer.seconds)
-                created = timer.created
-    finally:
-        with torch.no_grad():
-            for buf, value in saved:
-                buf.copy_(value)
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    with preserved(captured.buffers), torch.no_grad():
+        for _ in range(max(1, repeats)):
+            timer = _Timer(captured.graph)
+            timer.run(*placeholder_values)
+            runs.append(timer.seconds)
+            created = timer.created
     seconds = {node: statistics.median(run.get(node, 0.0) for run in runs) for node in runs[0]}
     forward, memory, state = [], [], []
     for start, end in zip(boundaries, boundaries[1:]):

@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from memfit._compat import tree_flatten, tree_unflatten
+from memfit.execution.state import preserved
 
 __all__ = [
     "CapturedForward",
@@ -68,6 +69,11 @@ class CapturedForward:
     parameter_names: frozenset[str] = field(default_factory=frozenset)
     #: the graph's inputs in placeholder order (parameters, buffers and the example inputs)
     placeholder_values: list[Any] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The model's buffers the graph reads (BatchNorm statistics): what a run may change."""
+        return [t for n, t in self.tensors.items() if n not in self.parameter_names]
 
     def rebuild_output(self, flat: Sequence[Any]) -> Any:
         """The model's output structure from the graph's flat outputs (the last stage's)."""
@@ -122,12 +128,9 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
 
         return run
 
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     try:
-        with torch.enable_grad():
+        with preserved(model.buffers()), torch.enable_grad():
             out = compiled(*example_inputs)
     except Exception as exc:
         reasons: list[str] = []
@@ -147,13 +150,6 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
             f"memfit.pipeline needs {type(model).__name__}'s forward as one graph to cut it into "
             f"stages, and Dynamo could not capture it whole: {' <- '.join(reasons)}{hint}"
         ) from exc
-    finally:
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
     if "gm" not in captured:
         raise PipelineCaptureError(
             "Dynamo reused an earlier compilation of this model instead of capturing it; "

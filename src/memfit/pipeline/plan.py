@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from memfit.execution.state import preserved
 from memfit.pipeline.balancing import pipeline_step_time
 from memfit.pipeline.costs import ItemCosts, measure_items
 from memfit.pipeline.intervals import CapacityError, balance_intervals
@@ -455,34 +456,25 @@ def stage_inputs(
 
     Run without gradients and with buffers and random states restored, so it changes nothing.
     """
-    buffers = [t for n, t in captured.tensors.items() if n not in captured.parameter_names]
-    saved = [(b, b.detach().clone()) for b in buffers]
-    cpu_rng = torch.random.get_rng_state()
     values = {
         node: v
         for node, v in zip(captured.inputs, [t for t in micro if isinstance(t, torch.Tensor)])
     }
     result = []
-    try:
-        with torch.no_grad():
-            for stage in stages:
-                args = tuple(values[v] for v in stage.receives)
-                result.append(
-                    tuple(
-                        a.detach().requires_grad_(bool(v.meta["example_value"].requires_grad))
-                        if a.is_floating_point()
-                        else a
-                        for a, v in zip(args, stage.receives)
-                    )
+    with preserved(captured.buffers), torch.no_grad():
+        for stage in stages:
+            args = tuple(values[v] for v in stage.receives)
+            result.append(
+                tuple(
+                    a.detach().requires_grad_(bool(v.meta["example_value"].requires_grad))
+                    if a.is_floating_point()
+                    else a
+                    for a, v in zip(args, stage.receives)
                 )
-                out = stage.module(*args)
-                if stage.sends:
-                    values.update(zip(stage.sends, out))
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
-        torch.random.set_rng_state(cpu_rng)
+            )
+            out = stage.module(*args)
+            if stage.sends:
+                values.update(zip(stage.sends, out))
     return result
 
 

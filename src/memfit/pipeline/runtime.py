@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from memfit.execution.state import preserved
 from memfit.pipeline.costs import measure_items
 from memfit.pipeline.partition import StageGraph, split_stages
 from memfit.pipeline.plan import (
@@ -243,26 +244,22 @@ class Pipeline:
         removed again; buffers (BatchNorm statistics) and random states are restored.
         """
         grads = {p: None if p.grad is None else p.grad.clone() for p in self.parameters()}
-        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        rng = torch.random.get_rng_state()
         times = []
         try:
-            for _ in range(repeats):
-                inputs = tuple(
-                    x.detach().requires_grad_(x.requires_grad) for x in self._example_inputs
-                )
-                start = time.perf_counter()
-                out = self.module(*inputs)
-                flat = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
-                torch.autograd.backward(flat, [torch.ones_like(o) for o in flat])
-                times.append(time.perf_counter() - start)
+            with preserved(self.module.buffers()):
+                for _ in range(repeats):
+                    inputs = tuple(
+                        x.detach().requires_grad_(x.requires_grad) for x in self._example_inputs
+                    )
+                    start = time.perf_counter()
+                    out = self.module(*inputs)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    flat = [o for o in outs if o.requires_grad]
+                    torch.autograd.backward(flat, [torch.ones_like(o) for o in flat])
+                    times.append(time.perf_counter() - start)
         finally:
             for p, g in grads.items():
                 p.grad = g
-            with torch.no_grad():
-                for b, v in buffers:
-                    b.copy_(v)
-            torch.random.set_rng_state(rng)
         return statistics.median(times)
 
     def step(self, *inputs: Any, target: Any = None) -> torch.Tensor:
