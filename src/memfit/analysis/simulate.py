@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
 from memfit.analysis.graph import JointGraph, ancestors
+
+if TYPE_CHECKING:
+    from memfit.analysis.transfers import Transfer
 
 __all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
 
@@ -170,15 +173,45 @@ class StepSimulation:
     peak_live: frozenset[Any] = frozenset()
 
 
+class _Marker:
+    """A step the executor adds around an offloaded value (its copy-out wait, its reload start).
+
+    It sits in the simulated order like a node: the wait reads the value (so the value lives
+    until it), the reload start allocates the value's device copy in backward.
+    """
+
+    __slots__ = ("reads", "creates")
+
+    def __init__(self, reads: list[fx.Node], creates: list[Any]) -> None:
+        self.reads = reads
+        self.creates = creates
+
+
+def _with_markers(
+    order: list[fx.Node], markers: dict[fx.Node, list[_Marker]], after: bool
+) -> list[Any]:
+    out: list[Any] = []
+    for n in order:
+        if not after:
+            out.extend(markers.get(n, ()))
+        out.append(n)
+        if after:
+            out.extend(markers.get(n, ()))
+    return out
+
+
 def simulate_step(
     jg: JointGraph,
     saved: Iterable[fx.Node],
     *,
+    transfers: Sequence[Transfer] = (),
     record_curve: bool = False,
     record_peak: bool = False,
 ) -> StepSimulation:
     """Simulate the step that keeps ``saved`` and recomputes everything else the backward needs.
 
+    ``transfers`` are saved values offloaded (``analysis.transfers``): each stays on the device
+    until its copy-out wait, and is back from its prefetch to its last backward reader.
     ``record_peak``: also say which storages are alive at the peak (``peak_live``).
     """
     saved_needed = jg.saved_needed(saved)
@@ -197,40 +230,75 @@ def simulate_step(
         jg.bwd_outputs,
         jg.inputs.__getitem__,
     )
-    storages = jg.storages.__getitem__
     primal_keys = jg.primal_keys
     out_keys = {k for n in jg.fwd_outputs for k in jg.storages[n]}
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
+    storage_bytes = jg.storage_bytes
+    fw_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
+    bw_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
+    fw_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
+    bw_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
+    fwd_run: list[Any] = fwd
+    bwd_run: list[Any] = bwd
+    if transfers:
+        # Each offloaded storage leaves the forward at its wait and comes back as a new storage
+        # (the reload buffer) at its prefetch.
+        storage_bytes = dict(storage_bytes)
+        moved: dict[Any, Any] = {}
+        waits: dict[fx.Node, list[_Marker]] = {}
+        starts: dict[fx.Node, list[_Marker]] = {}
+        for t in transfers:
+            (key,) = jg.storages[t.value]
+            moved[key] = ("reloaded", key)
+            storage_bytes[moved[key]] = storage_bytes[key]
+            saved_keys.discard(key)
+            waits.setdefault(t.wait_after, []).append(_Marker([t.value], []))
+            starts.setdefault(t.prefetch_before, []).append(_Marker([], [moved[key]]))
+        fwd_run = _with_markers(fwd, waits, after=True)
+        bwd_run = _with_markers(bwd, starts, after=False)
+
+        def fw_storages(n: Any) -> Sequence[Any]:
+            return n.creates if isinstance(n, _Marker) else jg.storages[n]
+
+        def fw_inputs(n: Any) -> Sequence[fx.Node]:
+            return n.reads if isinstance(n, _Marker) else jg.inputs[n]
+
+        def bw_storages(n: Any) -> Sequence[Any]:
+            if isinstance(n, _Marker):
+                return n.creates
+            return [moved.get(k, k) for k in jg.storages[n]]
+
+        bw_inputs = fw_inputs
     fw = walk(
-        fwd,
-        storages,
-        jg.storage_bytes,
+        fwd_run,
+        fw_storages,
+        storage_bytes,
         keep=saved_keys | out_keys,
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
         record_peak=record_peak,
-        inputs=jg.inputs.__getitem__,
+        inputs=fw_inputs,
     )
     tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
     grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
     bw = walk(
-        bwd,
-        storages,
-        jg.storage_bytes,
+        bwd_run,
+        bw_storages,
+        storage_bytes,
         start_live=fw.end_live | tangent_keys,
         keep=out_keys | grad_keys,
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
         record_peak=record_peak,
-        inputs=jg.inputs.__getitem__,
+        inputs=bw_inputs,
     )
     return StepSimulation(
         peak_bytes=max(fw.peak_bytes, bw.peak_bytes),
         forward_peak_bytes=fw.peak_bytes,
         backward_peak_bytes=bw.peak_bytes,
-        saved_bytes=jg.bytes_of(saved_needed),
+        saved_bytes=jg.bytes_of(saved_needed) - sum(t.nbytes for t in transfers),
         forward=fwd,
         backward=bwd,
         curve=fw.curve + bw.curve,
