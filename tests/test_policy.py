@@ -12,7 +12,7 @@ def test_names_parse_to_themselves_case_insensitively() -> None:
     for name in NAMED:
         assert parse_policy(name) == Policy(name)
         assert parse_policy(f" {name.upper()} ") == Policy(name)
-    assert list(NAMED) == ["memory", "speed", "collection", "none"]
+    assert list(NAMED) == ["memory", "speed", "collection", "none", "swap"]
 
 
 def test_budget_text_forms() -> None:

@@ -35,13 +35,14 @@ import torch.fx as fx
 from memfit.analysis.cost import node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
+from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
 from memfit.units import format_bytes
 
-__all__ = ["FrontierPoint", "pareto_frontier", "choose"]
+__all__ = ["FrontierPoint", "pareto_frontier", "pareto", "choose"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,17 @@ class FrontierPoint:
     recompute_flops: int
     source: str
     simulation: StepSimulation
+    #: what this plan offloads (``planning.offload``); None for recompute-only plans
+    schedule: TransferSchedule | None = None
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.schedule.stall_seconds if self.schedule else 0.0
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step: recomputation plus waiting for the link."""
+        return self.recompute_seconds + self.stall_seconds
 
 
 def _point(
@@ -128,16 +140,16 @@ def pareto_frontier(
     )
     if frozenset(refined) not in seen:
         points.append(_point(jg, refined, "refined", costs))
-    return _pareto(points, min_gap * base.peak_bytes)
+    return pareto(points, min_gap * base.peak_bytes)
 
 
-def _pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
+def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
     """Points no other point beats in both peak and cost, at least ``gap`` bytes apart.
 
     The least peak of all is always kept, even within ``gap`` of a cheaper point: it is what
     ``"memory"`` promises and the smallest budget memfit can meet.
     """
-    by_cost = sorted(points, key=lambda p: (p.recompute_seconds, p.peak_bytes))
+    by_cost = sorted(points, key=lambda p: (p.cost_seconds, p.peak_bytes))
     kept: list[FrontierPoint] = []
     for p in by_cost:
         if not kept or p.peak_bytes < kept[-1].peak_bytes - gap:
@@ -159,4 +171,4 @@ def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
             budget_bytes=budget_bytes,
             smallest_bytes=smallest,
         )
-    return min(fits, key=lambda p: (p.recompute_seconds, p.peak_bytes))
+    return min(fits, key=lambda p: (p.cost_seconds, p.peak_bytes))

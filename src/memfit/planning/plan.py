@@ -20,7 +20,22 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.capture.attention import AttentionSite
 
-__all__ = ["GraphPlan", "ParetoPoint", "Plan"]
+__all__ = ["GraphPlan", "ParetoPoint", "Plan", "TransferPlan"]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Where the executor moves one offloaded value (names as in the captured joint graph).
+
+    The copy out starts when ``value`` is produced and is waited for after the forward node
+    ``wait_after`` (the device copy dies there); the copy back starts before the backward node
+    ``prefetch_before``.
+    """
+
+    value: str
+    nbytes: int
+    wait_after: str
+    prefetch_before: str
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,9 @@ class ParetoPoint:
     recompute_flops: int
     recompute_seconds: float
     kept_bytes: int = 0
+    #: bytes offloaded and the predicted seconds compute waits for the link (offload plans)
+    offloaded_bytes: int = 0
+    stall_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,10 +82,25 @@ class GraphPlan:
     frontier: tuple[ParetoPoint, ...] = ()
     #: Every attention the capture pass found in this graph, and the kernel it now runs.
     attention: tuple[AttentionSite, ...] = ()
+    #: the values decided ``OFFLOAD`` and where the executor moves them, in issue order
+    transfers: tuple[TransferPlan, ...] = ()
+    #: ``"host"`` or ``"disk"`` when anything is offloaded
+    offload_to: str | None = None
+    #: seconds the link is busy (out and in), and the predicted seconds compute waits for it
+    transfer_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
     def saved(self) -> list[str]:
         """Names of the values decided ``SAVE``, in the order the decisions were made."""
         return [name for name, d in self.decisions.items() if d is Decision.SAVE]
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        return tuple(t.value for t in self.transfers)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,33 @@ class Plan:
     @property
     def kept_bytes(self) -> int:
         return sum(g.kept_bytes for g in self.graphs)
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """Values copied off the device between their forward and their backward."""
+        return tuple(name for g in self.graphs for name in g.offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(g.offloaded_bytes for g in self.graphs)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Most bytes held off the device at once (host memory or disk): every offloaded value of
+        the step is out between the end of its forward and its reload."""
+        return self.offloaded_bytes
+
+    @property
+    def transfer_seconds(self) -> float:
+        return sum(g.transfer_seconds for g in self.graphs)
+
+    @property
+    def stall_seconds(self) -> float:
+        return sum(g.stall_seconds for g in self.graphs)
+
+    @property
+    def offload_to(self) -> str | None:
+        return next((g.offload_to for g in self.graphs if g.offload_to), None)
 
     @property
     def recompute_flops(self) -> int:
@@ -142,6 +202,8 @@ class Plan:
                     recompute_flops=sum(p.recompute_flops for p in picked),
                     recompute_seconds=sum(p.recompute_seconds for p in picked),
                     kept_bytes=sum(p.kept_bytes for p in picked),
+                    offloaded_bytes=sum(p.offloaded_bytes for p in picked),
+                    stall_seconds=sum(p.stall_seconds for p in picked),
                 )
             )
         return sorted(points, key=lambda p: p.peak_bytes)
@@ -183,6 +245,13 @@ class Plan:
             f"  recomputed        {len(self.recomputed)} ops, {self.recompute_flops:.3g} FLOPs"
             f" ({extra:.0%} of one forward)",
         ]
+        if self.offloaded:
+            lines.append(
+                f"  offloaded         {format_bytes(self.offloaded_bytes)} in "
+                f"{len(self.offloaded)} tensors to {self.offload_to}; link busy "
+                f"{self.transfer_seconds * 1e3:.3g} ms, predicted stall "
+                f"{self.stall_seconds * 1e3:.3g} ms"
+            )
         if self.budget_bytes is not None:
             lines.insert(1, f"  budget            {format_bytes(self.budget_bytes)}")
         for i, g in enumerate(self.graphs):

@@ -23,12 +23,15 @@ import torch.fx as fx
 from memfit.analysis.cost import node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
+from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
 from memfit.planning.frontier import choose, pareto_frontier
-from memfit.planning.plan import GraphPlan, ParetoPoint
+from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
+from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
 from memfit.planning.policy import BUDGET, Policy
+from memfit.units import format_bytes
 
 __all__ = ["plan_graph"]
 
@@ -41,24 +44,54 @@ _KEEP_RULES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
 }
 
 
-def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> GraphPlan:
+def plan_graph(
+    jg: JointGraph,
+    policy: Policy,
+    *,
+    spent_bytes: int = 0,
+    link: Link | None = None,
+    offload_to: str | None = None,
+    offload_min_bytes: int = MIN_OFFLOAD_BYTES,
+    offload_limit_bytes: int | None = None,
+) -> GraphPlan:
     """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
     ``spent_bytes`` is what earlier graphs of the same step keep (with graph breaks their kept
     values are alive while this graph runs) and is taken off a byte budget. A fraction applies to
-    this graph's own plain-autograd peak.
+    this graph's own plain-autograd peak. Policies that offload need the ``link`` they offload
+    over (and ``offload_to``, its name for the plan); ``offload_limit_bytes`` caps what one
+    graph may offload (the host budget, or the free space of the offload disk).
     """
+    if policy.offload and link is None:
+        raise ValueError(f"policy {policy.label!r} offloads: plan_graph needs the link's bandwidth")
     baseline = keep_all(jg)
     base_sim = simulate_step(jg, baseline)
     note = ""
     frontier: tuple[ParetoPoint, ...] = ()
     budget_bytes: int | None = None
+    schedule: TransferSchedule | None = None
+    seconds = {n: node_seconds(n) for n in jg.nodes} if policy.offload else {}
     if policy.name == BUDGET:
         assert policy.budget is not None
         points = pareto_frontier(jg)
+        if policy.offload:
+            assert link is not None
+            points = with_offload(
+                jg,
+                points,
+                link,
+                seconds,
+                min_bytes=offload_min_bytes,
+                limit_bytes=offload_limit_bytes,
+            )
         frontier = tuple(
             ParetoPoint(
-                p.peak_bytes, p.recompute_flops, p.recompute_seconds, p.simulation.saved_bytes
+                p.peak_bytes,
+                p.recompute_flops,
+                p.recompute_seconds,
+                p.simulation.saved_bytes,
+                offloaded_bytes=p.schedule.offloaded_bytes if p.schedule else 0,
+                stall_seconds=p.stall_seconds,
             )
             for p in points
         )
@@ -68,6 +101,13 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
         try:
             chosen = choose(points, budget_bytes)
         except BudgetError as err:
+            if policy.offload and offload_limit_bytes is not None:
+                raise BudgetError(
+                    f"{err} (offload was limited to {format_bytes(offload_limit_bytes)} per step "
+                    f"by the host budget or the free space of the offload disk)",
+                    budget_bytes=budget_bytes,
+                    smallest_bytes=err.smallest_bytes,
+                ) from None
             if spent_bytes and policy.budget.fraction is None:
                 raise BudgetError(
                     f"{err} ({spent_bytes} bytes of the budget are already kept by earlier "
@@ -76,12 +116,35 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
                     smallest_bytes=err.smallest_bytes,
                 ) from None
             raise
-        kept, sim = set(chosen.kept), chosen.simulation
+        kept, sim, schedule = set(chosen.kept), chosen.simulation, chosen.schedule
     elif policy.name == "memory":
         # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
         # candidates, and the segment programme often finds a lower peak for less recompute.
-        lowest = pareto_frontier(jg)[0]
-        kept, sim = set(lowest.kept), lowest.simulation
+        points = pareto_frontier(jg)
+        if policy.offload:
+            assert link is not None
+            points = with_offload(
+                jg,
+                points,
+                link,
+                seconds,
+                min_bytes=offload_min_bytes,
+                limit_bytes=offload_limit_bytes,
+            )
+        lowest = points[0]
+        kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
+    elif policy.name == "swap":
+        assert link is not None
+        swapped = swap(
+            jg,
+            baseline,
+            base_sim,
+            link,
+            seconds,
+            min_bytes=offload_min_bytes,
+            limit_bytes=offload_limit_bytes,
+        )
+        kept, sim, schedule = set(baseline), swapped.simulation, swapped.schedule
     else:
         kept = _KEEP_RULES[policy.name](jg)
         sim = simulate_step(jg, kept)
@@ -90,7 +153,9 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
             f"{policy.name!r} would peak above plain autograd here "
             f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead"
         )
-        kept, sim = baseline, base_sim
+        kept, sim, schedule = baseline, base_sim, None
+    if schedule is not None and not schedule.transfers:
+        schedule = None
     return _graph_plan(
         jg,
         policy,
@@ -101,20 +166,27 @@ def plan_graph(jg: JointGraph, policy: Policy, *, spent_bytes: int = 0) -> Graph
         note=note,
         budget_bytes=budget_bytes,
         frontier=frontier,
+        schedule=schedule,
+        offload_to=offload_to,
     )
 
 
-def _decisions(jg: JointGraph, kept: set[fx.Node], sim: StepSimulation) -> dict[str, Decision]:
-    """``SAVE`` for what the backward receives from the forward, ``RECOMPUTE`` for the forward
-    values it computes again (``sim`` is the simulation of keeping ``kept``)."""
+def _decisions(
+    jg: JointGraph, kept: set[fx.Node], sim: StepSimulation, offloaded: set[fx.Node]
+) -> dict[str, Decision]:
+    """``SAVE`` for what the backward receives from the forward, ``OFFLOAD`` for what it receives
+    through host memory or disk, ``RECOMPUTE`` for the forward values it computes again (``sim``
+    is the simulation of keeping ``kept``)."""
     saved = jg.saved_needed(kept)
     forward = set(jg.forward)
     recomputed = {n for n in sim.backward if n in forward and jg.is_tensor_value(n)}
-    return {
-        n.name: Decision.SAVE if n in saved else Decision.RECOMPUTE
-        for n in jg.nodes
-        if n in saved or n in recomputed
-    }
+
+    def decision(n: fx.Node) -> Decision:
+        if n in offloaded:
+            return Decision.OFFLOAD
+        return Decision.SAVE if n in saved else Decision.RECOMPUTE
+
+    return {n.name: decision(n) for n in jg.nodes if n in saved or n in recomputed}
 
 
 def _graph_plan(
@@ -128,18 +200,26 @@ def _graph_plan(
     note: str,
     budget_bytes: int | None,
     frontier: tuple[ParetoPoint, ...],
+    schedule: TransferSchedule | None = None,
+    offload_to: str | None = None,
 ) -> GraphPlan:
     forward_set = set(jg.forward)
+    transfers = schedule.transfers if schedule else ()
+    offloaded = {t.value for t in transfers}
     recomputed = [n for n in sim.backward if n in forward_set]
     # What the plan reports as kept: activations held for backward beyond what the step returns
     # anyway (its outputs) and what existed before it (parameters, inputs).
     outputs = set(jg.fwd_outputs)
     saved = jg.saved_needed(kept)
-    reported = [n for n in jg.nodes if n in saved and n.op != "placeholder" and n not in outputs]
+    reported = [
+        n
+        for n in jg.nodes
+        if n in saved and n.op != "placeholder" and n not in outputs and n not in offloaded
+    ]
     base_reported = [n for n in baseline if n.op != "placeholder" and n not in outputs]
     return GraphPlan(
         policy=policy.name,
-        decisions=_decisions(jg, kept, sim),
+        decisions=_decisions(jg, kept, sim, offloaded),
         kept=tuple(n.name for n in reported),
         recomputed=tuple(n.name for n in recomputed),
         kept_bytes=jg.bytes_of(reported),
@@ -153,4 +233,11 @@ def _graph_plan(
         recompute_seconds=float(sum(node_seconds(n) for n in recomputed)),
         budget_bytes=budget_bytes,
         frontier=frontier,
+        transfers=tuple(
+            TransferPlan(t.value.name, t.nbytes, t.wait_after.name, t.prefetch_before.name)
+            for t in transfers
+        ),
+        offload_to=offload_to if transfers else None,
+        transfer_seconds=schedule.transfer_seconds if schedule else 0.0,
+        stall_seconds=schedule.stall_seconds if schedule else 0.0,
     )

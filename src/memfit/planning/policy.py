@@ -28,13 +28,17 @@ NAMED: dict[str, str] = {
     "speed": "outputs of matmul, convolution and attention, and small tensors",
     "collection": "the tensors marked with memfit.mark, or the outputs of listed submodules",
     "none": "everything the backward reads (plain autograd): the baseline",
+    "swap": "everything, recomputing nothing; offloads what can hide behind compute (Meng 2017)",
 }
 
 #: The name of a budget policy (``budget=B`` as text).
 BUDGET = "budget"
 
 #: Named policies that must never peak above plain autograd: the planner falls back to it.
-_NEVER_WORSE_THAN_NONE = ("memory", "speed")
+_NEVER_WORSE_THAN_NONE = ("memory", "speed", "swap")
+
+#: Policies that may offload.
+_OFFLOADING = ("memory", BUDGET, "swap")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Policy:
     name: str
     budget: Budget | None = None
     modules: tuple[str, ...] = ()
+    #: whether the plan may offload saved values (``"swap"`` always does; ``"memory"`` and a
+    #: budget with ``offload=True``)
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.name == BUDGET:
@@ -59,15 +66,23 @@ class Policy:
             raise ValueError(f"policy {self.name!r} takes no budget; use policy 'budget'")
         if self.modules and self.name != "collection":
             raise ValueError(f"submodule names go with the 'collection' policy, not {self.name!r}")
+        if self.name == "swap" and not self.offload:
+            object.__setattr__(self, "offload", True)
+        if self.offload and self.name not in _OFFLOADING:
+            raise ValueError(
+                f"offload=True goes with a budget, 'memory' or 'swap', not {self.name!r}: "
+                f"the other policies fix what is kept"
+            )
 
     @property
     def label(self) -> str:
         """How tables, plans and figures name this policy (``memory``, ``budget 50%``)."""
+        suffix = " + offload" if self.offload and self.name != "swap" else ""
         if self.budget is None:
-            return self.name
+            return self.name + suffix
         if self.budget.fraction is not None:
-            return f"budget {self.budget.fraction:.0%}"
-        return f"budget {format_bytes(self.budget.bytes or 0)}"
+            return f"budget {self.budget.fraction:.0%}{suffix}"
+        return f"budget {format_bytes(self.budget.bytes or 0)}{suffix}"
 
     @property
     def never_worse_than_none(self) -> bool:
@@ -78,10 +93,12 @@ class Policy:
         """The Python call that wraps ``model`` with this policy."""
         if self.budget is not None:
             value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
-            return f"memfit.checkpoint({model}, budget={value!r})"
+            extra = ", offload=True" if self.offload else ""
+            return f"memfit.checkpoint({model}, budget={value!r}{extra})"
         if self.modules:
             return f"memfit.checkpoint({model}, {list(self.modules)!r})"
-        return f"memfit.checkpoint({model}, {self.name!r})"
+        extra = ", offload=True" if self.offload and self.name != "swap" else ""
+        return f"memfit.checkpoint({model}, {self.name!r}{extra})"
 
     def __str__(self) -> str:
         return self.label
