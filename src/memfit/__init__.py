@@ -12,6 +12,7 @@ import sys
 from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, checkpoint, plan
+from memfit.execution.offload import OffloadError, OffloadOptions
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
@@ -19,6 +20,8 @@ from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
 from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
+    "OffloadError",
+    "OffloadOptions",
     "checkpoint",
     "plan",
     "nn",

@@ -18,20 +18,23 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from memfit._compat import aot_autograd, boxed_codegen
-from memfit.analysis.graph import JointGraph
+from memfit._compat import aot_autograd, boxed_codegen, disable_current_modes
+from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
+from memfit.execution.offload import OffloadOptions, OffloadStore, measure_link
 from memfit.execution.partition import split_joint_graph
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 from memfit.planning.policy import Policy
 
-__all__ = ["make_backend", "StepBudget"]
+__all__ = ["make_backend", "Offloader", "StepBudget"]
 
 
 def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -69,36 +72,88 @@ class StepBudget:
     spent: int = 0
 
 
+class Offloader:
+    """The offload side of one wrapper: its options, its store and the link it plans with.
+
+    The store is made when the first graph that offloads is planned (the destination depends on
+    the device the activations are on) and lives as long as the wrapper.
+    """
+
+    def __init__(self, options: OffloadOptions) -> None:
+        self.options = options
+        self.store: OffloadStore | None = None
+
+    def prepare(self, jg: JointGraph) -> tuple[Link, str, int | None]:
+        """The link, destination and byte limit the planner offloads ``jg``'s values with."""
+        device = _activation_device(jg)
+        to = self.options.destination(device)
+        if self.store is None or self.store.to != to:
+            self.store = OffloadStore(to, self.options.directory)
+        limits = [self.options.host_budget_bytes]
+        free = self.store.free_disk_bytes()
+        if free is not None:
+            limits.append(int(0.9 * free))
+        limit = min((n for n in limits if n is not None), default=None)
+        if self.options.bandwidth is not None:
+            return Link(self.options.bandwidth, self.options.bandwidth), to, limit
+        with disable_current_modes():  # the partitioner traces under fake tensors: measure real
+            return measure_link(to, device, self.options.directory), to, limit
+
+
+def _activation_device(jg: JointGraph) -> torch.device:
+    for n in jg.forward:
+        for t in node_tensors(n):
+            return t.device
+    return torch.device("cpu")
+
+
 def make_backend(
     policy: Policy,
     on_plan: Callable[[GraphPlan], None],
     step_budget: StepBudget | None = None,
     attention: str = "auto",
+    offloader: Offloader | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
-    graph's plan.
+    graph's plan. A policy that offloads needs an ``offloader``.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if policy.offload and offloader is None:
+        offloader = Offloader(OffloadOptions())
     sites: list[AttentionSite] = []
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
-        graph_plan = plan_graph(jg, policy, spent_bytes=step_budget.spent if step_budget else 0)
+        link, to, limit = (
+            offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
+        )
+        graph_plan = plan_graph(
+            jg,
+            policy,
+            spent_bytes=step_budget.spent if step_budget else 0,
+            link=link,
+            offload_to=to,
+            offload_min_bytes=offloader.options.min_bytes if offloader else 1,
+            offload_limit_bytes=limit,
+        )
         graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites))
         if step_budget is not None:
             step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
+        if graph_plan.transfers and offloader is not None and offloader.store is not None:
+            offloader.store.reserve([t.nbytes for t in graph_plan.transfers])
         return split_joint_graph(
             joint,
             graph_plan,
             num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+            store=offloader.store if offloader else None,
         )
 
     compile_joint = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)

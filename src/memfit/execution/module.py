@@ -27,7 +27,8 @@ from memfit._compat import tree_map
 from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
-from memfit.execution.backend import StepBudget, make_backend
+from memfit.execution.backend import Offloader, StepBudget, make_backend
+from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
 from memfit.execution.state import preserved
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.plan import GraphPlan, Plan
@@ -36,12 +37,12 @@ from memfit.planning.policy import BUDGET, Policy, parse_policy
 __all__ = ["checkpoint", "plan", "CheckpointedModule"]
 
 
-def _budget_error(exc: BaseException) -> BudgetError | None:
-    """The BudgetError behind Dynamo's wrapping of backend exceptions, if there is one."""
+def _planning_error(exc: BaseException) -> BudgetError | OffloadError | None:
+    """The BudgetError or OffloadError behind Dynamo's wrapping of backend exceptions, if any."""
     seen = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, BudgetError):
+        if isinstance(current, (BudgetError, OffloadError)):
             return current
         seen.add(id(current))
         current = (
@@ -76,8 +77,15 @@ class CheckpointedModule(nn.Module):
     _step_budget: StepBudget | None
     _compiled: Callable[..., Any]
     _hooks: list[Any]
+    _offloader: Offloader | None
 
-    def __init__(self, model: nn.Module, policy: Policy, attention: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy,
+        attention: str = "auto",
+        offload: OffloadOptions | None = None,
+    ) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
         self._parameters = model._parameters
@@ -89,9 +97,14 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_pending"] = []
         self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
         self.__dict__["_step_budget"] = StepBudget() if policy.name == BUDGET else None
+        self.__dict__["_offloader"] = (
+            Offloader(offload or OffloadOptions()) if policy.offload else None
+        )
         self.__dict__["_compiled"] = torch.compile(
             model,
-            backend=make_backend(policy, self._pending.append, self._step_budget, attention),
+            backend=make_backend(
+                policy, self._pending.append, self._step_budget, attention, self._offloader
+            ),
             dynamic=False,
         )
         named = dict(model.named_modules())
@@ -109,6 +122,11 @@ class CheckpointedModule(nn.Module):
     def policy(self) -> Policy:
         """The policy this wrapper plans with."""
         return self._policy
+
+    @property
+    def offload_store(self) -> OffloadStore | None:
+        """Where this wrapper's offloaded activations live (None until a plan offloads)."""
+        return self._offloader.store if self._offloader else None
 
     @property
     def plan(self) -> Plan:
@@ -136,9 +154,9 @@ class CheckpointedModule(nn.Module):
                 out = self._compiled(*args, **kwargs)
         except Exception as exc:
             self._pending.clear()
-            budget_error = _budget_error(exc)
-            if budget_error is not None:
-                raise budget_error.with_traceback(None) from None
+            planning_error = _planning_error(exc)
+            if planning_error is not None:
+                raise planning_error.with_traceback(None) from None
             raise
         finally:
             _capturing -= 1
@@ -173,6 +191,9 @@ def checkpoint(
     budget: int | str | float | Budget | None = None,
     attention: str = "auto",
     checkpoints: str | Sequence[str] | None = None,
+    offload: bool | OffloadOptions = False,
+    offload_to: str | None = None,
+    offload_dir: str | None = None,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
@@ -192,6 +213,17 @@ def checkpoint(
     memfit's chunked kernel otherwise (dropout masks as ``F.dropout`` draws them). Outputs then
     equal plain PyTorch's to floating-point tolerance rather than bit for bit; ``plan.attention``
     lists every site and the kernel chosen. ``attention="off"`` leaves attention as written.
+
+    Offload (Meng et al. 2017): ``policy="swap"`` recomputes nothing and offloads every saved
+    value whose copies can hide behind compute; ``offload=True`` with a budget (or ``"memory"``)
+    lets the planner choose per value between keeping, recomputing and offloading, the cheapest
+    mix (recompute time plus predicted stall) that fits. ``offload_to`` is ``"host"`` (CUDA
+    activations to pinned host memory) or ``"disk"`` (files in a private directory under
+    ``offload_dir`` or the system temp dir, removed as they are read back); by default host on
+    CUDA, disk on CPU. ``offload=memfit.OffloadOptions(...)`` sets these and more (a link
+    bandwidth instead of the measured one, the smallest value worth offloading). The plan
+    reports ``offloaded``, ``offloaded_bytes``, ``host_peak_bytes``, ``transfer_seconds`` and
+    ``stall_seconds``.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
@@ -208,21 +240,47 @@ def checkpoint(
             stacklevel=2,
         )
         policy = checkpoints
+    options = _offload_options(offload, offload_to, offload_dir)
+    offload = options is not None and offload is not False
     if budget is not None:
         if policy is not None:
             raise ValueError(
                 "give either a policy or budget=, not both: with a budget memfit chooses "
                 "what to keep itself"
             )
-        return CheckpointedModule(model, Policy(BUDGET, budget=parse_budget(budget)), attention)
+        return CheckpointedModule(
+            model, Policy(BUDGET, budget=parse_budget(budget), offload=offload), attention, options
+        )
     chosen = parse_policy("memory" if policy is None else policy)
+    if offload and not chosen.offload:
+        chosen = Policy(chosen.name, chosen.budget, chosen.modules, offload=True)
+    if options is not None and not chosen.offload:
+        raise ValueError(
+            "offload_to/offload_dir configure offloading: pass offload=True (with a budget or "
+            "'memory') or use policy 'swap'"
+        )
     _validate_names(model, chosen.modules)
     if isinstance(policy, (list, tuple)) and not chosen.modules:
         warnings.warn(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(model, chosen, attention)
+    return CheckpointedModule(model, chosen, attention, options)
+
+
+def _offload_options(
+    offload: bool | OffloadOptions, to: str | None, directory: str | None
+) -> OffloadOptions | None:
+    """One ``OffloadOptions`` from ``offload=`` and the two shorthand arguments, or None."""
+    if isinstance(offload, OffloadOptions):
+        if to is not None or directory is not None:
+            raise ValueError("give offload_to/offload_dir inside OffloadOptions, not beside it")
+        return offload
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload is True, False or memfit.OffloadOptions, got {offload!r}")
+    if not offload and to is None and directory is None:
+        return None
+    return OffloadOptions(to=to, directory=directory)
 
 
 def plan(
@@ -230,6 +288,9 @@ def plan(
     *example_inputs: Any,
     budget: int | str | float | Budget = 1.0,
     attention: str = "auto",
+    offload: bool | OffloadOptions = False,
+    offload_to: str | None = None,
+    offload_dir: str | None = None,
     **example_kwargs: Any,
 ) -> Plan:
     """What ``checkpoint(model, budget=budget)`` would keep and recompute, without training.
@@ -239,9 +300,16 @@ def plan(
     and CUDA random-number states, so the model and later random draws are exactly as before; no
     backward runs and no gradient is touched. The returned plan has ``predicted_peak_bytes``,
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
-    plan fits.
+    plan fits. ``offload`` and its options are ``checkpoint``'s.
     """
-    wrapped = checkpoint(model, budget=budget, attention=attention)
+    wrapped = checkpoint(
+        model,
+        budget=budget,
+        attention=attention,
+        offload=offload,
+        offload_to=offload_to,
+        offload_dir=offload_dir,
+    )
     with preserved(model.buffers()), torch.enable_grad():
         wrapped(*example_inputs, **example_kwargs)
     return wrapped.plan

@@ -22,6 +22,7 @@ import torch.fx as fx
 from memfit._compat import extract_fwd_bwd_modules, is_tangent
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
+from memfit.execution.offload import JOINT_NAME, OffloadStore, insert_transfers
 from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
 
@@ -38,8 +39,13 @@ def split_joint_graph(
     *,
     num_fwd_outputs: int,
     static_lifetime_input_indices: Iterable[int] | None = None,
+    store: OffloadStore | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward and backward graph modules of ``joint`` that follow ``plan``'s decisions."""
+    """Forward and backward graph modules of ``joint`` that follow ``plan``'s decisions.
+
+    Values decided ``OFFLOAD`` are split as saved values, then their transfers are inserted
+    (``execution.offload``) into ``store``, which a plan with transfers requires.
+    """
     nodes = {n.name: n for n in joint.graph.nodes}
     missing = [name for name in plan.decisions if name not in nodes]
     if missing:
@@ -48,7 +54,8 @@ def split_joint_graph(
             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): a plan applies only "
             f"to the graph it was made for"
         )
-    saved = [n for n in joint.graph.nodes if plan.decisions.get(n.name) is Decision.SAVE]
+    passed = (Decision.SAVE, Decision.OFFLOAD)
+    saved = [n for n in joint.graph.nodes if plan.decisions.get(n.name) in passed]
     fw, bw = extract_fwd_bwd_modules(
         joint,
         saved,
@@ -59,7 +66,18 @@ def split_joint_graph(
     take_twins_from_originals(fw)
     fw.recompile()
     bw.graph.eliminate_dead_code()
-    return fw, reorder_backward_graph(bw)
+    bw = reorder_backward_graph(bw)
+    if plan.transfers:
+        if store is None:
+            raise ValueError("this plan offloads values: split_joint_graph needs an OffloadStore")
+        insert_transfers(
+            fw,
+            bw,
+            [(t.value, t.wait_after, t.prefetch_before) for t in plan.transfers],
+            store,
+            num_fwd_outputs=num_fwd_outputs,
+        )
+    return fw, bw
 
 
 def take_twins_from_originals(gm: fx.GraphModule) -> int:
@@ -81,6 +99,7 @@ def take_twins_from_originals(gm: fx.GraphModule) -> int:
             with graph.inserting_after(original):
                 taken = graph.call_function(operator.getitem, (original, item.args[1]))
             taken.meta = dict(item.meta)
+            taken.meta[JOINT_NAME] = item.name  # the plan names values as the joint graph did
             item.replace_all_uses_with(taken)
             graph.erase_node(item)
         graph.erase_node(twin)

@@ -1,0 +1,254 @@
+"""Offload in the executed graphs: bit-identical gradients, freed sources, private files, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memfit
+from memfit.bench.zoo import ZOO, case
+from memfit.execution import offload as off
+from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+
+#: A link so fast the plan offloads every candidate, whatever this machine's disk does.
+EVERYTHING = OffloadOptions(bandwidth=1e18, min_bytes=1)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(6)])
+
+
+X = torch.randn(1024, 128)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_store_round_trip_keeps_bits_and_layout(tmp_path) -> None:
+    store = OffloadStore("disk", str(tmp_path))
+    try:
+        assert stat.S_IMODE(os.stat(store.directory).st_mode) == 0o700
+        for x in (
+            torch.randn(6, 5, 4).permute(2, 0, 1),  # dense, not contiguous
+            torch.randn(33, 7).to(torch.bfloat16),
+            torch.arange(10),
+        ):
+            key = store.offload(x)
+            store.wait_out(key)
+            (name,) = store.pending_files
+            mode = os.stat(os.path.join(store.directory, name)).st_mode
+            assert stat.S_IMODE(mode) == 0o600
+            store.reload_start(key)
+            back = store.reload_wait(key)
+            assert back.stride() == x.stride() and back.dtype == x.dtype
+            assert torch.equal(back, x)
+            assert store.pending_files == []
+    finally:
+        store.close()
+    assert not os.path.exists(store.directory)
+
+
+def test_missing_wait_reads_poison(monkeypatch, tmp_path) -> None:
+    """The negative control of the delayed-copy test below: skip the wait and you read NaN."""
+    monkeypatch.setattr(off, "DEBUG_DELAY_S", 0.2)
+    monkeypatch.setattr(off, "DEBUG_POISON", True)
+    store = OffloadStore("disk", str(tmp_path))
+    try:
+        key = store.offload(torch.ones(1000))
+        store.wait_out(key)
+        store.reload_start(key)
+        early = store.slots[key].buffer.clone()  # what a reader without the wait would see
+        assert torch.isnan(early).all()
+        assert torch.equal(store.reload_wait(key), torch.ones(1000))
+    finally:
+        store.close()
+
+
+def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(off, "DEBUG_DELAY_S", 0.01)
+    monkeypatch.setattr(off, "DEBUG_POISON", True)
+    plain, swapped = _mlp(), _mlp()
+    options = OffloadOptions(directory=str(tmp_path), bandwidth=1e18, min_bytes=1)
+    wrapped = memfit.checkpoint(swapped, "swap", offload=options)
+    loss = wrapped(X).square().mean()
+    loss.backward()
+    ref = plain(X).square().mean()
+    ref.backward()
+    assert wrapped.plan.offloaded
+    assert torch.equal(loss, ref)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(swapped)))
+    assert wrapped.offload_store.pending_files == []
+
+
+def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
+    none = memfit.checkpoint(_mlp(), "none")
+    swapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    peaks = {}
+    for name, model in (("none", none), ("swap", swapped)):
+        model(X).square().mean().backward()  # capture and plan
+        ends = []
+        for _ in range(10):
+            m = memfit.measure(lambda model=model: model(X).square().mean().backward())
+            ends.append(m.end_bytes)
+        peaks[name] = m.peak_bytes
+        assert len(set(ends)) == 1  # the same every step: no growth
+    plan = swapped.plan
+    assert plan.offloaded_bytes > 0
+    # Measured, not assumed: the device peak drops by what the plan says, within 10%.
+    assert peaks["swap"] < peaks["none"]
+    assert abs(peaks["swap"] - plan.predicted_peak_bytes) <= 0.1 * plan.predicted_peak_bytes
+    assert swapped.offload_store.pending_files == []
+
+
+def test_abandoned_step_removes_its_files() -> None:
+    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    wrapped(X).sum().backward()
+    loss = wrapped(X).sum()  # a forward whose backward never runs
+    assert wrapped.offload_store.pending_files
+    del loss
+    assert wrapped.offload_store.pending_files == []
+
+
+def test_budget_with_offload_reaches_below_recompute_only() -> None:
+    lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
+    with pytest.raises(memfit.BudgetError):
+        memfit.plan(_mlp(), X, budget=int(lowest * 0.8))
+    plan = memfit.plan(_mlp(), X, budget=int(lowest * 0.8), offload=EVERYTHING)
+    assert plan.predicted_peak_bytes <= int(lowest * 0.8)
+    assert plan.offloaded and plan.host_peak_bytes == plan.offloaded_bytes
+    assert "offloaded" in str(plan)
+
+
+#: BatchNorm, attention, skips, dropout, in-place ops, a module called twice (the LSTM takes 7 s
+#: to capture twice and adds nothing these do not cover).
+ZOO_CASES = ["resnet", "transformer", "unet", "dropout", "inplace_relu", "shared"]
+
+
+@pytest.mark.parametrize("name", ZOO_CASES)
+def test_zoo_swap_is_bit_identical_to_keeping_everything(name: str) -> None:
+    c = case(name)
+    args, kwargs = c.make_inputs()
+    results = []
+    for policy, extra in (("none", {}), ("swap", {"offload": EVERYTHING})):
+        torch.manual_seed(1)
+        model = c.make_model()
+        wrapped = memfit.checkpoint(model, policy, **extra)
+        losses = []
+        for _ in range(2):
+            loss = c.loss(wrapped(*args, **kwargs))
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, _grads(model), wrapped))
+    (l0, g0, _), (l1, g1, swapped) = results
+    assert swapped.plan.offloaded, f"{name}: nothing offloaded"
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert swapped.offload_store.pending_files == []
+
+
+def test_zoo_cases_exist() -> None:
+    assert set(ZOO_CASES) <= {c.name for c in ZOO}
+
+
+def test_bad_offload_dir_is_refused_before_any_step(tmp_path) -> None:
+    with pytest.raises(OffloadError, match="does not exist"):
+        memfit.checkpoint(_mlp(), "swap", offload_dir=str(tmp_path / "missing"))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(OffloadError, match="not a directory"):
+        memfit.checkpoint(_mlp(), "swap", offload_dir=str(a_file))
+    with pytest.raises(ValueError, match="offload_to must be"):
+        memfit.checkpoint(_mlp(), "swap", offload_to="tape")
+
+
+def test_host_offload_of_cpu_activations_says_use_disk() -> None:
+    wrapped = memfit.checkpoint(_mlp(), "swap", offload_to="host")
+    with pytest.raises(OffloadError, match="offload_to='disk'"):
+        wrapped(X)
+
+
+def test_offload_options_need_an_offloading_policy() -> None:
+    with pytest.raises(ValueError, match="offload=True"):
+        memfit.checkpoint(_mlp(), "speed", offload_dir="/tmp")
+    with pytest.raises(ValueError, match="offload=True goes with"):
+        memfit.checkpoint(_mlp(), "speed", offload=True)
+
+
+def test_full_disk_is_a_clear_error_and_leaves_no_file(monkeypatch) -> None:
+    def full(x, path, ready):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        os.remove(path)  # what _write_file does on failure
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    wrapped(X).sum().backward()
+    monkeypatch.setattr(off, "_write_file", full)
+    with pytest.raises(OffloadError, match="free disk space"):
+        wrapped(X).sum().backward()
+    assert wrapped.offload_store.pending_files == []
+
+
+def test_host_arena_is_allocated_once_and_never_fragments() -> None:
+    """The pinned arena's bookkeeping, on unpinned CPU memory (the CUDA copies need a GPU)."""
+    arena = off.Arena(pin=False)
+    sizes = [3000, 70_000, 512, 1_000_000, 4096, 123_457]
+    arena.reserve(sizes)
+    allocated = arena.allocated_bytes
+    for step in range(10):
+        taken = [arena.take(n) for n in sizes]
+        spans = sorted((r[0], r[1], r[1] + r[2]) for _, r, _ in taken)
+        for a, b in zip(spans, spans[1:]):
+            assert a[0] != b[0] or a[2] <= b[1]  # regions of one step never overlap
+        for n, (view, region, _) in zip(sizes, taken):
+            assert view.numel() == region[2] >= n
+        order = reversed(taken) if step % 2 else taken  # backward frees in another order
+        for _, region, _ in order:
+            arena.give(region, ())
+        assert arena.allocated_bytes == allocated
+        assert len(arena.free) == 1  # merged back into one free region
+
+
+def test_host_budget_caps_what_is_offloaded() -> None:
+    capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=600 * 1024)
+    wrapped = memfit.checkpoint(_mlp(), "swap", offload=capped)
+    wrapped(X).sum().backward()
+    assert 0 < wrapped.plan.host_peak_bytes <= 600 * 1024
+    lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
+    with pytest.raises(memfit.BudgetError, match="offload was limited"):
+        memfit.plan(_mlp(), X, budget=int(lowest * 0.8), offload=capped)
+    with pytest.raises(ValueError, match="not a fraction"):
+        OffloadOptions(host_budget=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(monkeypatch) -> None:
+    monkeypatch.setattr(off, "DEBUG_POISON", True)  # a missing stream wait would read NaN
+    device = torch.device("cuda")
+    x = X.to(device)
+    peaks, grads, wrappers = {}, {}, {}
+    for policy, extra in (("none", {}), ("swap", {"offload": EVERYTHING})):
+        model = _mlp().to(device)
+        wrapped = memfit.checkpoint(model, policy, **extra)
+        wrapped(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        peaks[policy] = memfit.measure(
+            lambda w=wrapped: w(x).square().mean().backward(), device=device
+        ).peak_bytes
+        grads[policy] = _grads(model)
+        wrappers[policy] = wrapped
+    store = wrappers["swap"].offload_store
+    assert store.to == "host" and wrappers["swap"].plan.offloaded
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["swap"]))
+    assert peaks["swap"] < peaks["none"]
+    arena = store.host_arena_bytes
+    for _ in range(5):
+        wrappers["swap"](x).square().mean().backward()
+    assert store.host_arena_bytes == arena  # no pinned allocation after the first step
