@@ -69,3 +69,19 @@ def test_dtypes_modes_shapes() -> None:
     for bad in ("", "8,0", "8,x", "a"):
         with pytest.raises(CliError, match="is not a shape"):
             parse_shape(bad)
+
+
+def test_offload_adds_swap_and_offload_twins() -> None:
+    labels = [p.label for p in parse_policies("speed,memory,budget=0.5", offload=True)]
+    assert labels == [
+        "none",
+        "speed",
+        "memory",
+        "budget 50%",
+        "memory + offload",
+        "budget 50% + offload",
+        "swap",
+    ]
+    assert parse_policies("memory", offload=True)[2].call() == (
+        "memfit.checkpoint(model, 'memory', offload=True)"
+    )

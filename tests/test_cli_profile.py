@@ -161,3 +161,38 @@ def test_next_step_names_the_python_call_of_the_lowest_policy() -> None:
     assert "--budget" in _next_step(results, searched=False)
     assert "small part" in _next_step([results[0], result("memory", 95 * 2**20)], True)
     assert "--policies" in _next_step(results[:1], True)
+
+
+def test_offload_rows_and_report(tmp_path: Path) -> None:
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    proc = run_memfit(
+        "profile",
+        f"{FACTORIES}:tiny_mlp",
+        "--policies",
+        "memory",
+        "--offload",
+        "--offload-dir",
+        str(offload_dir),
+        "--timing-runs",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert validate(report) == []
+    labels = [p["label"] for p in report["policies"]]
+    assert labels == ["none", "memory", "memory + offload", "swap"]
+    for entry in report["policies"]:
+        assert entry["offloaded_bytes"] >= 0 and entry["stall_seconds"] >= 0
+    assert list(offload_dir.iterdir()) == []  # the private directory went with its wrapper
+
+
+def test_bad_offload_dir_is_a_cli_error(tmp_path: Path) -> None:
+    proc = run_memfit(
+        "profile", f"{FACTORIES}:tiny_mlp", "--offload", "--offload-dir", str(tmp_path / "nope")
+    )
+    assert proc.returncode != 0
+    assert "does not exist" in proc.stderr + proc.stdout

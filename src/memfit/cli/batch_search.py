@@ -107,7 +107,7 @@ def measure_probe(
         work.loss,
     )
     torch.compiler.reset()
-    wrapped = memfit.checkpoint(work.model, policy)
+    wrapped = work.wrap(policy)
     try:
         work.model.zero_grad(set_to_none=True)
         probe_work.step(wrapped)()

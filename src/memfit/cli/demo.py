@@ -68,10 +68,12 @@ examples:
 
 
 def demo_policies(budget: float = 0.5) -> list[Policy]:
-    """``none`` (the baseline), ``speed``, ``memory``, and a budget (fraction of ``none``)."""
+    """``none`` (the baseline), ``speed``, ``memory``, a budget (fraction of ``none``) and
+    ``swap`` (offload, to disk on CPU)."""
     return [
         *(Policy(name) for name in ("none", "speed", "memory")),
         Policy(BUDGET, budget=Budget(fraction=budget)),
+        Policy("swap"),
     ]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from memfit.cli.errors import CliError
 from memfit.planning.budget import parse_budget
-from memfit.planning.policy import NAMED, Policy, parse_policy
+from memfit.planning.policy import BUDGET, NAMED, Policy, parse_policy
 
 __all__ = [
     "HelpFormatter",
@@ -112,10 +112,12 @@ def parse_batch_budget(text: str) -> int:
     return budget.bytes
 
 
-def parse_policies(text: str) -> list[Policy]:
+def parse_policies(text: str, *, offload: bool = False) -> list[Policy]:
     """``--policies``: comma-separated policies as ``memfit.parse_policy`` reads them.
 
     ``none`` (plain autograd, nothing recomputed) is always run first: every ratio is taken to it.
+    With ``offload`` (``--offload``), ``"memory"`` and every budget also run with offload, and
+    ``"swap"`` is added, so each offload row sits beside its recompute-only twin.
     """
     policies: list[Policy] = [Policy("none")]
     for raw in filter(None, (part.strip() for part in text.split(","))):
@@ -125,6 +127,14 @@ def parse_policies(text: str) -> list[Policy]:
             raise CliError(f"--policies {raw!r}: {err}") from None
         if policy not in policies:
             policies.append(policy)
+    if offload:
+        for policy in list(policies):
+            if policy.name in ("memory", BUDGET) and not policy.offload:
+                twin = Policy(policy.name, policy.budget, policy.modules, offload=True)
+                if twin not in policies:
+                    policies.append(twin)
+        if Policy("swap") not in policies:
+            policies.append(Policy("swap"))
     return policies
 
 

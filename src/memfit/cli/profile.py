@@ -116,6 +116,18 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "--modes is the old name)",
     )
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="also run 'swap' and, for memory and every budget policy, the same policy with "
+        "offload (activations to host memory on CUDA, to disk on CPU)",
+    )
+    p.add_argument("--offload-to", choices=["host", "disk"], help="where offloaded values go")
+    p.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="directory for disk offload files (a private subdirectory is made and removed)",
+    )
+    p.add_argument(
         "--budget",
         metavar="BYTES",
         help="find the largest batch per policy whose training step fits in this much "
@@ -212,12 +224,22 @@ def _input_entries(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[s
     return out
 
 
+def _offload_options(args: argparse.Namespace) -> memfit.OffloadOptions | None:
+    if args.offload_to is None and args.offload_dir is None:
+        return None
+    try:
+        return memfit.OffloadOptions(to=args.offload_to, directory=args.offload_dir)
+    except (ValueError, memfit.OffloadError) as err:
+        raise CliError(f"--offload-dir/--offload-to: {err}") from None
+
+
 def run(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype)
-    policies = parse_policies(args.policies)
+    policies = parse_policies(args.policies, offload=args.offload)
+    offload = _offload_options(args)
     budget = parse_batch_budget(args.budget) if args.budget is not None else None
     shapes = [parse_shape(s) for s in args.input_shape]
     _check_ints(args)
@@ -227,7 +249,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     model = target.model.to(device=device, dtype=dtype) if dtype else target.model.to(device)
     model.train()
     inputs = move_inputs((target.args, target.kwargs), device, dtype)
-    work = Workload(model, tuple(inputs[0]), dict(inputs[1]))
+    work = Workload(model, tuple(inputs[0]), dict(inputs[1]), offload=offload)
     name = type(model).__name__
     weights, batch_bytes = resident_bytes(model, work.args, work.kwargs)
     n_params = sum(p.numel() for p in model.parameters())

@@ -110,6 +110,10 @@ _POLICY = _object(
         "recomputed_ops": _INT,
         "graphs": _INT,
         "recaptured": {"type": "boolean"},
+        "offloaded_bytes": _INT,
+        "offload_to": _STR_OR_NULL,
+        "transfer_seconds": _NUM,
+        "stall_seconds": _NUM,
     }
 )
 _PROBE = _object(
@@ -254,6 +258,10 @@ def policy_entry(r: PolicyResult, base: PolicyResult) -> dict[str, Any]:
         "recomputed_ops": len(plan.recomputed),
         "graphs": len(plan.graphs),
         "recaptured": bool(r.recaptured),
+        "offloaded_bytes": int(plan.offloaded_bytes),
+        "offload_to": plan.offload_to,
+        "transfer_seconds": float(plan.transfer_seconds),
+        "stall_seconds": float(plan.stall_seconds),
     }
 
 

@@ -33,6 +33,7 @@ import memfit
 from memfit._compat import tree_flatten
 from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
+from memfit.execution.offload import OffloadOptions
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
@@ -76,6 +77,15 @@ class Workload:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
+    #: where policies that offload put their activations (``--offload-to``, ``--offload-dir``)
+    offload: OffloadOptions | None = None
+
+    def wrap(self, policy: Policy, model: nn.Module | None = None) -> nn.Module:
+        """``memfit.checkpoint`` of the model (or ``model``) under ``policy``."""
+        options = self.offload if policy.offload else None
+        return memfit.checkpoint(
+            self.model if model is None else model, policy, offload=options or False
+        )
 
     def step(self, module: nn.Module, marks: list[float] | None = None) -> Callable[[], float]:
         """One training step of ``module`` (the model or a wrapper of it); returns the loss.
@@ -175,7 +185,7 @@ def run_policies(
     methods = []
     for policy in policies:
         doing(f"{policy.label}: capturing, planning, compiling (first step)")
-        wrapped = memfit.checkpoint(model, policy)
+        wrapped = work.wrap(policy, model)
         method = Method(policy.label, model, work.step(wrapped), wrapped, record_failures=False)
         try:
             first_step(method, device)

@@ -38,21 +38,21 @@ def _table(title: str, columns: Sequence[tuple[str, str]]) -> Table:
 def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
     """Measured peak and step time per policy, each also as a ratio to ``none``."""
     base = next((r for r in results if r.label == "none"), results[0])
-    table = _table(
-        title,
-        [
-            ("policy", "left"),
-            ("measured peak", "right"),
-            ("vs none", "right"),
-            ("predicted peak", "right"),
-            ("step time", "right"),
-            ("vs none", "right"),
-            ("recomputed", "right"),
-            ("first step", "right"),
-        ],
-    )
+    offloads = any(r.plan.offloaded for r in results)
+    columns = [
+        ("policy", "left"),
+        ("measured peak", "right"),
+        ("vs none", "right"),
+        ("predicted peak", "right"),
+        ("step time", "right"),
+        ("vs none", "right"),
+        ("recomputed", "right"),
+    ]
+    if offloads:
+        columns.append(("offloaded", "right"))
+    table = _table(title, [*columns, ("first step", "right")])
     for r in results:
-        table.add_row(
+        cells = [
             r.label,
             mib(r.peak_bytes),
             f"{r.peak_bytes / base.peak_bytes:.2f}x" if base.peak_bytes else "-",
@@ -60,8 +60,13 @@ def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
             duration(r.step_time),
             f"{r.step_time / base.step_time:.2f}x" if base.step_time else "-",
             f"{r.recompute_fraction:.0%} of fwd",
-            f"{r.compile_s:.1f} s",
-        )
+        ]
+        if offloads:
+            plan = r.plan
+            cells.append(
+                f"{mib(plan.offloaded_bytes)} to {plan.offload_to}" if plan.offloaded else "-"
+            )
+        table.add_row(*cells, f"{r.compile_s:.1f} s")
     return table
 
 
