@@ -90,21 +90,26 @@ def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -
 def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
     none = memfit.checkpoint(_mlp(), "none")
     swapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
-    peaks = {}
-    for name, model in (("none", none), ("swap", swapped)):
-        model(X).square().mean().backward()  # capture and plan
-        ends = []
-        for _ in range(10):
-            m = memfit.measure(lambda model=model: model(X).square().mean().backward())
-            ends.append(m.end_bytes)
-        peaks[name] = m.peak_bytes
-        assert len(set(ends)) == 1  # the same every step: no growth
+    none(X).square().mean().backward()  # capture and plan
+    peak_none = memfit.measure(lambda: none(X).square().mean().backward()).peak_bytes
+
+    def step() -> None:
+        swapped(X).square().mean().backward()
+
+    step()
+    first = memfit.measure(step)
+    for _ in range(8):
+        step()
+        assert swapped.offload_store.pending_files == []
+    last = memfit.measure(step)
+    # Ten steps leave nothing behind: every step ends where it began, at the same peak.
+    assert first.end_bytes == last.end_bytes == 0
+    assert first.peak_bytes == last.peak_bytes
     plan = swapped.plan
     assert plan.offloaded_bytes > 0
     # Measured, not assumed: the device peak drops by what the plan says, within 10%.
-    assert peaks["swap"] < peaks["none"]
-    assert abs(peaks["swap"] - plan.predicted_peak_bytes) <= 0.1 * plan.predicted_peak_bytes
-    assert swapped.offload_store.pending_files == []
+    assert last.peak_bytes < peak_none
+    assert abs(last.peak_bytes - plan.predicted_peak_bytes) <= 0.1 * plan.predicted_peak_bytes
 
 
 def test_abandoned_step_removes_its_files() -> None:
@@ -120,15 +125,34 @@ def test_budget_with_offload_reaches_below_recompute_only() -> None:
     lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
     with pytest.raises(memfit.BudgetError):
         memfit.plan(_mlp(), X, budget=int(lowest * 0.8))
-    plan = memfit.plan(_mlp(), X, budget=int(lowest * 0.8), offload=EVERYTHING)
-    assert plan.predicted_peak_bytes <= int(lowest * 0.8)
+    budget = int(lowest * 0.8)
+    plan = memfit.plan(_mlp(), X, budget=budget, offload=EVERYTHING)
+    assert plan.predicted_peak_bytes <= budget
     assert plan.offloaded and plan.host_peak_bytes == plan.offloaded_bytes
     assert "offloaded" in str(plan)
+    plain = _mlp()
+    plain(X).square().mean().backward()
+    model = _mlp()
+    wrapped = memfit.checkpoint(model, budget=budget, offload=EVERYTHING)
+    wrapped(X).square().mean().backward()
+    assert wrapped.plan.offloaded
+    assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
+    model.zero_grad(set_to_none=True)
+    measured = memfit.measure(lambda: wrapped(X).square().mean().backward()).peak_bytes
+    assert measured <= budget * 1.05
+    # With the host side capped, the least peak recomputes and offloads together; gradients stay
+    # plain PyTorch's.
+    model = _mlp()
+    capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=2**20)
+    lowest_of_all = memfit.checkpoint(model, "memory", offload=capped)
+    lowest_of_all(X).square().mean().backward()
+    assert lowest_of_all.plan.recomputed and lowest_of_all.plan.offloaded
+    assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
 
 
-#: BatchNorm, attention, skips, dropout, in-place ops, a module called twice (the LSTM takes 7 s
-#: to capture twice and adds nothing these do not cover).
-ZOO_CASES = ["resnet", "transformer", "unet", "dropout", "inplace_relu", "shared"]
+#: The zoo but the unrolled LSTM, which takes 7 s to capture twice and adds nothing the others
+#: do not cover (a recurrence is a chain; the shared-submodule case reuses weights).
+ZOO_CASES = [c.name for c in ZOO if c.name != "lstm"]
 
 
 @pytest.mark.parametrize("name", ZOO_CASES)
@@ -151,10 +175,6 @@ def test_zoo_swap_is_bit_identical_to_keeping_everything(name: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(l0, l1))
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert swapped.offload_store.pending_files == []
-
-
-def test_zoo_cases_exist() -> None:
-    assert set(ZOO_CASES) <= {c.name for c in ZOO}
 
 
 def test_bad_offload_dir_is_refused_before_any_step(tmp_path) -> None:
@@ -252,3 +272,11 @@ def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(mon
     for _ in range(5):
         wrappers["swap"](x).square().mean().backward()
     assert store.host_arena_bytes == arena  # no pinned allocation after the first step
+
+
+def test_a_second_backward_through_offloaded_values_is_refused() -> None:
+    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    loss = wrapped(X).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(OffloadError, match="retain_graph=True is not supported"):
+        loss.backward()

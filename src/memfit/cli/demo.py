@@ -4,7 +4,8 @@ Why this exists: a new user's first question is "how much memory does this save,
 cost?". The honest answer is a measurement, not a prediction, so the demo trains one step of a
 CIFAR-shaped ResNet (``memfit.bench.resnet``: pre-activation ResNet v2 with BatchNorm, the kind
 of model gradient checkpointing is usually sold on) under each policy (``none``, ``speed``,
-``memory``, and a budget of half of plain autograd's activation memory) and reports side by side:
+``memory``, a budget of half of plain autograd's activation memory, and ``swap``, which offloads
+to disk on a CPU and to host memory on CUDA) and reports side by side:
 
 * the **measured** peak tensor memory of one training step (``memfit.measure``: exact allocator
   accounting on CPU, allocator statistics on CUDA), and its ratio to ``"none"`` (keep everything);

@@ -48,8 +48,9 @@ def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
         ("vs none", "right"),
         ("recomputed", "right"),
     ]
-    if offloads:
-        columns.append(("offloaded", "right"))
+    if offloads:  # where to is one place per run: the header says it
+        to = next(r.plan.offload_to for r in results if r.plan.offloaded)
+        columns.append((f"offloaded ({to})", "right"))
     table = _table(title, [*columns, ("first step", "right")])
     for r in results:
         cells = [
@@ -63,9 +64,7 @@ def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
         ]
         if offloads:
             plan = r.plan
-            cells.append(
-                f"{mib(plan.offloaded_bytes)} to {plan.offload_to}" if plan.offloaded else "-"
-            )
+            cells.append(mib(plan.offloaded_bytes) if plan.offloaded else "-")
         table.add_row(*cells, f"{r.compile_s:.1f} s")
     return table
 

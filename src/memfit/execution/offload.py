@@ -355,7 +355,7 @@ class OffloadStore:
         return key
 
     def wait_out(self, key: int) -> None:
-        slot = self.slots[key]
+        slot = self._slot(key)
         if slot.written is not None:
             try:
                 slot.written.result()
@@ -371,7 +371,7 @@ class OffloadStore:
         slot.source = None  # the copy is done (or ordered before any reuse): let the value die
 
     def reload_start(self, key: int) -> None:
-        slot = self.slots[key]
+        slot = self._slot(key)
         buffer = torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype, device=slot.device)
         if DEBUG_POISON:
             _poison(buffer)
@@ -383,7 +383,7 @@ class OffloadStore:
         else:
             self._copy_in_from_host(slot, buffer)
 
-    def reload_wait(self, key: int) -> torch.Tensor:
+    def _slot(self, key: int) -> _Slot:
         slot = self.slots.get(key)
         if slot is None:
             raise OffloadError(
@@ -391,6 +391,10 @@ class OffloadStore:
                 "of this step ran twice (retain_graph=True is not supported with offload) or the "
                 "offload store was closed"
             )
+        return slot
+
+    def reload_wait(self, key: int) -> torch.Tensor:
+        slot = self._slot(key)
         if slot.buffer is None:  # no prefetch was placed: start the copy now
             self.reload_start(key)
         if slot.read is not None:
