@@ -47,6 +47,7 @@ from memfit.bench.runner import Method, measure_peaks, time_interleaved, warm_up
 from memfit.bench.zoo import cifar_resnet, unet
 from memfit.cli.batch_search import measure_probe, search_max_batch
 from memfit.cli.steps import Workload
+from memfit.execution.offload import measure_link
 from memfit.planning.budget import Budget
 from memfit.planning.policy import BUDGET, Policy
 
@@ -285,9 +286,14 @@ def run_max_batch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    link = report["link"]
     lines = [
         f"# Offload ({report['date_utc']}, {report['machine'].get('cpu_model', '')}, "
         f"torch {report['software']['torch']}, device {report['parameters']['device']})",
+        "",
+        f"Link to {link['to']}: out {link['out_bytes_per_s'] / 1e9:.2f} GB/s, in "
+        f"{link['in_bytes_per_s'] / 1e9:.2f} GB/s, {link['latency_s'] * 1e3:.2f} ms per copy, "
+        f"overlap with compute {link['overlap']:.2f} ({link['torch_threads']} torch threads).",
         "",
     ]
     for res in report["frontier"]:
@@ -372,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in frontier_models(args.quick):
         frontier.append(run_frontier(spec, args))
     max_batch = None if args.no_max_batch or args.quick else run_max_batch(args)
+    to = "host" if args.device.type == "cuda" else "disk"
+    link = measure_link(to, args.device)
     report = {
         "benchmark": "offload",
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -388,6 +396,15 @@ def main(argv: list[str] | None = None) -> int:
             "equal_peak_tolerance": PEAK_TOLERANCE,
         },
         "load_average": {"start": load_start, "end": load_average()},
+        "link": {
+            "to": to,
+            "measured_by": "memfit.execution.offload.measure_link (32 MiB and 4 KiB round trips)",
+            "out_bytes_per_s": link.out_bytes_per_s,
+            "in_bytes_per_s": link.in_bytes_per_s,
+            "latency_s": link.latency_s,
+            "overlap": link.overlap,
+            "torch_threads": torch.get_num_threads(),
+        },
         "frontier": frontier,
         "max_batch": max_batch,
         "total_runtime_s": round(time.perf_counter() - started, 1),
