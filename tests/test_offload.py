@@ -280,3 +280,16 @@ def test_a_second_backward_through_offloaded_values_is_refused() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(OffloadError, match="retain_graph=True is not supported"):
         loss.backward()
+
+
+def test_a_forward_that_raises_mid_copy_releases_its_slot(tmp_path) -> None:
+    store = OffloadStore("disk", str(tmp_path))
+    try:
+        x = torch.randn(1000)
+        handle = torch.ops.memfit.offload(x, store.id)  # the forward dies before offload_wait
+        store.slots[int(handle)].written.result()
+        assert store.pending_files
+        del handle
+        assert store.slots == {} and store.pending_files == []
+    finally:
+        store.close()

@@ -162,6 +162,8 @@ class _Slot:
     device: torch.device
     nbytes: int
     source: torch.Tensor | None = None
+    #: set by ``offload_wait``: from then on the backward's handle decides when the slot goes
+    owned: bool = False
     written: Future[None] | None = None
     read: Future[None] | None = None
     buffer: torch.Tensor | None = None
@@ -314,6 +316,12 @@ class OffloadStore:
     def close(self) -> None:
         """Drop every value and remove the offload directory."""
         self._finalizer()
+
+    def release_unowned(self, key: int) -> None:
+        """Release slot ``key`` unless ``offload_wait`` handed it to the backward."""
+        slot = self.slots.get(key)
+        if slot is not None and not slot.owned:
+            self.release(key)
 
     def release(self, key: int) -> None:
         """Forget slot ``key``: its value is not needed any more (read back, or step abandoned)."""
@@ -519,9 +527,12 @@ def store_for(store_id: int) -> OffloadStore:
 
 
 def _handle(store: OffloadStore, key: int, *, owns: bool) -> torch.Tensor:
+    """A handle naming slot ``key``. The owning handle (``offload_wait``'s, which the backward
+    receives) releases the slot when it dies: a step abandoned before its backward leaves
+    nothing behind. The first handle releases it only if no owner ever came: a forward that
+    raised between ``offload`` and ``offload_wait`` must not keep its source alive."""
     handle = torch.tensor(key, dtype=torch.int64)
-    if owns:  # a step abandoned before its backward: the slot goes when its handle does
-        weakref.finalize(handle, store.release, key)
+    weakref.finalize(handle, store.release if owns else store.release_unowned, key)
     return handle
 
 
@@ -544,6 +555,7 @@ def _offload_wait(x: torch.Tensor, handle: torch.Tensor, store: int) -> torch.Te
     s = store_for(store)
     key = int(handle.item())
     s.wait_out(key)
+    s.slots[key].owned = True
     return _handle(s, key, owns=True)
 
 
