@@ -138,7 +138,9 @@ def test_budget_with_offload_reaches_below_recompute_only() -> None:
     assert wrapped.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
     model.zero_grad(set_to_none=True)
-    measured = memfit.measure(lambda: wrapped(X).square().mean().backward()).peak_bytes
+    # The loss is a sum, which keeps nothing for backward outside memfit's graph (a squared
+    # loss outside the model would: what the budget covers outside the graph is issue 12's).
+    measured = memfit.measure(lambda: wrapped(X).sum().backward()).peak_bytes
     assert measured <= budget * 1.05
     # With the host side capped, the least peak recomputes and offloads together; gradients stay
     # plain PyTorch's.
@@ -202,7 +204,7 @@ def test_offload_options_need_an_offloading_policy() -> None:
 
 
 def test_full_disk_is_a_clear_error_and_leaves_no_file(monkeypatch) -> None:
-    def full(x, path, ready):
+    def full(box, path, ready):
         with open(path, "wb") as f:
             f.write(b"partial")
         os.remove(path)  # what _write_file does on failure

@@ -28,7 +28,7 @@ from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
-from memfit.execution.offload import OffloadOptions, OffloadStore, measure_link
+from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
@@ -73,31 +73,48 @@ class StepBudget:
 
 
 class Offloader:
-    """The offload side of one wrapper: its options, its store and the link it plans with.
+    """The offload side of one wrapper: its options, its stores and the link it plans with.
 
-    The store is made when the first graph that offloads is planned (the destination depends on
-    the device the activations are on) and lives as long as the wrapper.
+    A store is made when the first graph offloading to its destination is planned (the
+    destination depends on the device the activations are on) and lives as long as the wrapper;
+    graphs of one model on different devices each keep theirs. ``spent`` is what the graphs of
+    the current step offload, so the host budget and the disk's free space bound the step, not
+    each graph (the wrapper resets it at every call, as it does the step budget).
     """
 
     def __init__(self, options: OffloadOptions) -> None:
         self.options = options
-        self.store: OffloadStore | None = None
+        self.stores: dict[str, OffloadStore] = {}
+        self.store: OffloadStore | None = None  # the store of the graph planned last
+        self.spent = 0
 
     def prepare(self, jg: JointGraph) -> tuple[Link, str, int | None]:
         """The link, destination and byte limit the planner offloads ``jg``'s values with."""
         device = _activation_device(jg)
         to = self.options.destination(device)
-        if self.store is None or self.store.to != to:
-            self.store = OffloadStore(to, self.options.directory)
+        if to not in self.stores:
+            self.stores[to] = OffloadStore(to, self.options.directory)
+        self.store = self.stores[to]
         limits = [self.options.host_budget_bytes]
         free = self.store.free_disk_bytes()
         if free is not None:
             limits.append(int(0.9 * free))
         limit = min((n for n in limits if n is not None), default=None)
+        if limit is not None:
+            limit = max(limit - self.spent, 0)
         if self.options.bandwidth is not None:
-            return Link(self.options.bandwidth, self.options.bandwidth), to, limit
+            bandwidth = self.options.bandwidth
+            return Link(bandwidth, bandwidth, overlap=copy_overlap(device)), to, limit
         with disable_current_modes():  # the partitioner traces under fake tensors: measure real
             return measure_link(to, device, self.options.directory), to, limit
+
+    def planned(self, plan: GraphPlan) -> None:
+        """Count ``plan``'s offload against the step and hold host memory for it."""
+        if not plan.transfers or self.store is None:
+            return
+        self.spent += plan.offloaded_bytes
+        with disable_current_modes():  # a real pinned arena, not a fake tensor
+            self.store.reserve([t.nbytes for t in plan.transfers])
 
 
 def _activation_device(jg: JointGraph) -> torch.device:
@@ -146,8 +163,8 @@ def make_backend(
         if step_budget is not None:
             step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
-        if graph_plan.transfers and offloader is not None and offloader.store is not None:
-            offloader.store.reserve([t.nbytes for t in graph_plan.transfers])
+        if offloader is not None:
+            offloader.planned(graph_plan)
         return split_joint_graph(
             joint,
             graph_plan,

@@ -149,6 +149,8 @@ class CheckpointedModule(nn.Module):
         _capturing += 1
         if self._step_budget is not None:
             self._step_budget.spent = 0
+        if self._offloader is not None:
+            self._offloader.spent = 0
         try:
             with self._watcher.watch() as report:
                 out = self._compiled(*args, **kwargs)

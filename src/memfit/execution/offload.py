@@ -81,7 +81,8 @@ class OffloadOptions:
     """Where offloaded values go. ``to=None`` picks ``"host"`` on CUDA and ``"disk"`` on CPU.
 
     ``directory`` is where ``"disk"`` makes its private directory (default: the system temp
-    dir). ``bandwidth`` (bytes/s, both directions) replaces the measured link speed: for planning
+    dir). ``bandwidth`` (bytes/s, both directions) replaces the measured link speed (how much of
+    a copy hides behind compute still follows ``copy_overlap``): for planning
     on a machine other than the one that runs, and for tests that need a plan independent of
     timing. Values under ``min_bytes`` are never offloaded (four ops and a file per value cost
     more than the bytes they would free). ``host_budget`` (bytes or a size such as ``"8GiB"``)
@@ -329,6 +330,10 @@ class OffloadStore:
             slot = self.slots.pop(key, None)
         if slot is None:
             return
+        if slot.buffer is not None and slot.copied_in is not None:
+            # a reload released before its wait (the backward raised): the buffer goes back to
+            # the compute stream's pool only after the side stream has finished writing it
+            torch.cuda.current_stream(slot.device).wait_event(slot.copied_in)
         for future in (slot.written, slot.read):
             if future is not None:
                 try:
@@ -357,7 +362,7 @@ class OffloadStore:
             assert self.directory is not None
             slot.path = os.path.join(self.directory, f"{key}.bin")
             ready = _record_event(x.device)
-            slot.written = self._out.submit(_write_file, x, slot.path, ready)
+            slot.written = self._out.submit(_write_file, [x], slot.path, ready)
         else:
             self._copy_out_to_host(slot, x)
         return key
@@ -452,23 +457,33 @@ def _record_event(device: torch.device) -> Any:
     return torch.cuda.current_stream(device).record_event()
 
 
-def _write_file(x: torch.Tensor, path: str, ready: Any) -> None:
-    if DEBUG_DELAY_S:
-        time.sleep(DEBUG_DELAY_S)
-    if ready is not None:  # CUDA value to disk: copy to host on this thread's own stream
-        stream = torch.cuda.Stream(x.device)
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            data = _byte_view(x).to("cpu")
-    else:
-        data = _byte_view(x)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _write_file(box: list[torch.Tensor], path: str, ready: Any) -> None:
+    """Write the tensor in ``box`` to ``path``. The tensor comes in a box the worker empties, so
+    nothing of this thread (its work item, a failure's traceback) keeps it alive once the write
+    is done: ``offload_wait`` frees the value exactly where the plan says."""
+    x: torch.Tensor | None = box.pop()
+    data: torch.Tensor | None = None
     try:
+        assert x is not None
+        if DEBUG_DELAY_S:
+            time.sleep(DEBUG_DELAY_S)
+        if ready is not None:  # CUDA value to disk: copy to host on this thread's own stream
+            stream = torch.cuda.Stream(x.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                data = _byte_view(x).to("cpu")
+        else:
+            data = _byte_view(x)
+        x = None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(_buffer(data))
     except BaseException:
+        x = data = None  # the traceback keeps this frame: drop the tensors first
         _remove(path)
         raise
+    finally:
+        data = None
 
 
 def _read_file(buffer: torch.Tensor, path: str, ready: Any) -> None:
@@ -629,6 +644,8 @@ def insert_transfers(
     saved = outputs[num_fwd_outputs:]
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     bw_nodes = {n.name: n for n in bw.graph.nodes}
+    by_name = {n.name: n for n in bw_placeholders}
+    reloads = []
     for value_name, wait_after, prefetch_before in transfers:
         value = fw_nodes[value_name]
         position = next(i for i, s in enumerate(saved) if s is value)
@@ -647,15 +664,26 @@ def insert_transfers(
         done.meta["val"] = fake_handle
         saved[position] = done
 
-        placeholder = bw_placeholders[position]
-        readers = [u for u in placeholder.users]
+        # The backward receives the saved value under its joint-graph name (by position only
+        # if the split ever renamed it).
+        placeholder = by_name.get(value_name, bw_placeholders[position])
+        readers = list(placeholder.users)
         placeholder.meta["val"] = fake_handle
-        first = min(readers, key=_order_in(bw.graph)) if readers else None
-        prefetch = bw_nodes.get(prefetch_before)
-        if first is None:
-            continue
-        if prefetch is None or _order_in(bw.graph)(prefetch) > _order_in(bw.graph)(first):
+        if readers:
+            reloads.append((placeholder, readers, bw_nodes.get(prefetch_before), val, fake_handle))
+    # Reloads start in the order the schedule issues them: by prefetch node, then by first
+    # reader (the one queue reads them one after another, as the simulator assumes).
+    order = _order_in(bw.graph)
+    issued = []
+    for placeholder, readers, prefetch, val, fake_handle in reloads:
+        first = min(readers, key=order)
+        if prefetch is None or order(prefetch) > order(first):
             prefetch = first
+        issued.append(
+            (order(prefetch), order(first), placeholder, readers, prefetch, first, val, fake_handle)
+        )
+    issued.sort(key=lambda item: (item[0], item[1]))
+    for _, _, placeholder, readers, prefetch, first, val, fake_handle in issued:
         with bw.graph.inserting_before(prefetch):
             token = bw.graph.call_function(
                 torch.ops.memfit.reload_start.default, (placeholder, store.id)
@@ -762,15 +790,16 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def _round_trips(store: OffloadStore, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
     outs, ins = [], []
+    keys: list[int] = []
+
+    def out() -> None:
+        keys.append(store.offload(x))
+        store.wait_out(keys[-1])
+
+    def back() -> None:
+        store.reload_wait(keys[-1])
+
     for _ in range(3):
-        key = store.offload(x)
-
-        def out(key: int = key) -> None:
-            store.wait_out(key)
-
-        def back(key: int = key) -> None:
-            store.reload_wait(key)
-
         outs.append(_timed(out, device))
         ins.append(_timed(back, device))
     return sorted(outs)[1], sorted(ins)[1]
