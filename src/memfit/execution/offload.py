@@ -535,8 +535,8 @@ def store_for(store_id: int) -> OffloadStore:
     store = _STORES.get(store_id)
     if store is None:
         raise OffloadError(
-            f"offload store {store_id} is closed: the memfit wrapper that planned this graph "
-            f"was deleted"
+            f"offload store {store_id} is closed (store.close() was called, or the memfit "
+            f"wrapper that planned this graph was deleted): wrap the model again to train it"
         )
     return store
 
