@@ -32,7 +32,14 @@ import torch.fx as fx
 
 from memfit.analysis.graph import JointGraph
 
-__all__ = ["Link", "Transfer", "TransferSchedule", "offloadable", "schedule_transfers"]
+__all__ = [
+    "Link",
+    "Transfer",
+    "TransferSchedule",
+    "offloadable",
+    "schedule_transfers",
+    "value_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def value_bytes(jg: JointGraph, value: fx.Node) -> int:
+    """Bytes an offload of ``value`` moves: its one storage (``offloadable`` values have one)."""
+    return jg.storage_bytes[jg.storages[value][0]]
+
+
 def offloadable(jg: JointGraph, saved: Iterable[fx.Node], *, min_bytes: int = 0) -> list[fx.Node]:
     """The saved values an offload can actually free, in forward order.
 
@@ -167,7 +179,7 @@ def schedule_transfers(
                 last_reader[a] = i
 
     def nbytes(v: fx.Node) -> int:
-        return jg.storage_bytes[jg.storages[v][0]]
+        return value_bytes(jg, v)
 
     order = sorted(chosen, key=lambda v: fwd_pos.get(v, -1))
     # A first run of the forward without waits says when each copy out completes; each wait
@@ -212,11 +224,9 @@ def schedule_transfers(
     clock = 0.0
     for i, n in enumerate(backward):
         for v in issue_at.get(i, ()):
-            took, beside = link.split(link.in_seconds(nbytes(v)))
+            took, free = _issue(link, link.in_seconds(nbytes(v)), clock, free)
             clock += took
             stall += took
-            start = max(clock, free)
-            free = start + beside
             arrived[v] = free
         for v in readers_at.get(i, ()):
             if arrived[v] > clock:
@@ -244,6 +254,13 @@ def schedule_transfers(
     )
 
 
+def _issue(link: Link, copy_s: float, clock: float, free: float) -> tuple[float, float]:
+    """A copy of ``copy_s`` seconds issued at ``clock`` on a queue that is free from ``free``:
+    the seconds it takes from compute, and when it completes."""
+    took, beside = link.split(copy_s)
+    return took, max(clock + took, free) + beside
+
+
 def _run_forward(
     forward: Sequence[fx.Node],
     order: Sequence[fx.Node],
@@ -264,11 +281,9 @@ def _run_forward(
     for i, n in enumerate(forward):
         clock += seconds.get(n, 0.0)
         for v in produced.get(i, ()):
-            took, beside = link.split(link.out_seconds(nbytes(v)))
+            took, free = _issue(link, link.out_seconds(nbytes(v)), clock, free)
             clock += took
             stall += took
-            start = max(clock, free)
-            free = start + beside
             done_at[v] = free
         ends.append(clock)
         for v in waits_at.get(i, ()):

@@ -645,6 +645,7 @@ def insert_transfers(
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     bw_nodes = {n.name: n for n in bw.graph.nodes}
     by_name = {n.name: n for n in bw_placeholders}
+    fw_index = {n: i for i, n in enumerate(fw.graph.nodes)}  # the original nodes' order
     reloads = []
     for value_name, wait_after, prefetch_before in transfers:
         value = fw_nodes[value_name]
@@ -656,7 +657,7 @@ def insert_transfers(
         with fw.graph.inserting_after(value):
             handle = fw.graph.call_function(torch.ops.memfit.offload.default, (value, store.id))
         handle.meta["val"] = fake_handle
-        after = anchor if _comes_after(fw.graph, anchor, handle) else handle
+        after = anchor if fw_index[anchor] > fw_index[value] else handle
         with fw.graph.inserting_after(after):
             done = fw.graph.call_function(
                 torch.ops.memfit.offload_wait.default, (value, handle, store.id)
@@ -719,11 +720,6 @@ def _fake_mode_of(val: torch.Tensor) -> Any:
 def _order_in(graph: fx.Graph) -> Callable[[fx.Node], int]:
     index = {n: i for i, n in enumerate(graph.nodes)}
     return index.__getitem__
-
-
-def _comes_after(graph: fx.Graph, a: fx.Node, b: fx.Node) -> bool:
-    index = _order_in(graph)
-    return index(a) > index(b)
 
 
 # ---- the link --------------------------------------------------------------------------------

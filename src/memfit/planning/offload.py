@@ -27,7 +27,13 @@ import torch.fx as fx
 
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
-from memfit.analysis.transfers import Link, TransferSchedule, offloadable, schedule_transfers
+from memfit.analysis.transfers import (
+    Link,
+    TransferSchedule,
+    offloadable,
+    schedule_transfers,
+    value_bytes,
+)
 from memfit.planning.frontier import FrontierPoint, pareto
 
 __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCandidate", "offload_variants", "swap", "with_offload"]
@@ -92,7 +98,7 @@ def swap(
 
 
 def _bytes(jg: JointGraph, values: Sequence[fx.Node]) -> int:
-    return sum(jg.storage_bytes[jg.storages[v][0]] for v in values)
+    return sum(value_bytes(jg, v) for v in values)
 
 
 def offload_variants(
@@ -111,11 +117,11 @@ def offload_variants(
     candidates = offloadable(jg, jg.saved_needed(kept), min_bytes=min_bytes)
     if not candidates:
         return []
-    by_size = sorted(candidates, key=lambda n: -jg.storage_bytes[jg.storages[n][0]])
+    by_size = sorted(candidates, key=lambda n: -value_bytes(jg, n))
     if limit_bytes is not None:  # the largest values that fit the limit together
         fitting, total = [], 0
         for n in by_size:
-            size = jg.storage_bytes[jg.storages[n][0]]
+            size = value_bytes(jg, n)
             if total + size <= limit_bytes:
                 fitting.append(n)
                 total += size

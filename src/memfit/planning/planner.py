@@ -26,7 +26,7 @@ from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
-from memfit.planning.frontier import choose, pareto_frontier
+from memfit.planning.frontier import FrontierPoint, choose, pareto_frontier
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
@@ -71,19 +71,25 @@ def plan_graph(
     budget_bytes: int | None = None
     schedule: TransferSchedule | None = None
     seconds = {n: node_seconds(n) for n in jg.nodes} if policy.offload else {}
+
+    def frontier_points() -> list[FrontierPoint]:
+        """The graph's frontier, with offload plans added when the policy offloads."""
+        points = pareto_frontier(jg)
+        if not policy.offload:
+            return points
+        assert link is not None
+        return with_offload(
+            jg,
+            points,
+            link,
+            seconds,
+            min_bytes=offload_min_bytes,
+            limit_bytes=offload_limit_bytes,
+        )
+
     if policy.name == BUDGET:
         assert policy.budget is not None
-        points = pareto_frontier(jg)
-        if policy.offload:
-            assert link is not None
-            points = with_offload(
-                jg,
-                points,
-                link,
-                seconds,
-                min_bytes=offload_min_bytes,
-                limit_bytes=offload_limit_bytes,
-            )
+        points = frontier_points()
         frontier = tuple(
             ParetoPoint(
                 p.peak_bytes,
@@ -102,35 +108,23 @@ def plan_graph(
             chosen = choose(points, budget_bytes)
         except BudgetError as err:
             if policy.offload and offload_limit_bytes is not None:
-                raise BudgetError(
-                    f"{err} (offload was limited to {format_bytes(offload_limit_bytes)} per step "
-                    f"by the host budget or the free space of the offload disk)",
-                    budget_bytes=budget_bytes,
-                    smallest_bytes=err.smallest_bytes,
+                raise _explained(
+                    err,
+                    f"offload was limited to {format_bytes(offload_limit_bytes)} per step by the "
+                    f"host budget or the free space of the offload disk",
                 ) from None
             if spent_bytes and policy.budget.fraction is None:
-                raise BudgetError(
-                    f"{err} ({spent_bytes} bytes of the budget are already kept by earlier "
-                    f"graphs of this step: the model has graph breaks)",
-                    budget_bytes=budget_bytes,
-                    smallest_bytes=err.smallest_bytes,
+                raise _explained(
+                    err,
+                    f"{spent_bytes} bytes of the budget are already kept by earlier graphs of "
+                    f"this step: the model has graph breaks",
                 ) from None
             raise
         kept, sim, schedule = set(chosen.kept), chosen.simulation, chosen.schedule
     elif policy.name == "memory":
         # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
         # candidates, and the segment programme often finds a lower peak for less recompute.
-        points = pareto_frontier(jg)
-        if policy.offload:
-            assert link is not None
-            points = with_offload(
-                jg,
-                points,
-                link,
-                seconds,
-                min_bytes=offload_min_bytes,
-                limit_bytes=offload_limit_bytes,
-            )
+        points = frontier_points()
         lowest = points[0]
         kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
     elif policy.name == "swap":
@@ -168,6 +162,13 @@ def plan_graph(
         frontier=frontier,
         schedule=schedule,
         offload_to=offload_to,
+    )
+
+
+def _explained(err: BudgetError, reason: str) -> BudgetError:
+    """``err`` with ``reason`` added to its message, its numbers kept."""
+    return BudgetError(
+        f"{err} ({reason})", budget_bytes=err.budget_bytes, smallest_bytes=err.smallest_bytes
     )
 
 
