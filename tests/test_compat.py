@@ -134,3 +134,13 @@ def test_profiler_events_and_allocations() -> None:
     assert allocations is not None
     assert {n for _, n, _ in allocations} >= {1000, -1000}
     assert len({ptr for _, n, ptr in allocations if abs(n) == 1000}) == 1
+
+
+def test_recompile_limit_is_raised_only_inside_the_context() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.recompile_limit
+    with _compat.recompile_limit(1000):
+        assert dynamo_config.recompile_limit == 1000
+        assert dynamo_config.accumulated_recompile_limit == 1000
+    assert dynamo_config.recompile_limit == before

@@ -52,6 +52,7 @@ def test_graph_break_trains_exactly_and_warns_once_with_location() -> None:
     assert len(ours) == 1, [str(w.message) for w in caught]
     message = str(ours[0].message)
     assert "Branchy" in message and "test_graph_breaks.py" in message
+    assert ours[0].filename == __file__  # attributed to the calling line, not to torch
     assert len(wrapped.plan.graphs) >= 2
 
 

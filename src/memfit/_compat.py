@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "tree_map_only",
     "tree_unflatten",
     "unique_graph_count",
+    "recompile_limit",
     # added for benchmarks
     "activation_memory_budget",
     "default_partition",
@@ -166,6 +168,20 @@ def unique_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def recompile_limit(limit: int) -> AbstractContextManager[Any]:
+    """Dynamo's per-code-object recompile limits raised to ``limit`` while the context is open.
+
+    Dynamo counts compiled variants per code object, and every ``torch.compile``d module enters
+    through one shared code object (``torch/_dynamo/external_utils.py``'s ``inner``), so its
+    default of 8 is shared by every memfit wrapper in the process: after eight shapes across all
+    models, new ones ran eagerly without a plan or a word. memfit counts shapes per wrapper
+    itself and opens this around its own calls only (``torch._dynamo.config``).
+    """
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(recompile_limit=limit, accumulated_recompile_limit=limit)
+
+
 # ---- the profiler's raw events (checked 2.13.0) --------------------------------------------------
 def profiler_enabled() -> bool:
     """Whether any torch profiler session is active on this thread (``torch._C._autograd``)."""
@@ -221,7 +237,6 @@ def profiler_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, i
 # beyond the package itself: AOTAutograd's own default partition, to record joint graphs without
 # changing them, and the knobs of ``torch.compile``, the peer memfit's budget is compared with.
 from collections.abc import Callable  # noqa: E402
-from contextlib import AbstractContextManager  # noqa: E402
 
 # make_boxed_func: a forward compiler's result in AOTAutograd's boxed calling convention.
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402

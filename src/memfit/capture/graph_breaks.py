@@ -10,12 +10,12 @@ line. Dynamo records reasons in its global counters (read through
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from memfit._compat import graph_break_reasons
+from memfit.warn import warn_user
 
 __all__ = ["GraphBreakWatcher", "GraphBreakReport"]
 
@@ -48,12 +48,11 @@ class GraphBreakReport:
             return
         self.watcher.warned = True
         where = "; ".join(dict.fromkeys(summarize_reason(r) for r in self.reasons))
-        warnings.warn(
+        warn_user(
             f"memfit could not capture {self.model_name} as one graph (graph break: {where}). "
             "It still trains correctly: each piece is checkpointed on its own and values that "
             "cross a break are kept. Remove the break (e.g. torch.where or torch.cond instead of "
-            "a Python `if` on a tensor) to save more.",
-            stacklevel=4,
+            "a Python `if` on a tensor) to save more."
         )
 
 

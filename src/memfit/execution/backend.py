@@ -37,20 +37,31 @@ from memfit.planning.policy import Policy
 __all__ = ["make_backend", "Offloader", "StepBudget"]
 
 
-def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+def _boxed(
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+) -> Callable[..., Any]:
     """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
 
     ``make_boxed_func`` alone keeps the argument list alive for the whole call, so every saved
     tensor would live until the backward graph ends. FX's boxed code generator emits code that
     unpacks and clears the list first; then a saved value dies right after its last reader, as
     the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
+    ``on_run`` is called before every run (a planned forward graph reports that it ran).
     """
     strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
     gm.graph.set_codegen(boxed_codegen())
     gm.recompile()
 
-    def run(args: list[Any]) -> Any:
-        return gm(args)
+    if on_run is None:
+
+        def run(args: list[Any]) -> Any:
+            return gm(args)
+
+    else:
+
+        def run(args: list[Any]) -> Any:
+            on_run()
+            return gm(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -66,7 +77,9 @@ class StepBudget:
 
     With graph breaks, the graphs of one step are planned one after the other as the step first
     runs; values kept by earlier graphs stay alive while later ones run, so each graph gets the
-    budget less what the graphs before it keep. The wrapper resets ``spent`` at every call.
+    budget less what the graphs that ran before it in this step keep (counted as each graph's
+    forward runs, so a graph compiled in an earlier step counts too). The wrapper resets
+    ``spent`` at every call.
     """
 
     spent: int = 0
@@ -108,11 +121,10 @@ class Offloader:
         with disable_current_modes():  # the partitioner traces under fake tensors: measure real
             return measure_link(to, device, self.options.directory), to, limit
 
-    def planned(self, plan: GraphPlan) -> None:
-        """Count ``plan``'s offload against the step and hold host memory for it."""
+    def reserve(self, plan: GraphPlan) -> None:
+        """Hold host memory for ``plan``'s offload (counted against the step when it runs)."""
         if not plan.transfers or self.store is None:
             return
-        self.spent += plan.offloaded_bytes
         with disable_current_modes():  # a real pinned arena, not a fake tensor
             self.store.reserve([t.nbytes for t in plan.transfers])
 
@@ -130,8 +142,13 @@ def make_backend(
     step_budget: StepBudget | None = None,
     attention: str = "auto",
     offloader: Offloader | None = None,
+    on_run: Callable[[GraphPlan], None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
+
+    ``on_plan`` receives each graph's plan when it is made; ``on_run`` receives it every time
+    the graph's forward runs afterwards, so a wrapper can say which plans the call it just made
+    ran (Dynamo reuses a graph compiled earlier without calling the backend again).
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -160,11 +177,10 @@ def make_backend(
             offload_limit_bytes=limit,
         )
         graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites))
-        if step_budget is not None:
-            step_budget.spent += graph_plan.kept_bytes
         on_plan(graph_plan)
+        just_planned.append(graph_plan)
         if offloader is not None:
-            offloader.planned(graph_plan)
+            offloader.reserve(graph_plan)
         return split_joint_graph(
             joint,
             graph_plan,
@@ -173,10 +189,34 @@ def make_backend(
             store=offloader.store if offloader else None,
         )
 
-    compile_joint = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)
+    just_planned: list[GraphPlan] = []
+
+    def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        # AOTAutograd compiles the forward right after partitioning it; an inference graph
+        # (a no_grad call) is compiled without a partition and reports nothing.
+        graph_plan = just_planned.pop() if just_planned else None
+        if graph_plan is None:
+            return _boxed(gm, example_inputs)
+        planned: GraphPlan = graph_plan
+
+        def ran() -> None:
+            # What this graph keeps (and offloads) is alive while the step's later graphs run.
+            if step_budget is not None:
+                step_budget.spent += planned.kept_bytes
+            if offloader is not None and planned.transfers:
+                offloader.spent += planned.offloaded_bytes
+            if on_run is not None:
+                on_run(planned)
+
+        return _boxed(gm, example_inputs, on_run=ran)
+
+    compile_joint = aot_autograd(
+        fw_compiler=compile_forward, bw_compiler=_boxed, partition_fn=partition
+    )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
         sites.clear()
+        just_planned.clear()
         if attention == "auto":
             sites.extend(replace_attention(gm))
         return compile_joint(gm, example_inputs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,30 +25,15 @@ import torch.nn as nn
 
 from memfit._compat import tree_map
 from memfit.capture.attention import ATTENTION_MODES
-from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.capture.mark import mark
-from memfit.execution.backend import Offloader, StepBudget, make_backend
-from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+from memfit.execution.offload import OffloadOptions, OffloadStore
+from memfit.execution.planned import DEFAULT_MAX_SHAPES, PlannedCall
 from memfit.execution.state import preserved
-from memfit.planning.budget import Budget, BudgetError, parse_budget
-from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.budget import Budget, parse_budget
+from memfit.planning.plan import Plan
 from memfit.planning.policy import BUDGET, Policy, parse_policy
 
 __all__ = ["checkpoint", "plan", "CheckpointedModule"]
-
-
-def _planning_error(exc: BaseException) -> BudgetError | OffloadError | None:
-    """The BudgetError or OffloadError behind Dynamo's wrapping of backend exceptions, if any."""
-    seen = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (BudgetError, OffloadError)):
-            return current
-        seen.add(id(current))
-        current = (
-            getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
-        )
-    return None
 
 
 _capturing = 0  # >0 while a memfit wrapper runs: module-name hooks mark only then
@@ -70,14 +55,8 @@ class CheckpointedModule(nn.Module):
     # Set through __dict__ in __init__: nn.Module's __setattr__ would register the model as a
     # submodule (its parameters would appear twice under new names).
     _model: nn.Module
-    _policy: Policy
-    _plan: Plan | None
-    _pending: list[GraphPlan]
-    _watcher: GraphBreakWatcher
-    _step_budget: StepBudget | None
-    _compiled: Callable[..., Any]
+    _planned: PlannedCall
     _hooks: list[Any]
-    _offloader: Offloader | None
 
     def __init__(
         self,
@@ -85,6 +64,7 @@ class CheckpointedModule(nn.Module):
         policy: Policy,
         attention: str = "auto",
         offload: OffloadOptions | None = None,
+        max_shapes: int = DEFAULT_MAX_SHAPES,
     ) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
@@ -92,20 +72,13 @@ class CheckpointedModule(nn.Module):
         self._buffers = model._buffers
         self._modules = model._modules
         self.__dict__["_model"] = model
-        self.__dict__["_policy"] = policy
-        self.__dict__["_plan"] = None
-        self.__dict__["_pending"] = []
-        self.__dict__["_watcher"] = GraphBreakWatcher(type(model).__name__)
-        self.__dict__["_step_budget"] = StepBudget() if policy.name == BUDGET else None
-        self.__dict__["_offloader"] = (
-            Offloader(offload or OffloadOptions()) if policy.offload else None
-        )
-        self.__dict__["_compiled"] = torch.compile(
+        self.__dict__["_planned"] = PlannedCall(
             model,
-            backend=make_backend(
-                policy, self._pending.append, self._step_budget, attention, self._offloader
-            ),
-            dynamic=False,
+            policy,
+            name=type(model).__name__,
+            attention=attention,
+            offload=offload,
+            max_shapes=max_shapes,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
@@ -121,22 +94,17 @@ class CheckpointedModule(nn.Module):
     @property
     def policy(self) -> Policy:
         """The policy this wrapper plans with."""
-        return self._policy
+        return self._planned.policy
 
     @property
     def offload_store(self) -> OffloadStore | None:
         """Where this wrapper's offloaded activations live (None until a plan offloads)."""
-        return self._offloader.store if self._offloader else None
+        return self._planned.offload_store
 
     @property
     def plan(self) -> Plan:
-        """What the last capture keeps and recomputes; available after the first training call."""
-        if self._plan is None:
-            raise RuntimeError(
-                "memfit has not planned this model yet: the plan is made when the model is first "
-                "called with inputs that require a backward (a training step); call it once first"
-            )
-        return self._plan
+        """The plan of the graphs the last training call ran (each input shape has its own)."""
+        return self._planned.plan
 
     def train(self, mode: bool = True) -> CheckpointedModule:
         self._model.train(mode)
@@ -147,31 +115,22 @@ class CheckpointedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         global _capturing
         _capturing += 1
-        if self._step_budget is not None:
-            self._step_budget.spent = 0
-        if self._offloader is not None:
-            self._offloader.spent = 0
         try:
-            with self._watcher.watch() as report:
-                out = self._compiled(*args, **kwargs)
-        except Exception as exc:
-            self._pending.clear()
-            planning_error = _planning_error(exc)
-            if planning_error is not None:
-                raise planning_error.with_traceback(None) from None
-            raise
+            return self._planned(*args, **kwargs)
         finally:
             _capturing -= 1
-        if self._pending:
-            graphs: list[GraphPlan] = list(self._pending)
-            self._pending.clear()
-            self.__dict__["_plan"] = Plan(policy=self._policy.name, graphs=tuple(graphs))
-        if report.broke:
-            report.warn_once()
-        return out
 
     def extra_repr(self) -> str:
-        return f"policy={self._policy.label!r}, model={type(self._model).__name__}"
+        return f"policy={self.policy.label!r}, model={type(self._model).__name__}"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(wrapper) and copy.deepcopy(wrapper) would pickle compiled graphs and hooks.
+        name = type(self._model).__name__
+        raise TypeError(
+            f"a memfit.checkpoint wrapper ({name}) holds compiled graphs and cannot be pickled: "
+            f"save wrapper.state_dict() (the same keys as the model's) or the model itself "
+            f"(wrapper.module), and wrap the loaded model with memfit.checkpoint again"
+        )
 
 
 def _validate_names(model: nn.Module, names: Sequence[str]) -> None:
@@ -196,6 +155,7 @@ def checkpoint(
     offload: bool | OffloadOptions = False,
     offload_to: str | None = None,
     offload_dir: str | None = None,
+    max_shapes: int = DEFAULT_MAX_SHAPES,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
@@ -204,11 +164,13 @@ def checkpoint(
     recompute cheap ops), ``"collection"`` (keep the tensors marked with ``memfit.mark``),
     ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
     kept. Or give ``budget`` instead (or the policy ``"budget=B"``): bytes (``int``), a size
-    (``"2GiB"``, ``"750MB"``) or a fraction in (0, 1] of plain autograd's activation memory; memfit
-    then keeps what makes the recomputation cheapest while the predicted peak stays within it, and
-    raises ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing
-    fits. The returned module shares the model's parameters and buffers; its ``plan`` describes
-    the choice after the first training call. ``checkpoints=`` is the old name of ``policy``.
+    (``"2GiB"``, ``"750MB"``) or a fraction ``f`` in (0, 1] of the activations plain autograd
+    keeps for backward (the peak allowed is plain autograd's less ``1 - f`` of those activations:
+    gradients and working memory are needed at any fraction); memfit then keeps what makes the
+    recomputation cheapest while the predicted peak stays within it, and raises
+    ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
+    The returned module shares the model's parameters and buffers; its ``plan`` describes the
+    choice after the first training call. ``checkpoints=`` is the old name of ``policy``.
 
     ``attention="auto"`` (the default) rewrites every attention memfit finds in the model to a
     kernel that keeps no sequence-length-squared tensor: PyTorch's fused SDPA where it applies,
@@ -226,48 +188,67 @@ def checkpoint(
     bandwidth instead of the measured one, the smallest value worth offloading). The plan
     reports ``offloaded``, ``offloaded_bytes``, ``host_peak_bytes``, ``transfer_seconds`` and
     ``stall_seconds``.
+
+    Each new input shape (or dtype) is captured and planned on its first call, and ``plan`` is
+    always that of the shape the last call ran. After ``max_shapes`` shapes, a new one runs as
+    plain PyTorch with a warning (shapes already planned keep their plans).
     """
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CheckpointedModule):
         raise TypeError("this model is already wrapped by memfit.checkpoint; wrap the original")
-    if checkpoints is not None:
-        if policy is not None:
-            raise ValueError("give the policy once: checkpoints= is the old name of policy=")
-        warnings.warn(
-            "memfit.checkpoint(checkpoints=...) is now memfit.checkpoint(policy=...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        policy = checkpoints
-    options = _offload_options(offload, offload_to, offload_dir)
-    offload = options is not None and offload is not False
-    if budget is not None:
-        if policy is not None:
-            raise ValueError(
-                "give either a policy or budget=, not both: with a budget memfit chooses "
-                "what to keep itself"
-            )
-        return CheckpointedModule(
-            model, Policy(BUDGET, budget=parse_budget(budget), offload=offload), attention, options
-        )
-    chosen = parse_policy("memory" if policy is None else policy)
-    if offload and not chosen.offload:
-        chosen = Policy(chosen.name, chosen.budget, chosen.modules, offload=True)
-    if options is not None and not chosen.offload:
-        raise ValueError(
-            "offload_to/offload_dir configure offloading: pass offload=True (with a budget or "
-            "'memory') or use policy 'swap'"
-        )
+    chosen, options = resolve_policy(
+        policy, budget, checkpoints, attention, offload, offload_to, offload_dir, "checkpoint"
+    )
     _validate_names(model, chosen.modules)
     if isinstance(policy, (list, tuple)) and not chosen.modules:
         warnings.warn(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(model, chosen, attention, options)
+    return CheckpointedModule(model, chosen, attention, options, max_shapes)
+
+
+def resolve_policy(
+    policy: Policy | str | Sequence[str] | None,
+    budget: int | str | float | Budget | None,
+    checkpoints: str | Sequence[str] | None,
+    attention: str,
+    offload: bool | OffloadOptions,
+    offload_to: str | None,
+    offload_dir: str | None,
+    caller: str,
+) -> tuple[Policy, OffloadOptions | None]:
+    """The policy and offload options ``memfit.<caller>``'s arguments ask for, checked."""
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if checkpoints is not None:
+        if policy is not None:
+            raise ValueError("give the policy once: checkpoints= is the old name of policy=")
+        warnings.warn(
+            f"memfit.{caller}(checkpoints=...) is now memfit.{caller}(policy=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        policy = checkpoints
+    options = _offload_options(offload, offload_to, offload_dir)
+    offloads = options is not None and offload is not False
+    if budget is not None:
+        if policy is not None:
+            raise ValueError(
+                "give either a policy or budget=, not both: with a budget memfit chooses "
+                "what to keep itself"
+            )
+        return Policy(BUDGET, budget=parse_budget(budget), offload=offloads), options
+    chosen = parse_policy("memory" if policy is None else policy)
+    if offloads and not chosen.offload:
+        chosen = Policy(chosen.name, chosen.budget, chosen.modules, offload=True)
+    if options is not None and not chosen.offload:
+        raise ValueError(
+            "offload_to/offload_dir configure offloading: pass offload=True (with a budget or "
+            "'memory') or use policy 'swap'"
+        )
+    return chosen, options
 
 
 def _offload_options(
