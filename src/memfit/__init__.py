@@ -13,6 +13,7 @@ from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, checkpoint, plan
 from memfit.execution.offload import OffloadError, OffloadOptions
+from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
@@ -23,6 +24,8 @@ __all__ = [
     "OffloadError",
     "OffloadOptions",
     "checkpoint",
+    "step",
+    "Step",
     "plan",
     "nn",
     "BudgetError",

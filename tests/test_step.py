@@ -1,0 +1,145 @@
+"""``memfit.step``: the whole training step, loss included, captured and planned as one unit.
+
+The oracle is plain PyTorch running the same function: same loss, same gradients. The point of a
+step is that its prediction covers what the step allocates, loss and its gradients included, so
+measured and predicted peaks are compared on a language model whose cross-entropy over the
+vocabulary is most of the step (the case where a wrapper around the model alone predicts 30% low).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memfit
+
+VOCAB = 2000
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 256)
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(8))
+        self.head = nn.Linear(256, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (16, 64), generator=g), torch.randint(
+        0, VOCAB, (16, 64), generator=g
+    )
+
+
+def _lm() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("policy", ["none", "memory", "budget"])
+def test_a_step_predicts_its_whole_peak_and_keeps_plain_gradients(policy: str) -> None:
+    model, x, y = _lm(), *_batch()
+    plain_loss = _loss(model, x, y)
+    plain_loss.backward()
+    plain_grads = _grads(model)
+    plain = memfit.measure(lambda: _loss(model, x, y).backward())
+    model.zero_grad(set_to_none=True)
+
+    options = {"budget": 0.5} if policy == "budget" else {"policy": policy}
+    step = memfit.step(lambda x, y: _loss(model, x, y), **options)
+    loss = step(x, y)
+    loss.backward()
+    assert torch.equal(loss.detach(), plain_loss.detach())
+    for g, h in zip(_grads(model), plain_grads):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
+
+    measured = memfit.measure(lambda: step(x, y).backward())
+    model.zero_grad(set_to_none=True)
+    predicted = step.plan.predicted_peak_bytes
+    assert measured.peak_bytes == pytest.approx(predicted, rel=0.05)
+    if policy == "none":
+        assert measured.peak_bytes == pytest.approx(plain.peak_bytes, rel=0.02)
+    else:
+        assert measured.peak_bytes < plain.peak_bytes
+    if policy == "budget":
+        assert measured.peak_bytes <= 1.05 * step.plan.budget_bytes
+
+
+def test_step_as_a_decorator_bare_with_arguments_and_on_a_method() -> None:
+    model, x, y = _lm(), *_batch()
+
+    @memfit.step
+    def bare(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Docstring kept."""
+        return _loss(model, x, y)
+
+    @memfit.step("speed")
+    def named(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _loss(model, x, y)
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = model
+
+        @memfit.step(budget=0.9)
+        def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _loss(self.model, x, y)
+
+    trainer = Trainer()
+    assert bare.__name__ == "bare" and bare.__doc__ == "Docstring kept."
+    assert bare.policy.name == "memory" and named.policy.name == "speed"
+    expected = _loss(model, x, y).detach()
+    model.zero_grad(set_to_none=True)
+    for fn in (bare, named, trainer.step):
+        loss = fn(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=0)
+    assert Trainer.step.plan.policy == "budget"  # one plan per decorated method
+
+
+def test_the_plan_is_asked_for_before_a_training_call() -> None:
+    step = memfit.step(lambda x: x.sum())
+    with pytest.raises(RuntimeError, match="call it once first"):
+        step.plan  # noqa: B018
+
+
+def test_bad_arguments_are_refused_before_any_step() -> None:
+    with pytest.raises(ValueError, match="no single model"):
+        memfit.step(policy=["layer1"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="either a policy or budget"):
+        memfit.step(lambda: None, policy="memory", budget=0.5)
+    with pytest.raises(TypeError, match="expects a function"):
+        memfit.step(policy="memory")(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="already a memfit.step"):
+        memfit.step(memfit.step(lambda: None))
+    with pytest.raises(ValueError, match="attention"):
+        memfit.step(lambda: None, attention="fast")
+
+
+def test_pickling_a_step_or_a_wrapper_names_state_dict() -> None:
+    model = _lm()
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(memfit.step(lambda x: model(x).sum()))
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(memfit.checkpoint(model), "/dev/null")
