@@ -20,11 +20,13 @@ def test_sizes_parse_to_bytes(text, expected):
     assert parse_budget(text) == Budget(bytes=expected)
 
 
-def test_fractions_resolve_against_the_baseline():
+def test_fractions_resolve_against_the_baseline_activations():
     assert parse_budget(0.25) == Budget(fraction=0.25)
     assert parse_budget("0.5") == Budget(fraction=0.5)
-    assert parse_budget(0.5).resolve(1000) == 500
-    assert parse_budget(1234).resolve(10**9) == 1234
+    # A peak of 1000 bytes of which 600 are saved activations: half the activations go.
+    assert parse_budget(0.5).resolve(1000, 600) == 700
+    assert parse_budget(1.0).resolve(1000, 600) == 1000
+    assert parse_budget(1234).resolve(10**9, 10**8) == 1234
 
 
 @pytest.mark.parametrize("bad", ["abc", "1XB", "-1GB", 0, -5, 1.5, 0.0, float("nan"), "2.5"])

@@ -4,7 +4,7 @@ Why this exists: a new user's first question is "how much memory does this save,
 cost?". The honest answer is a measurement, not a prediction, so the demo trains one step of a
 CIFAR-shaped ResNet (``memfit.bench.resnet``: pre-activation ResNet v2 with BatchNorm, the kind
 of model gradient checkpointing is usually sold on) under each policy (``none``, ``speed``,
-``memory``, a budget of half of plain autograd's activation memory, and ``swap``, which offloads
+``memory``, a budget of half of the activations plain autograd keeps, and ``swap``, which offloads
 to disk on a CPU and to host memory on CUDA) and reports side by side:
 
 * the **measured** peak tensor memory of one training step (``memfit.measure``: exact allocator
@@ -51,7 +51,7 @@ class Config:
     width: int
     batch: int
     timing_runs: int = 3
-    budget: float = 0.5  # of plain autograd's activation memory
+    budget: float = 0.5  # of the activations plain autograd keeps
 
 
 FULL = Config(blocks_per_stage=5, width=16, batch=32)  # ResNet-32, 15 residual blocks

@@ -3,8 +3,9 @@
 A budget is what a user knows about their machine ("I have 2 GiB for activations"), so it is
 accepted the way people write it: an integer number of bytes, a string with a unit ("1.5GiB",
 "800MB", "512KiB"; SI units are powers of 1000, IEC units powers of 1024, as on disk labels and in
-``nvidia-smi`` respectively), or a float in (0, 1] meaning that fraction of the activation memory
-plain autograd would use (``"none"``), resolved once the graph is known.
+``nvidia-smi`` respectively), or a float in (0, 1] meaning that fraction of the activations plain
+autograd saves for backward (``"none"``), plus the rest of its step (gradients, working memory),
+resolved once the graph is known.
 """
 
 from __future__ import annotations
@@ -55,16 +56,23 @@ class Budget:
     bytes: int | None = None
     fraction: float | None = None
 
-    def resolve(self, baseline_bytes: int) -> int:
-        """Bytes this budget allows for a graph whose plain-autograd peak is ``baseline_bytes``."""
+    def resolve(self, baseline_peak_bytes: int, baseline_saved_bytes: int) -> int:
+        """Bytes this budget allows for a step whose plain-autograd peak is
+        ``baseline_peak_bytes``, of which ``baseline_saved_bytes`` are activations saved for
+        backward.
+
+        A fraction applies to the activations only: the rest of the step (gradients, the ops'
+        working memory, outputs) is needed at any fraction, so ``budget=0.5`` is the plain peak
+        less half the activations, reachable whenever a plan can keep half of them.
+        """
         if self.bytes is not None:
             return self.bytes
         assert self.fraction is not None
-        return int(self.fraction * baseline_bytes)
+        return baseline_peak_bytes - round((1.0 - self.fraction) * baseline_saved_bytes)
 
     def __str__(self) -> str:
         if self.fraction is not None:
-            return f"{self.fraction:g} of plain autograd's activation memory"
+            return f"{self.fraction:g} of plain autograd's saved activations"
         return format_bytes(self.bytes or 0)
 
 
@@ -85,7 +93,7 @@ def parse_budget(value: object) -> Budget:
     if isinstance(value, float):
         if not math.isfinite(value) or not 0.0 < value <= 1.0:
             raise ValueError(
-                f"a float budget is a fraction of plain autograd's activation memory and must be "
+                f"a float budget is a fraction of the activations plain autograd keeps and must be "
                 f"in (0, 1], got {value!r}; for bytes pass an int or a string such as '2GiB'"
             )
         return Budget(fraction=value)

@@ -225,6 +225,11 @@ class Plan:
         )
 
     @property
+    def baseline_kept_bytes(self) -> int:
+        """Activations plain autograd keeps for backward (what a budget fraction divides)."""
+        return sum(g.baseline_kept_bytes for g in self.graphs)
+
+    @property
     def baseline_peak_bytes(self) -> int:
         """The predicted peak of the same capture with nothing recomputed (``"none"``)."""
         return self._combine(

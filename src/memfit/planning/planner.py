@@ -101,7 +101,7 @@ def plan_graph(
             )
             for p in points
         )
-        budget_bytes = policy.budget.resolve(base_sim.peak_bytes)
+        budget_bytes = policy.budget.resolve(base_sim.peak_bytes, _activation_bytes(jg, baseline))
         if policy.budget.fraction is None:
             budget_bytes -= spent_bytes
         try:
@@ -165,6 +165,13 @@ def plan_graph(
     )
 
 
+def _activation_bytes(jg: JointGraph, kept: set[fx.Node]) -> int:
+    """Bytes ``kept`` holds for backward beyond the step's outputs and inputs: the activations
+    a budget fraction is a fraction of."""
+    outputs = set(jg.fwd_outputs)
+    return jg.bytes_of(n for n in kept if n.op != "placeholder" and n not in outputs)
+
+
 def _explained(err: BudgetError, reason: str) -> BudgetError:
     """``err`` with ``reason`` added to its message, its numbers kept."""
     return BudgetError(
@@ -217,7 +224,6 @@ def _graph_plan(
         for n in jg.nodes
         if n in saved and n.op != "placeholder" and n not in outputs and n not in offloaded
     ]
-    base_reported = [n for n in baseline if n.op != "placeholder" and n not in outputs]
     return GraphPlan(
         policy=policy.name,
         decisions=_decisions(jg, kept, sim, offloaded),
@@ -226,7 +232,7 @@ def _graph_plan(
         kept_bytes=jg.bytes_of(reported),
         predicted_peak_bytes=sim.peak_bytes,
         baseline_peak_bytes=base_sim.peak_bytes,
-        baseline_kept_bytes=jg.bytes_of(base_reported),
+        baseline_kept_bytes=_activation_bytes(jg, baseline),
         recompute_flops=sum(node_flops(n) for n in recomputed),
         forward_flops=sum(node_flops(n) for n in jg.forward_computed),
         num_nodes=len(jg.nodes),

@@ -108,7 +108,7 @@ def _accepted() -> str:
     names = ", ".join(map(repr, NAMED))
     return (
         f"accepted: {names}, 'budget=B' (bytes such as 2GiB, or a fraction such as 0.5 of "
-        f"plain autograd's activation memory), or a list of submodule names"
+        f"the activations plain autograd keeps), or a list of submodule names"
     )
 
 
