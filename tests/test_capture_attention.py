@@ -212,3 +212,34 @@ def test_additive_decoder_keeps_no_tanh_per_step() -> None:
         kept[mode] = wrapped.plan.kept_bytes
     tanh_per_step = 2 * 64 * 32 * 4
     assert kept["off"] - kept["auto"] >= 7 * tanh_per_step  # all steps but the last, at least
+
+
+class _ThreeDimSdpa(nn.Module):
+    """SDPA on 3-D inputs, which takes its math path: memfit's kernel replaces the call."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        p = self.dropout if self.training else 0.0
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_an_sdpa_call_on_its_math_path_is_rewritten_and_trains(dropout: float) -> None:
+    """The rewrite passes SDPA's arguments to memfit's kernel under the kernel's own names (it
+    passed query=/key=/value= and every such call failed to compile)."""
+    torch.manual_seed(0)
+    model = _ThreeDimSdpa(dropout)
+    (x,) = _inputs(VARIANTS[0])
+    wrapped = memfit.checkpoint(model, "none")
+    out, grads, _ = _step(wrapped, (x,))
+    assert [s.kernel for s in wrapped.plan.attention] == [MEMFIT]
+    assert all(torch.isfinite(g).all() for g in grads)
+    if dropout == 0.0:
+        ref_out, ref_grads, _ = _step(model, (x,))
+        assert _close(out, ref_out, 1e-5)
+        _grads_close(grads, ref_grads, 1e-4)

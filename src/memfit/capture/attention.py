@@ -575,7 +575,9 @@ def _rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
     if why is None:
         return AttentionSite(_where(node), SDPA, "already SDPA's fused kernel", tuple(shape), p)
     node.target = attention
-    node.args, node.kwargs = (), {n: args[n] for n in names}
+    # SDPA names its tensors query/key/value; memfit's kernel, like its other arguments, q/k/v.
+    renamed = {"query": "q", "key": "k", "value": "v"}
+    node.args, node.kwargs = (), {renamed.get(n, n): args[n] for n in names}
     reason = f"SDPA would take its math path ({why})"
     return AttentionSite(_where(node), MEMFIT, reason, tuple(int(s) for s in shape), p)
 
