@@ -1,11 +1,10 @@
 """The layering written in each folder's README holds in the code: no module imports upwards.
 
-``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``
-``memfit.units`` and ``memfit.warn`` only), then capture (whose attention pass rewrites into ``nn``'s kernels) and
-measurement, then analysis, planning, execution and ``pipeline``, each importing only layers below
-it; the CLI, the
-benchmarks and the package root may import anything. Only ``memfit._compat`` imports torch's
-private modules.
+``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``,
+``memfit.units`` and ``memfit.warn`` only), then capture (whose attention pass rewrites into
+``nn``'s kernels) and measurement, then analysis, planning, execution and ``pipeline``, each
+importing only layers below it; the CLI, the benchmarks and the package root may import
+anything. Only ``memfit._compat`` imports torch's private modules.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from lm_models import batch, lm, lm_loss
 
 
 def _mlp(width: int = 32, depth: int = 4) -> nn.Module:
@@ -31,9 +32,9 @@ def test_the_plan_is_that_of_the_shape_the_last_call_ran() -> None:
     """Back to a batch size planned before, the plan is that shape's again, not the last made."""
     wrapped = memfit.checkpoint(_mlp(), "none")
     peaks = {}
-    for batch in (64, 16):
-        _train_call(wrapped, batch)
-        peaks[batch] = wrapped.plan.predicted_peak_bytes
+    for size in (64, 16):
+        _train_call(wrapped, size)
+        peaks[size] = wrapped.plan.predicted_peak_bytes
     assert peaks[64] > peaks[16]
     _train_call(wrapped, 64)  # cached graph: Dynamo does not call the backend again
     assert wrapped.plan.predicted_peak_bytes == peaks[64]
@@ -47,8 +48,8 @@ def test_more_shapes_than_dynamos_limit_across_models_all_plan() -> None:
     for _ in range(3):
         wrapped = memfit.checkpoint(_mlp(), "memory")
         peaks = []
-        for batch in (4, 8, 12, 16):
-            caught = _train_call(wrapped, batch)
+        for size in (4, 8, 12, 16):
+            caught = _train_call(wrapped, size)
             assert not [w for w in caught if "plain PyTorch" in str(w.message)]
             peaks.append(wrapped.plan.predicted_peak_bytes)
         assert peaks == sorted(set(peaks))  # each call planned, and its plan is its shape's
@@ -58,8 +59,8 @@ def test_more_shapes_than_dynamos_limit_across_models_all_plan() -> None:
 def test_past_max_shapes_a_new_shape_runs_unplanned_with_a_warning_at_the_users_line() -> None:
     wrapped = memfit.checkpoint(_mlp(), "memory", max_shapes=2)
     plain = _mlp()
-    for batch in (4, 8):
-        assert not _train_call(wrapped, batch)
+    for size in (4, 8):
+        assert not _train_call(wrapped, size)
     eight = wrapped.plan.predicted_peak_bytes
     caught = _train_call(wrapped, 12)
     assert len(caught) == 1
@@ -98,3 +99,62 @@ def test_inference_calls_keep_the_training_plan() -> None:
 def test_bad_max_shapes_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="max_shapes"):
         memfit.checkpoint(_mlp(), max_shapes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["none", "memory", "budget"])
+def test_a_loss_outside_the_wrapper_is_measured_and_reserved_from_the_second_step(
+    policy: str,
+) -> None:
+    """``criterion(model(x), y)`` with the model wrapped alone: the first step measures what the
+    loss holds between forward and backward (here a log-softmax over 2,000 words and its
+    gradient), says so once, and the plan made again reserves it, so from the second step the
+    prediction covers the whole step and a byte budget holds."""
+    model, (x, y) = lm(), batch()
+    reference = lm()
+    options = {"budget": "28MiB"} if policy == "budget" else {"policy": policy}
+    wrapped = memfit.checkpoint(model, **options)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
+    ours = [w for w in caught if "outside memfit's graphs" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    assert first.peak_bytes > 1.05 * wrapped.plan.predicted_peak_bytes  # the loss was unseen
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        step = memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
+        predicted = wrapped.plan.predicted_peak_bytes
+        assert wrapped.plan.outside_bytes > 0
+        assert step.peak_bytes == pytest.approx(predicted, rel=0.05)
+        if policy == "budget":
+            assert step.peak_bytes <= 1.05 * 28 * 2**20
+        model.zero_grad(set_to_none=True)
+    lm_loss(wrapped, x, y).backward()
+    lm_loss(reference, x, y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_measure_outside_false_keeps_the_first_plan() -> None:
+    model, (x, y) = lm(), batch()
+    wrapped = memfit.checkpoint(model, "memory", measure_outside=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "outside memfit's graphs" warning
+        lm_loss(wrapped, x, y).backward()
+        plan = wrapped.plan
+        assert not wrapped.replan_pending
+        lm_loss(wrapped, x, y).backward()
+    assert wrapped.plan.outside_bytes == 0
+    assert wrapped.plan.graphs == plan.graphs
+
+
+def test_replan_pending_says_the_next_call_plans_again() -> None:
+    model, (x, y) = lm(), batch()
+    wrapped = memfit.checkpoint(model, "none")
+    lm_loss(wrapped, x, y).backward()
+    assert not wrapped.replan_pending  # on CPU nothing is measured outside memfit.measure
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
+    assert wrapped.replan_pending
+    lm_loss(wrapped, x, y).backward()
+    assert not wrapped.replan_pending and wrapped.plan.outside_bytes > 0

@@ -13,41 +13,9 @@ import pickle
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import memfit
-
-VOCAB = 2000
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 256)
-        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(8))
-        self.head = nn.Linear(256, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (16, 64), generator=g), torch.randint(
-        0, VOCAB, (16, 64), generator=g
-    )
-
-
-def _lm() -> TinyLM:
-    torch.manual_seed(0)
-    return TinyLM()
-
-
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+from lm_models import batch, lm, lm_loss
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -58,15 +26,15 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("policy", ["none", "memory", "budget"])
 def test_a_step_predicts_its_whole_peak_and_keeps_plain_gradients(policy: str) -> None:
-    model, x, y = _lm(), *_batch()
-    plain_loss = _loss(model, x, y)
+    model, x, y = lm(), *batch()
+    plain_loss = lm_loss(model, x, y)
     plain_loss.backward()
     plain_grads = _grads(model)
-    plain = memfit.measure(lambda: _loss(model, x, y).backward())
+    plain = memfit.measure(lambda: lm_loss(model, x, y).backward())
     model.zero_grad(set_to_none=True)
 
     options = {"budget": 0.5} if policy == "budget" else {"policy": policy}
-    step = memfit.step(lambda x, y: _loss(model, x, y), **options)
+    step = memfit.step(lambda x, y: lm_loss(model, x, y), **options)
     loss = step(x, y)
     loss.backward()
     assert torch.equal(loss.detach(), plain_loss.detach())
@@ -86,16 +54,16 @@ def test_a_step_predicts_its_whole_peak_and_keeps_plain_gradients(policy: str) -
 
 
 def test_step_as_a_decorator_bare_with_arguments_and_on_a_method() -> None:
-    model, x, y = _lm(), *_batch()
+    model, x, y = lm(), *batch()
 
     @memfit.step
     def bare(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Docstring kept."""
-        return _loss(model, x, y)
+        return lm_loss(model, x, y)
 
     @memfit.step("speed")
     def named(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _loss(model, x, y)
+        return lm_loss(model, x, y)
 
     class Trainer:
         def __init__(self) -> None:
@@ -103,12 +71,12 @@ def test_step_as_a_decorator_bare_with_arguments_and_on_a_method() -> None:
 
         @memfit.step(budget=0.9)
         def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return _loss(self.model, x, y)
+            return lm_loss(self.model, x, y)
 
     trainer = Trainer()
     assert bare.__name__ == "bare" and bare.__doc__ == "Docstring kept."
     assert bare.policy.name == "memory" and named.policy.name == "speed"
-    expected = _loss(model, x, y).detach()
+    expected = lm_loss(model, x, y).detach()
     model.zero_grad(set_to_none=True)
     for fn in (bare, named, trainer.step):
         loss = fn(x, y)
@@ -138,7 +106,7 @@ def test_bad_arguments_are_refused_before_any_step() -> None:
 
 
 def test_pickling_a_step_or_a_wrapper_names_state_dict() -> None:
-    model = _lm()
+    model = lm()
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(memfit.step(lambda x: model(x).sum()))
     with pytest.raises(TypeError, match="state_dict"):

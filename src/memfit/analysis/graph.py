@@ -77,6 +77,10 @@ class JointGraph:
     num_fwd_outputs: int
     #: scratch bytes per node while it runs (``analysis.op_scratch``); empty: outputs only
     op_scratch: dict[fx.Node, int] = field(default_factory=dict)
+    #: bytes the step holds outside this graph between its forward and its backward (a loss
+    #: computed outside the model, measured on an earlier step), on top of what the forward
+    #: leaves alive; 0: nothing known
+    outside_bytes: int = 0
     nodes: list[fx.Node] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
     primals: list[fx.Node] = field(init=False)

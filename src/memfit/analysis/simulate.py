@@ -166,6 +166,8 @@ class StepSimulation:
     forward_peak_bytes: int
     backward_peak_bytes: int
     saved_bytes: int
+    #: alive when the forward ends: what code between forward and backward runs on top of
+    forward_end_bytes: int
     forward: list[fx.Node]
     backward: list[fx.Node]
     curve: list[int]
@@ -294,10 +296,14 @@ def simulate_step(
         record_peak=record_peak,
         inputs=bw_inputs,
     )
+    # Between forward and backward the step runs code outside the graph (the loss, when the
+    # model alone is captured) on top of everything the forward left alive.
+    boundary = fw.end_bytes + jg.outside_bytes
     return StepSimulation(
-        peak_bytes=max(fw.peak_bytes, bw.peak_bytes),
+        peak_bytes=max(fw.peak_bytes, bw.peak_bytes, boundary),
         forward_peak_bytes=fw.peak_bytes,
         backward_peak_bytes=bw.peak_bytes,
+        forward_end_bytes=fw.end_bytes,
         saved_bytes=jg.bytes_of(saved_needed) - sum(t.nbytes for t in transfers),
         forward=fwd,
         backward=bwd,

@@ -15,6 +15,7 @@ after its last use in backward instead of living until the whole backward ends.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,20 @@ def _boxed(
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+_PLAN_META = "memfit_plan"
+
+
+def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
+    """A name for a Dynamo graph and its inputs' shapes, the same each time it is captured."""
+    parts = [gm.code]
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            parts.append(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device}{t.requires_grad}")
+        else:
+            parts.append(repr(t))
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _largest_value(jg: JointGraph) -> int:
@@ -143,12 +158,17 @@ def make_backend(
     attention: str = "auto",
     offloader: Offloader | None = None,
     on_run: Callable[[GraphPlan], None] | None = None,
+    on_backward: Callable[[GraphPlan], None] | None = None,
+    outside_bytes: Callable[[str], int] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
     ``on_plan`` receives each graph's plan when it is made; ``on_run`` receives it every time
     the graph's forward runs afterwards, so a wrapper can say which plans the call it just made
-    ran (Dynamo reuses a graph compiled earlier without calling the backend again).
+    ran (Dynamo reuses a graph compiled earlier without calling the backend again), and
+    ``on_backward`` every time its backward starts. ``outside_bytes(key)`` is what the step was
+    measured to hold outside the graph ``key`` names (``GraphPlan.key``) between its forward and
+    backward; the plan reserves it.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -159,11 +179,13 @@ def make_backend(
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())
     sites: list[AttentionSite] = []
+    current_key = [""]
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
+        jg.outside_bytes = outside_bytes(current_key[0]) if outside_bytes else 0
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )
@@ -176,47 +198,54 @@ def make_backend(
             offload_min_bytes=offloader.options.min_bytes if offloader else 1,
             offload_limit_bytes=limit,
         )
-        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites))
+        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites), key=current_key[0])
         on_plan(graph_plan)
-        just_planned.append(graph_plan)
         if offloader is not None:
             offloader.reserve(graph_plan)
-        return split_joint_graph(
+        fw, bw = split_joint_graph(
             joint,
             graph_plan,
             num_fwd_outputs=kwargs["num_fwd_outputs"],
             static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
             store=offloader.store if offloader else None,
         )
-
-    just_planned: list[GraphPlan] = []
+        # AOTAutograd compiles the backward lazily, at its first run, possibly after other
+        # graphs were planned: each graph carries its plan in its metadata.
+        fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
+        return fw, bw
 
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        # AOTAutograd compiles the forward right after partitioning it; an inference graph
-        # (a no_grad call) is compiled without a partition and reports nothing.
-        graph_plan = just_planned.pop() if just_planned else None
-        if graph_plan is None:
+        planned: GraphPlan | None = gm.meta.get(_PLAN_META)
+        if planned is None:  # an inference graph (a no_grad call): no partition, no plan
             return _boxed(gm, example_inputs)
-        planned: GraphPlan = graph_plan
+        plan: GraphPlan = planned
 
         def ran() -> None:
             # What this graph keeps (and offloads) is alive while the step's later graphs run.
             if step_budget is not None:
-                step_budget.spent += planned.kept_bytes
-            if offloader is not None and planned.transfers:
-                offloader.spent += planned.offloaded_bytes
+                step_budget.spent += plan.kept_bytes
+            if offloader is not None and plan.transfers:
+                offloader.spent += plan.offloaded_bytes
             if on_run is not None:
-                on_run(planned)
+                on_run(plan)
 
         return _boxed(gm, example_inputs, on_run=ran)
 
+    def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        planned: GraphPlan | None = gm.meta.get(_PLAN_META)
+        if planned is None or on_backward is None:
+            return _boxed(gm, example_inputs)
+        plan: GraphPlan = planned
+        report = on_backward
+        return _boxed(gm, example_inputs, on_run=lambda: report(plan))
+
     compile_joint = aot_autograd(
-        fw_compiler=compile_forward, bw_compiler=_boxed, partition_fn=partition
+        fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=partition
     )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
         sites.clear()
-        just_planned.clear()
+        current_key[0] = graph_key(gm, example_inputs)
         if attention == "auto":
             sites.extend(replace_attention(gm))
         return compile_joint(gm, example_inputs)

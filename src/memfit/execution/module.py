@@ -65,6 +65,7 @@ class CheckpointedModule(nn.Module):
         attention: str = "auto",
         offload: OffloadOptions | None = None,
         max_shapes: int = DEFAULT_MAX_SHAPES,
+        measure_outside: bool = True,
     ) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
@@ -79,6 +80,7 @@ class CheckpointedModule(nn.Module):
             attention=attention,
             offload=offload,
             max_shapes=max_shapes,
+            measure_outside=measure_outside,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
@@ -105,6 +107,12 @@ class CheckpointedModule(nn.Module):
     def plan(self) -> Plan:
         """The plan of the graphs the last training call ran (each input shape has its own)."""
         return self._planned.plan
+
+    @property
+    def replan_pending(self) -> bool:
+        """Whether the next training call captures and plans again, reserving what the last
+        step was measured to hold outside memfit's graphs (a loss computed outside the model)."""
+        return self._planned.replan_pending
 
     def train(self, mode: bool = True) -> CheckpointedModule:
         self._model.train(mode)
@@ -156,6 +164,7 @@ def checkpoint(
     offload_to: str | None = None,
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
+    measure_outside: bool = True,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
@@ -165,8 +174,9 @@ def checkpoint(
     ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
     kept. Or give ``budget`` instead (or the policy ``"budget=B"``): bytes (``int``), a size
     (``"2GiB"``, ``"750MB"``) or a fraction ``f`` in (0, 1] of the activations plain autograd
-    keeps for backward (the peak allowed is plain autograd's less ``1 - f`` of those activations:
-    gradients and working memory are needed at any fraction); memfit then keeps what makes the
+    keeps for backward (the peak allowed is plain autograd's less ``1 - f`` of those activations,
+    since gradients and working memory are needed at any fraction, or the least peak of a plan
+    keeping at most ``f`` of them where recomputation needs more); memfit then keeps what makes the
     recomputation cheapest while the predicted peak stays within it, and raises
     ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
     The returned module shares the model's parameters and buffers; its ``plan`` describes the
@@ -189,6 +199,16 @@ def checkpoint(
     reports ``offloaded``, ``offloaded_bytes``, ``host_peak_bytes``, ``transfer_seconds`` and
     ``stall_seconds``.
 
+    The loss is usually computed outside the model: what it holds between the model's forward
+    and backward is outside every graph memfit captures. So memfit measures it, on the first
+    training step of each shape on CUDA (the allocator's counters), on CPU on the first one run
+    inside ``memfit.measure`` (CPU memory is counted by a profiler session, which memfit never
+    opens on its own in a training loop); when the step peaked above the plan, memfit says so
+    once and plans again with it reserved, so from the next step on the prediction and a byte
+    budget cover the whole step. ``measure_outside=False`` turns this off (``memfit.pipeline``
+    does: it models what its stages hold in between itself). ``memfit.step`` captures the loss
+    too and needs none of this.
+
     Each new input shape (or dtype) is captured and planned on its first call, and ``plan`` is
     always that of the shape the last call ran. After ``max_shapes`` shapes, a new one runs as
     plain PyTorch with a warning (shapes already planned keep their plans).
@@ -206,7 +226,7 @@ def checkpoint(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(model, chosen, attention, options, max_shapes)
+    return CheckpointedModule(model, chosen, attention, options, max_shapes, measure_outside)
 
 
 def resolve_policy(

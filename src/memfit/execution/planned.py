@@ -26,9 +26,11 @@ from memfit._compat import recompile_limit, tree_flatten
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
 from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import BUDGET, Policy
+from memfit.units import format_bytes
 from memfit.warn import warn_user
 
 __all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES"]
@@ -85,33 +87,58 @@ class PlannedCall:
         attention: str = "auto",
         offload: OffloadOptions | None = None,
         max_shapes: int = DEFAULT_MAX_SHAPES,
+        measure_outside: bool = True,
     ) -> None:
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
         self.policy = policy
         self.name = name
         self.max_shapes = max_shapes
-        self.shapes_planned = 0
+        self.measure_outside = measure_outside
         self.last_plan: Plan | None = None
         self.unplanned: str | None = None  # why the last training call ran without a plan
+        #: bytes measured outside memfit's graphs between forward and backward, by graph key
+        self.outside: dict[str, int] = {}
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.name == BUDGET else None
         self.offloader = Offloader(offload or OffloadOptions()) if policy.offload else None
+        self._target = target
+        self._attention = attention
+        self._shapes: set[tuple[str, ...]] = set()  # graph keys planned by each capturing call
         self._made: list[GraphPlan] = []  # plans made during the current call
         self._ran: list[GraphPlan] = []  # planned graphs run by the current call, in order
+        self._window: MemoryWindow | None = None
+        self._replan = False
         self._warned_unplanned = False
-        self.compiled = torch.compile(
-            target,
+        self._warned_outside = False
+        self.compiled = self._compile()
+
+    def _compile(self) -> Callable[..., Any]:
+        """The target compiled with a new backend (so Dynamo captures every shape again)."""
+        return torch.compile(
+            self._target,
             backend=make_backend(
-                policy,
+                self.policy,
                 self._made.append,
                 self.step_budget,
-                attention,
+                self._attention,
                 self.offloader,
                 on_run=self._ran.append,
+                on_backward=self._backward_started,
+                outside_bytes=lambda key: self.outside.get(key, 0),
             ),
             dynamic=False,
         )
+
+    @property
+    def shapes_planned(self) -> int:
+        return len(self._shapes)
+
+    @property
+    def replan_pending(self) -> bool:
+        """Whether the next call captures and plans again (a step held more outside memfit's
+        graphs than its plan allowed for)."""
+        return self._replan
 
     @property
     def offload_store(self) -> OffloadStore | None:
@@ -128,13 +155,19 @@ class PlannedCall:
         return self.last_plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._window is not None:  # the last call's backward never started
+            self._window.abandon()
+            self._window = None
+        full = self.shapes_planned >= self.max_shapes
+        if self._replan and not full:
+            self.compiled = self._compile()
+            self._replan = False
         if self.step_budget is not None:
             self.step_budget.spent = 0
         if self.offloader is not None:
             self.offloader.spent = 0
         self._made.clear()
         self._ran.clear()
-        full = self.shapes_planned >= self.max_shapes
         try:
             with self.watcher.watch() as report, recompile_limit(_DYNAMO_LIMIT), _no_new(full):
                 out = self.compiled(*args, **kwargs)
@@ -144,18 +177,64 @@ class PlannedCall:
                 raise error.with_traceback(None) from None
             raise
         finally:
-            made = bool(self._made)
+            made = tuple(sorted(p.key for p in self._made))
             self._made.clear()
         if made:
-            self.shapes_planned += 1
+            self._shapes.add(made)
+        training = torch.is_grad_enabled() and _needs_backward(out)
         if self._ran:
-            self.last_plan = Plan(policy=self.policy.name, graphs=tuple(self._ran))
+            ran, last = tuple(self._ran), self.last_plan
+            # The same graphs as the last call: the same Plan object (callers compare plans).
+            if (
+                last is None
+                or len(last.graphs) != len(ran)
+                or any(a is not b for a, b in zip(last.graphs, ran))
+            ):
+                self.last_plan = Plan(policy=self.policy.name, graphs=ran)
             self.unplanned = None
-        elif torch.is_grad_enabled() and _needs_backward(out):
+            if training and self.measure_outside and self._ran[-1].key not in self.outside:
+                self._open_window(out)
+        elif training:
             self._ran_unplanned(full)
         if report.broke:
             report.warn_once()
         return out
+
+    def _open_window(self, out: Any) -> None:
+        """Measure what the caller's code holds between this forward and its backward."""
+        leaves, _ = tree_flatten(out)
+        device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+        plan = self.last_plan
+        if device is None or plan is None:
+            return
+        self._window = MemoryWindow.open(device, lambda peak: self._measured_outside(plan, peak))
+
+    def _backward_started(self, graph: GraphPlan) -> None:
+        """A backward graph starts: the code between forward and backward is done."""
+        window, self._window = self._window, None
+        if window is not None:
+            window.close()
+
+    def _measured_outside(self, plan: Plan, outside: int) -> None:
+        """The step held ``outside`` bytes between ``plan``'s forward and backward: remember it
+        for the graph, and plan again if that peak is above what the plan allowed for."""
+        last = plan.graphs[-1]
+        self.outside[last.key] = outside
+        before = sum(g.kept_bytes for g in plan.graphs[:-1])  # kept by the call's other graphs
+        step_peak = before + last.forward_end_bytes + outside
+        if step_peak <= 1.01 * plan.predicted_peak_bytes:
+            return
+        self._replan = True
+        if not self._warned_outside:
+            self._warned_outside = True
+            warn_user(
+                f"the training step held {format_bytes(outside)} outside memfit's graphs of "
+                f"{self.name} between its forward and backward (a loss computed outside the "
+                f"model, or other code), so it peaked near {format_bytes(step_peak)} against "
+                f"{format_bytes(plan.predicted_peak_bytes)} predicted; memfit plans {self.name} "
+                f"again with that reserved, so its budget and prediction hold from the next "
+                f"call. Compute the loss inside memfit.step to plan it too."
+            )
 
     def _ran_unplanned(self, full: bool) -> None:
         """A training call ran none of memfit's graphs: say so, and keep no stale plan."""

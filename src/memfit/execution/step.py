@@ -63,6 +63,11 @@ class Step:
         return self._planned.policy
 
     @property
+    def replan_pending(self) -> bool:
+        """Whether the next call plans again (see ``memfit.checkpoint``'s ``measure_outside``)."""
+        return self._planned.replan_pending
+
+    @property
     def offload_store(self) -> OffloadStore | None:
         """Where this step's offloaded activations live (None until a plan offloads)."""
         return self._planned.offload_store

@@ -151,7 +151,9 @@ class Pipeline:
         self.graph: StageGraph = mine
         from memfit.execution.module import checkpoint
 
-        self.module = checkpoint(mine.module, budget=self.plan.budget_bytes)
+        # What a stage holds between its forwards and backwards (other micro-batches) is in the
+        # pipeline's own memory model: the stage must not measure and replan for it.
+        self.module = checkpoint(mine.module, budget=self.plan.budget_bytes, measure_outside=False)
         device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
         last = self.rank == stages - 1
         if self.rank == 0:

@@ -89,6 +89,14 @@ class GraphPlan:
     #: seconds the link is busy (out and in), and the predicted seconds compute waits for it
     transfer_seconds: float = 0.0
     stall_seconds: float = 0.0
+    #: bytes alive when the forward ends, predicted
+    forward_end_bytes: int = 0
+    #: bytes the step was measured to hold outside the graph between its forward and backward
+    #: (a loss computed outside the model), reserved in ``predicted_peak_bytes``; 0: none known
+    outside_bytes: int = 0
+    #: identifies the captured graph and its input shapes, so a measurement made while one
+    #: plan ran reaches the next plan of the same graph
+    key: str = ""
 
     def saved(self) -> list[str]:
         """Names of the values decided ``SAVE``, in the order the decisions were made."""
@@ -163,6 +171,11 @@ class Plan:
     @property
     def recompute_flops(self) -> int:
         return sum(g.recompute_flops for g in self.graphs)
+
+    @property
+    def outside_bytes(self) -> int:
+        """Bytes measured outside memfit's graphs between forward and backward, reserved."""
+        return sum(g.outside_bytes for g in self.graphs)
 
     @property
     def recompute_seconds(self) -> float:
@@ -256,6 +269,11 @@ class Plan:
                 f"{len(self.offloaded)} tensors to {self.offload_to}; link busy "
                 f"{self.transfer_seconds * 1e3:.3g} ms, predicted stall "
                 f"{self.stall_seconds * 1e3:.3g} ms"
+            )
+        if self.outside_bytes:
+            lines.append(
+                f"  outside memfit    {format_bytes(self.outside_bytes)} between forward and "
+                f"backward (measured on an earlier step; included in the predicted peak)"
             )
         if self.budget_bytes is not None:
             lines.insert(1, f"  budget            {format_bytes(self.budget_bytes)}")

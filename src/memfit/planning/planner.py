@@ -102,6 +102,8 @@ def plan_graph(
             for p in points
         )
         budget_bytes = policy.budget.resolve(base_sim.peak_bytes, _activation_bytes(jg, baseline))
+        if policy.budget.fraction is not None:
+            budget_bytes = _fraction_reach(jg, points, policy.budget.fraction, budget_bytes)
         if policy.budget.fraction is None:
             budget_bytes -= spent_bytes
         try:
@@ -112,6 +114,13 @@ def plan_graph(
                     err,
                     f"offload was limited to {format_bytes(offload_limit_bytes)} per step by the "
                     f"host budget or the free space of the offload disk",
+                ) from None
+            if jg.outside_bytes:
+                raise _explained(
+                    err,
+                    f"including {format_bytes(jg.outside_bytes)} the step was measured to hold "
+                    f"outside memfit's graphs between forward and backward, e.g. a loss computed "
+                    f"outside the model; memfit.step plans the loss too",
                 ) from None
             if spent_bytes and policy.budget.fraction is None:
                 raise _explained(
@@ -163,6 +172,24 @@ def plan_graph(
         schedule=schedule,
         offload_to=offload_to,
     )
+
+
+def _fraction_reach(
+    jg: JointGraph, points: list[FrontierPoint], fraction: float, resolved: int
+) -> int:
+    """The peak a fraction allows: ``resolved`` (plain autograd's, less the activations it
+    gives up), or, where recomputation's working memory keeps every plan that holds at most
+    ``fraction`` of the activations above that, the least peak of such a plan. So a fraction
+    is met whenever some plan keeps that share of the activations, as users read it."""
+    limit = fraction * _activation_bytes(jg, keep_all(jg))
+    reach = [
+        p.peak_bytes for p in points if _activation_bytes(jg, set(p.kept) - _offloaded(p)) <= limit
+    ]
+    return max(resolved, min(reach)) if reach else resolved
+
+
+def _offloaded(point: FrontierPoint) -> set[fx.Node]:
+    return {t.value for t in point.schedule.transfers} if point.schedule else set()
 
 
 def _activation_bytes(jg: JointGraph, kept: set[fx.Node]) -> int:
@@ -240,6 +267,8 @@ def _graph_plan(
         recompute_seconds=float(sum(node_seconds(n) for n in recomputed)),
         budget_bytes=budget_bytes,
         frontier=frontier,
+        forward_end_bytes=sim.forward_end_bytes,
+        outside_bytes=jg.outside_bytes,
         transfers=tuple(
             TransferPlan(t.value.name, t.nbytes, t.wait_after.name, t.prefetch_before.name)
             for t in transfers

@@ -1,0 +1,75 @@
+"""``measurement.window``: the peak of code memfit does not run, between two of its calls.
+
+On CPU a window asks the memfit recording that is running (a ``memfit.measure``) for its peak,
+delivered when that recording ends; with none running it does not open (a session of its own
+could not be stopped safely where the window closes, inside the autograd engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import memfit
+from memfit.measurement.window import MemoryWindow
+
+MB = 1_000_000
+
+
+def _transient(n_mb: int) -> torch.Tensor:
+    """Allocate n_mb MB and n_mb MB more, free the second: peak 2 n_mb, keep n_mb."""
+    a = torch.ones(n_mb * MB // 4)
+    b = a.mul(a)
+    del b
+    return a
+
+
+def test_inside_a_memfit_measure_the_peak_arrives_when_the_measure_ends() -> None:
+    got: list[int] = []
+
+    def step() -> None:
+        torch.ones(4 * MB // 4)  # before the window: a peak the window must not see
+        window = MemoryWindow.open(torch.device("cpu"), got.append)
+        assert window is not None
+        kept = _transient(1)
+        window.close()
+        torch.ones(3 * MB // 4)  # after it: not in the window either
+        assert got == []  # not yet: the enclosing recording is still running
+        del kept
+
+    measured = memfit.measure(step)
+    assert got == [2 * MB]
+    assert measured.peak_bytes == 4 * MB
+
+
+def test_an_abandoned_window_delivers_nothing() -> None:
+    got: list[int] = []
+
+    def step() -> None:
+        window = MemoryWindow.open(torch.device("cpu"), got.append)
+        assert window is not None
+        _transient(1)
+        window.abandon()
+        window.close()
+
+    memfit.measure(step)
+    assert got == []
+
+
+def test_no_window_on_cpu_without_a_memfit_recording() -> None:
+    assert MemoryWindow.open(torch.device("cpu"), lambda peak: None) is None
+    with profile(activities=[ProfilerActivity.CPU]):  # someone else's profiler
+        assert MemoryWindow.open(torch.device("cpu"), lambda peak: None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_a_cuda_window_delivers_at_close() -> None:
+    got: list[int] = []
+    window = MemoryWindow.open(torch.device("cuda"), got.append)
+    assert window is not None
+    a = torch.ones(MB // 4, device="cuda")
+    b = a.mul(a)
+    del b
+    window.close()
+    assert got and got[0] >= 2 * MB
