@@ -21,15 +21,22 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import aot_autograd, boxed_codegen, disable_current_modes
+from memfit._compat import (
+    aot_autograd,
+    boxed_codegen,
+    compiled_function_ctx,
+    disable_current_modes,
+)
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
+from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
+from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 from memfit.planning.policy import Policy
@@ -51,6 +58,39 @@ def _boxed(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
 
     def run(args: list[Any]) -> Any:
         return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _boxed_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """``_boxed``, and the outputs the loss does not read get no gradient, as in eager.
+
+    By default autograd hands an ``autograd.Function`` zeros for every output that got no
+    gradient; turning that off lets the backward skip them (``execution.tangents``).
+    """
+    run_graph = _boxed(gm, example_inputs)
+
+    def run(args: list[Any]) -> Any:
+        ctx = compiled_function_ctx()
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+        return run_graph(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _boxed_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``)."""
+    tangents = tangent_positions(gm)
+    graphs: dict[frozenset[str], Callable[..., Any]] = {frozenset(): _boxed(gm, example_inputs)}
+
+    def run(args: list[Any]) -> Any:
+        missing = frozenset(name for i, name in tangents if args[i] is None)
+        if missing not in graphs:
+            graphs[missing] = _boxed(without_tangents(gm, set(missing)), example_inputs)
+        return graphs[missing](args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -173,10 +213,16 @@ def make_backend(
             store=offloader.store if offloader else None,
         )
 
-    compile_joint = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)
+    compile_joint = aot_autograd(
+        fw_compiler=_boxed_forward,
+        bw_compiler=_boxed_backward,
+        inference_compiler=_boxed,
+        partition_fn=partition,
+    )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
         sites.clear()
+        remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
         if attention == "auto":
             sites.extend(replace_attention(gm))
         return compile_joint(gm, example_inputs)
