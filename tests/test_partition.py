@@ -133,3 +133,43 @@ def test_graphs_are_built_from_the_plan_decisions_alone() -> None:
     stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.SAVE})
     with pytest.raises(partition.PlanMismatchError, match="not_a_node"):
         partition.split_joint_graph(joint, stale, num_fwd_outputs=kwargs["num_fwd_outputs"])
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 64)
+        self.wide = nn.Linear(64, 2048)  # an output as big as an LM's logits
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.head(h), self.wide(h)
+
+
+@pytest.mark.parametrize("used", [(0,), (1,), (0, 1)])
+def test_outputs_the_loss_does_not_read_get_no_gradient(used: tuple[int, ...]) -> None:
+    """As in eager, an output no gradient reaches costs no zeros in backward, and parameters
+    reached only through it keep ``grad=None``; the same graphs serve every choice of outputs."""
+    x = torch.randn(256, 64)
+
+    def step(model: nn.Module) -> None:
+        out = model(x)
+        sum(out[i].square().mean() for i in used).backward()
+
+    torch.manual_seed(0)
+    eager = _TwoHeads()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    wrapped = memfit.checkpoint(model, "none")
+    for other in [(0, 1), (0,), (1,)]:  # capture, and run the backward with other outputs
+        wrapped(x)[other[0]].sum().backward()
+    model.zero_grad(set_to_none=True)
+    eager_peak = memfit.measure(lambda: step(eager)).peak_bytes
+    peak = memfit.measure(lambda: step(wrapped)).peak_bytes
+    assert peak is not None and eager_peak is not None
+    assert peak <= 1.02 * eager_peak, f"none peaks at {peak / eager_peak:.3f}x eager"
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)

@@ -130,3 +130,54 @@ def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:
     assert speed < plain
     assert all(not name.startswith(("addmm", "mm")) for name in wrapped.plan.recomputed)
     assert any(name.startswith("gelu") for name in wrapped.plan.recomputed)
+
+
+class _CausalLM(nn.Module):
+    """A tiny HF causal LM trained on its own tokens: the loss comes from labels, so the logits
+    and the key/value cache are outputs that no gradient reaches."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        return self.model(input_ids=ids, labels=ids)
+
+
+def _hf_step_peak(model: nn.Module, name: str) -> int:
+    ids = torch.randint(0, 100, (8, 64), generator=torch.Generator().manual_seed(0))
+    if name == "bert":
+        return _step_peak(model, ids, lambda out: out.last_hidden_state.square().mean())
+    return _step_peak(model, ids, lambda out: out.loss)
+
+
+@pytest.mark.parametrize("name", ["transformer", "gpt2"])
+def test_none_peaks_as_eager_on_the_zoo(name: str) -> None:
+    """Policy "none" keeps what eager autograd keeps: no copy for a dropout with p=0 (the
+    transformer), no zero gradients for outputs the loss does not read."""
+    from memfit.bench import zoo
+
+    case = zoo.case(name)
+    args, kwargs = case.make_inputs()
+    eager = zoo.measured_step_peak(case, case.make_model(), args, kwargs)
+    wrapped = memfit.checkpoint(case.make_model(), "none")
+    peak = zoo.measured_step_peak(case, wrapped, args, kwargs)
+    assert peak <= 1.02 * eager, f"{name}: none peaks at {peak / eager:.3f}x eager"
+
+
+@pytest.mark.parametrize("attention", ["off", "auto"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_none_peaks_as_eager_on_huggingface(name: str, attention: str) -> None:
+    pytest.importorskip("transformers")
+    from hf_models import tiny_hf
+
+    def make() -> nn.Module:
+        model = tiny_hf(name).train()
+        if name == "bert":
+            return model
+        model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's own name matches no loss: a break
+        return _CausalLM(model)
+
+    eager = _hf_step_peak(make(), name)
+    peak = _hf_step_peak(memfit.checkpoint(make(), "none", attention=attention), name)
+    assert peak <= 1.02 * eager, f"{name}: none peaks at {peak / eager:.3f}x eager"

@@ -16,9 +16,11 @@ directly.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ __all__ = [
     "StorageWeakRef",
     "aot_autograd",
     "boxed_codegen",
+    "compiled_function_ctx",
     "detect_fake_mode",
     "disable_current_modes",
     "extract_fwd_bwd_modules",
@@ -133,6 +136,26 @@ def is_tangent(node: fx.Node) -> bool:
     The same test as ``torch._functorch.partitioners._is_tangent``.
     """
     return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def compiled_function_ctx() -> Any:
+    """The autograd ctx of the AOTAutograd ``CompiledFunction`` whose forward calls the caller.
+
+    A compiled forward is called as ``_compiled_fw_(list(args))`` from the code AOTAutograd
+    generates for ``CompiledFunction.forward(ctx, ...)``, with the ctx in a local named ``ctx``
+    (checked 2.13.0); there is no public way to reach it. None when the caller was not called so
+    (an inference graph, or another torch release): callers must then work without it.
+    """
+    frame: FrameType | None = sys._getframe(2)  # 0: here, 1: the compiled forward, 2: its caller
+    for _ in range(3):
+        if frame is None:
+            return None
+        ctx = frame.f_locals.get("ctx")
+        forward_cls = getattr(type(ctx), "_forward_cls", None)
+        if forward_cls is not None and forward_cls.__name__ == "CompiledFunction":
+            return ctx
+        frame = frame.f_back
+    return None
 
 
 def boxed_codegen() -> Any:

@@ -22,15 +22,22 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import aot_autograd, boxed_codegen, disable_current_modes
+from memfit._compat import (
+    aot_autograd,
+    boxed_codegen,
+    compiled_function_ctx,
+    disable_current_modes,
+)
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
+from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
+from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 from memfit.planning.policy import Policy
@@ -80,6 +87,45 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
         else:
             parts.append(repr(t))
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _boxed_forward(
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+) -> Callable[..., Any]:
+    """``_boxed``, and the outputs the loss does not read get no gradient, as in eager.
+
+    By default autograd hands an ``autograd.Function`` zeros for every output that got no
+    gradient; turning that off lets the backward skip them (``execution.tangents``).
+    """
+    run_graph = _boxed(gm, example_inputs, on_run)
+
+    def run(args: list[Any]) -> Any:
+        ctx = compiled_function_ctx()
+        if ctx is not None:
+            ctx.set_materialize_grads(False)
+        return run_graph(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _boxed_backward(
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+) -> Callable[..., Any]:
+    """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``)."""
+    tangents = tangent_positions(gm)
+    graphs: dict[frozenset[str], Callable[..., Any]] = {frozenset(): _boxed(gm, example_inputs)}
+
+    def run(args: list[Any]) -> Any:
+        if on_run is not None:
+            on_run()
+        missing = frozenset(name for i, name in tangents if args[i] is None)
+        if missing not in graphs:
+            graphs[missing] = _boxed(without_tangents(gm, set(missing)), example_inputs)
+        return graphs[missing](args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _largest_value(jg: JointGraph) -> int:
@@ -216,8 +262,8 @@ def make_backend(
 
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         planned: GraphPlan | None = gm.meta.get(_PLAN_META)
-        if planned is None:  # an inference graph (a no_grad call): no partition, no plan
-            return _boxed(gm, example_inputs)
+        if planned is None:  # not partitioned by memfit: no plan to report
+            return _boxed_forward(gm, example_inputs)
         plan: GraphPlan = planned
 
         def ran() -> None:
@@ -229,23 +275,27 @@ def make_backend(
             if on_run is not None:
                 on_run(plan)
 
-        return _boxed(gm, example_inputs, on_run=ran)
+        return _boxed_forward(gm, example_inputs, on_run=ran)
 
     def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         planned: GraphPlan | None = gm.meta.get(_PLAN_META)
         if planned is None or on_backward is None:
-            return _boxed(gm, example_inputs)
+            return _boxed_backward(gm, example_inputs)
         plan: GraphPlan = planned
         report = on_backward
-        return _boxed(gm, example_inputs, on_run=lambda: report(plan))
+        return _boxed_backward(gm, example_inputs, on_run=lambda: report(plan))
 
     compile_joint = aot_autograd(
-        fw_compiler=compile_forward, bw_compiler=compile_backward, partition_fn=partition
+        fw_compiler=compile_forward,
+        bw_compiler=compile_backward,
+        inference_compiler=_boxed,
+        partition_fn=partition,
     )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
         sites.clear()
         current_key[0] = graph_key(gm, example_inputs)
+        remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
         if attention == "auto":
             sites.extend(replace_attention(gm))
         return compile_joint(gm, example_inputs)
