@@ -144,3 +144,35 @@ def test_recompile_limit_is_raised_only_inside_the_context() -> None:
         assert dynamo_config.recompile_limit == 1000
         assert dynamo_config.accumulated_recompile_limit == 1000
     assert dynamo_config.recompile_limit == before
+
+
+def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
+    """The forward and the backward of an AOTAutograd graph find the same ctx, and inside a
+    backward the engine says which leaves it accumulates into."""
+    found: dict[str, object] = {}
+    asked: list[bool] = []
+    w = torch.ones(3, requires_grad=True)
+    v = torch.ones(3, requires_grad=True)
+
+    def compiler(kind: str) -> Any:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            def run(args: list[Any]) -> Any:
+                found[kind] = _compat.compiled_function_ctx(frames=5)
+                if kind == "backward":
+                    asked.append(_compat.will_engine_accumulate(w))
+                return _compat.make_boxed_func(gm)(args)
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+
+        return compile_graph
+
+    backend = _compat.aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward")
+    )
+    f = torch.compile(lambda a, b: (a * b).sin().sum(), backend=backend)
+    f(w, v).backward()
+    assert found["forward"] is not None and found["forward"] is found["backward"]
+    f(w, v).backward(inputs=[v])
+    torch.autograd.grad(f(w, v), [w])
+    assert asked == [True, False, False]

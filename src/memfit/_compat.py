@@ -34,6 +34,7 @@ __all__ = [
     "aot_autograd",
     "boxed_codegen",
     "compiled_function_ctx",
+    "will_engine_accumulate",
     "detect_fake_mode",
     "disable_current_modes",
     "extract_fwd_bwd_modules",
@@ -138,16 +139,20 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in str(node.target)
 
 
-def compiled_function_ctx() -> Any:
-    """The autograd ctx of the AOTAutograd ``CompiledFunction`` whose forward calls the caller.
+def compiled_function_ctx(frames: int = 3) -> Any:
+    """The autograd ctx of the AOTAutograd ``CompiledFunction`` whose forward or backward calls
+    the caller, searched for in ``frames`` frames above the caller's caller.
 
     A compiled forward is called as ``_compiled_fw_(list(args))`` from the code AOTAutograd
-    generates for ``CompiledFunction.forward(ctx, ...)``, with the ctx in a local named ``ctx``
-    (checked 2.13.0); there is no public way to reach it. None when the caller was not called so
-    (an inference graph, or another torch release): callers must then work without it.
+    generates for ``CompiledFunction.forward(ctx, ...)``, with the ctx in a local named ``ctx``;
+    a compiled backward is called from ``CompiledFunction._backward_impl(ctx, ...)`` two frames
+    further up (checked 2.13.0). There is no public way to reach it. The backward's ctx is the
+    forward's (the autograd node), so the forward can leave the backward a note on it. None when
+    the caller was not called so (an inference graph, or another torch release): callers must
+    then work without it.
     """
-    frame: FrameType | None = sys._getframe(2)  # 0: here, 1: the compiled forward, 2: its caller
-    for _ in range(3):
+    frame: FrameType | None = sys._getframe(2)  # 0: here, 1: the compiled graph, 2: its caller
+    for _ in range(frames):
         if frame is None:
             return None
         ctx = frame.f_locals.get("ctx")
@@ -156,6 +161,21 @@ def compiled_function_ctx() -> Any:
             return ctx
         frame = frame.f_back
     return None
+
+
+def will_engine_accumulate(leaf: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``leaf.grad`` (its AccumulateGrad runs).
+
+    ``torch._C._will_engine_execute_node`` (checked 2.13.0; it is what ``torch.utils.checkpoint``
+    asks) says whether the current graph task executes a node: False for a leaf left out of
+    ``backward(inputs=...)``, and it raises under ``torch.autograd.grad``, which captures a
+    leaf's gradient instead of accumulating it. Only valid inside a backward.
+    """
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 def boxed_codegen() -> Any:

@@ -35,6 +35,12 @@ from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_att
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
+from memfit.execution.accumulate import (
+    accumulate_into_grads,
+    accumulating,
+    note_leaves,
+    output_values,
+)
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
 from memfit.execution.tangents import tangent_positions, without_tangents
@@ -103,6 +109,7 @@ def _boxed_forward(
         ctx = compiled_function_ctx()
         if ctx is not None:
             ctx.set_materialize_grads(False)
+            note_leaves(ctx, args)  # the backward adds into their .grad (execution.accumulate)
         return run_graph(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -112,17 +119,28 @@ def _boxed_forward(
 def _boxed_backward(
     gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
 ) -> Callable[..., Any]:
-    """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``)."""
+    """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``) and
+    to the parameters whose ``.grad`` it adds into (``execution.accumulate``)."""
     tangents = tangent_positions(gm)
-    graphs: dict[frozenset[str], Callable[..., Any]] = {frozenset(): _boxed(gm, example_inputs)}
+    bases: dict[frozenset[str], tuple[fx.GraphModule, list[torch.Tensor | None]]] = {}
+    graphs: dict[tuple[frozenset[str], frozenset[int]], Callable[..., Any]] = {}
 
     def run(args: list[Any]) -> Any:
         if on_run is not None:
             on_run()
         missing = frozenset(name for i, name in tangents if args[i] is None)
-        if missing not in graphs:
-            graphs[missing] = _boxed(without_tangents(gm, set(missing)), example_inputs)
-        return graphs[missing](args)
+        if missing not in bases:
+            base = without_tangents(gm, set(missing)) if missing else gm
+            bases[missing] = (base, output_values(base))
+        base, values = bases[missing]
+        # AOTAutograd calls this graph from _backward_impl(ctx, ...), a few frames up.
+        positions, grads = accumulating(compiled_function_ctx(frames=5), values)
+        key = (missing, positions)
+        if key not in graphs:
+            specialized = accumulate_into_grads(base, positions) if positions else base
+            graphs[key] = _boxed(specialized, example_inputs)
+        args.extend(grads)  # the trailing inputs of an accumulating graph
+        return graphs[key](args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
