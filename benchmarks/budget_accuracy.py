@@ -1,7 +1,7 @@
 """Predicted vs measured peak of budget plans on every zoo model (issue 4, item 3).
 
-For budgets 1.0, 0.5, 0.25 of plain autograd's activation peak, the smallest feasible one and the
-midpoint between it and plain autograd:
+For budgets 1.0, 0.5, 0.25 (fractions of the activations plain autograd keeps), the smallest
+feasible one and the midpoint between it and plain autograd:
 the plan's ``predicted_peak_bytes`` (made before the step runs) against the peak ``memfit.measure``
 records for a training step (exact CPU allocator accounting, or CUDA allocator statistics), and
 the planning time. Budgets below the smallest feasible are recorded with the BudgetError's
