@@ -47,6 +47,7 @@ from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import plan_graph
 from memfit.planning.policy import Policy
+from memfit.planning.step import GraphShare
 
 __all__ = ["make_backend", "Offloader", "StepBudget"]
 
@@ -224,6 +225,7 @@ def make_backend(
     on_run: Callable[[GraphPlan], None] | None = None,
     on_backward: Callable[[GraphPlan], None] | None = None,
     outside_bytes: Callable[[str], int] | None = None,
+    share: Callable[[str], GraphShare | None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -232,7 +234,9 @@ def make_backend(
     ran (Dynamo reuses a graph compiled earlier without calling the backend again), and
     ``on_backward`` every time its backward starts. ``outside_bytes(key)`` is what the step was
     measured to hold outside the graph ``key`` names (``GraphPlan.key``) between its forward and
-    backward; the plan reserves it.
+    backward; the plan reserves it. ``share(key)``, once a step with graph breaks has been
+    planned as a whole (``planning.step``), is the graph's share of the step's budget; before
+    that (None), each graph is planned as the step's first call reaches it.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -253,10 +257,13 @@ def make_backend(
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )
+        graph_share = share(current_key[0]) if share else None
         graph_plan = plan_graph(
             jg,
             policy,
             spent_bytes=step_budget.spent if step_budget else 0,
+            share=graph_share,
+            first_plan=graph_share is None,
             link=link,
             offload_to=to,
             offload_min_bytes=offloader.options.min_bytes if offloader else 1,

@@ -27,7 +27,7 @@ from memfit._compat import tree_map
 from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.mark import mark
 from memfit.execution.offload import OffloadOptions, OffloadStore
-from memfit.execution.planned import DEFAULT_MAX_SHAPES, PlannedCall
+from memfit.execution.planned import DEFAULT_MAX_SHAPES, STEP_ROUNDS, PlannedCall
 from memfit.execution.state import preserved
 from memfit.planning.budget import Budget, parse_budget
 from memfit.planning.plan import Plan
@@ -315,4 +315,8 @@ def plan(
     )
     with preserved(model.buffers()), torch.enable_grad():
         wrapped(*example_inputs, **example_kwargs)
+        for _ in range(STEP_ROUNDS):  # graph breaks: the step planned again as a whole
+            if not wrapped.replan_pending:
+                break
+            wrapped(*example_inputs, **example_kwargs)
     return wrapped.plan

@@ -30,16 +30,26 @@ from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.step import (
+    GraphShare,
+    least_step_peak,
+    planned_as_step,
+    share_step,
+    step_budget_bytes,
+)
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-__all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES"]
+__all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS"]
 
 #: Input shapes one wrapper captures and plans before new ones run unplanned (with a warning).
 DEFAULT_MAX_SHAPES = 64
 
 #: Dynamo's recompile limit while a memfit wrapper runs: memfit's own ``max_shapes`` binds first.
 _DYNAMO_LIMIT = 1 << 16
+
+#: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
+STEP_ROUNDS = 3
 
 
 def planning_error(exc: BaseException) -> BudgetError | OffloadError | None:
@@ -111,6 +121,10 @@ class PlannedCall:
         self._replan = False
         self._warned_unplanned = False
         self._warned_outside = False
+        #: per graph key, once its step was planned as a whole: its share of the step's budget
+        self._shares: dict[str, GraphShare] = {}
+        self._step_rounds: dict[tuple[str, ...], int] = {}
+        self._warned_step = False
         self.compiled = self._compile()
 
     def _compile(self) -> Callable[..., Any]:
@@ -126,6 +140,7 @@ class PlannedCall:
                 on_run=self._ran.append,
                 on_backward=self._backward_started,
                 outside_bytes=lambda key: self.outside.get(key, 0),
+                share=lambda key: self._shares.get(key),
             ),
             dynamic=False,
         )
@@ -194,6 +209,8 @@ class PlannedCall:
             self.unplanned = None
             if training and self.measure_outside and self._ran[-1].key not in self.outside:
                 self._open_window(out)
+            if training and made and self.policy.name == BUDGET and self.last_plan is not None:
+                self._check_step(self.last_plan)
         elif training:
             self._ran_unplanned(full)
         if report.broke:
@@ -235,6 +252,67 @@ class PlannedCall:
                 f"again with that reserved, so its budget and prediction hold from the next "
                 f"call. Compute the loss inside memfit.step to plan it too."
             )
+
+    def _check_step(self, plan: Plan) -> None:
+        """After a call that planned graphs: does the step fit its budget as a whole?
+
+        One graph: its plan was made against the step's budget, and a fraction it could not
+        meet is an error now (``planning.planner``'s ``first_plan``). Several graphs (graph
+        breaks): unless they were planned together and fit, memfit chooses one plan per graph
+        from their frontiers for the whole step (``planning.step``) and plans each graph again
+        with its share on the next call; BudgetError, now, if no combination fits."""
+        assert self.policy.budget is not None
+        if len(plan.graphs) == 1:
+            graph = plan.graphs[0]
+            if graph.budget_bytes is not None and graph.predicted_peak_bytes > graph.budget_bytes:
+                self._fail()
+                raise BudgetError(
+                    f"no plan fits a budget of {format_bytes(graph.budget_bytes)}: the smallest "
+                    f"peak memfit can reach for this graph is "
+                    f"{format_bytes(graph.predicted_peak_bytes)} "
+                    f"({graph.predicted_peak_bytes} bytes)",
+                    budget_bytes=graph.budget_bytes,
+                    smallest_bytes=graph.predicted_peak_bytes,
+                )
+            return
+        budget = step_budget_bytes(self.policy.budget, plan)
+        if planned_as_step(plan, budget):
+            return
+        shares = share_step(plan, budget)
+        if shares is None:
+            smallest = least_step_peak(plan)
+            self._fail()
+            raise BudgetError(
+                f"no plan fits a budget of {format_bytes(budget)}: {self.name} runs in "
+                f"{len(plan.graphs)} graphs (graph breaks; values crossing a break are kept), "
+                f"and the smallest peak memfit can reach for the whole step is "
+                f"{format_bytes(smallest)} ({smallest} bytes)",
+                budget_bytes=budget,
+                smallest_bytes=smallest,
+            )
+        step = tuple(g.key for g in plan.graphs)
+        rounds = self._step_rounds.get(step, 0)
+        if rounds >= STEP_ROUNDS:
+            if plan.predicted_peak_bytes > budget and not self._warned_step:
+                self._warned_step = True
+                warn_user(
+                    f"{self.name} runs in {len(plan.graphs)} graphs (graph breaks) and memfit "
+                    f"could not bring the whole step within its budget of "
+                    f"{format_bytes(budget)}: predicted peak "
+                    f"{format_bytes(plan.predicted_peak_bytes)}. Remove the graph breaks or "
+                    f"give a larger budget."
+                )
+            return
+        self._step_rounds[step] = rounds + 1
+        self._shares.update(shares)
+        self._replan = True
+
+    def _fail(self) -> None:
+        """The graphs just compiled were planned over budget: none of them may run again."""
+        self._replan = True
+        if self._window is not None:
+            self._window.abandon()
+            self._window = None
 
     def _ran_unplanned(self, full: bool) -> None:
         """A training call ran none of memfit's graphs: say so, and keep no stale plan."""

@@ -78,6 +78,9 @@ class GraphPlan:
     recompute_seconds: float = 0.0
     #: the byte budget this graph was planned against (``"budget"`` policy only)
     budget_bytes: int | None = None
+    #: with graph breaks, once the step was planned as a whole: the whole step's budget, of
+    #: which ``budget_bytes`` is this graph's share (``planning.step``)
+    step_budget_bytes: int | None = None
     #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
     frontier: tuple[ParetoPoint, ...] = ()
     #: Every attention the capture pass found in this graph, and the kernel it now runs.
@@ -183,8 +186,14 @@ class Plan:
 
     @property
     def budget_bytes(self) -> int | None:
-        """The byte budget of the first graph (later graphs get what earlier ones leave)."""
-        return self.graphs[0].budget_bytes if self.graphs else None
+        """The byte budget of the step: with graph breaks, once the step was planned as a
+        whole, the whole step's; before that, the first graph's."""
+        if not self.graphs:
+            return None
+        first = self.graphs[0]
+        return (
+            first.step_budget_bytes if first.step_budget_bytes is not None else first.budget_bytes
+        )
 
     def pareto(self) -> list[ParetoPoint]:
         """The (predicted peak, recompute cost) frontier, by increasing peak.

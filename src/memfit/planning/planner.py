@@ -31,6 +31,7 @@ from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
 from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
 
 __all__ = ["plan_graph"]
@@ -53,14 +54,22 @@ def plan_graph(
     offload_to: str | None = None,
     offload_min_bytes: int = MIN_OFFLOAD_BYTES,
     offload_limit_bytes: int | None = None,
+    share: GraphShare | None = None,
+    first_plan: bool = False,
 ) -> GraphPlan:
     """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
     ``spent_bytes`` is what earlier graphs of the same step keep (with graph breaks their kept
-    values are alive while this graph runs) and is taken off a byte budget. A fraction applies to
-    this graph's own plain-autograd peak. Policies that offload need the ``link`` they offload
-    over (and ``offload_to``, its name for the plan); ``offload_limit_bytes`` caps what one
-    graph may offload (the host budget, or the free space of the offload disk).
+    values are alive while this graph runs) and is taken off a byte budget; a fraction applies to
+    this graph's own activations. That is how the first call of a step with graph breaks plans
+    each graph as it reaches it; the step is then checked as a whole (``planning.step``) and each
+    graph planned again with its ``share`` of the step's budget. With ``first_plan``, a graph that
+    cannot meet a fraction on its own, or a byte budget beside what earlier graphs kept, gets its
+    least-peak plan instead of an error: whether the step fits is decided once all its graphs are
+    known, and so is a graph that cannot meet its share.
+    Policies that offload need the ``link`` they offload over (and ``offload_to``, its name
+    for the plan); ``offload_limit_bytes`` caps what one graph may offload (the host budget, or
+    the free space of the offload disk).
     """
     if policy.offload and link is None:
         raise ValueError(f"policy {policy.label!r} offloads: plan_graph needs the link's bandwidth")
@@ -95,20 +104,49 @@ def plan_graph(
                 p.peak_bytes,
                 p.recompute_flops,
                 p.recompute_seconds,
-                p.simulation.saved_bytes,
+                _reported_bytes(jg, set(p.kept), _offloaded(p)),
                 offloaded_bytes=p.schedule.offloaded_bytes if p.schedule else 0,
                 stall_seconds=p.stall_seconds,
             )
             for p in points
         )
-        budget_bytes = policy.budget.resolve(base_sim.peak_bytes, _activation_bytes(jg, baseline))
-        if policy.budget.fraction is not None:
-            budget_bytes = _fraction_reach(jg, points, policy.budget.fraction, budget_bytes)
-        if policy.budget.fraction is None:
-            budget_bytes -= spent_bytes
+        fraction = policy.budget.fraction if share is None else None
+        if share is not None:
+            budget_bytes = share.peak_bytes
+            allowed_points = [
+                p for p, q in zip(points, frontier) if q.kept_bytes <= share.kept_bytes
+            ]
+        else:
+            budget_bytes = policy.budget.resolve(
+                base_sim.peak_bytes, _activation_bytes(jg, baseline)
+            )
+            allowed_points = points
+        if fraction is not None:
+            budget_bytes = _fraction_reach(jg, points, fraction, budget_bytes)
+        # A fraction is of this graph's own activations; bytes are shared with earlier graphs.
+        allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
         try:
-            chosen = choose(points, budget_bytes)
+            chosen = choose(allowed_points or points, allowed)
         except BudgetError as err:
+            if share is not None or (first_plan and (fraction is not None or spent_bytes)):
+                chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
+                note = f"{err}; planned at its least peak until the step is checked as a whole"
+                return _graph_plan(
+                    jg,
+                    policy,
+                    set(chosen.kept),
+                    chosen.simulation,
+                    base_sim,
+                    baseline,
+                    note=note,
+                    budget_bytes=budget_bytes,
+                    step_budget_bytes=share.step_budget_bytes if share else None,
+                    frontier=frontier,
+                    schedule=chosen.schedule
+                    if chosen.schedule and chosen.schedule.transfers
+                    else None,
+                    offload_to=offload_to,
+                )
             if policy.offload and offload_limit_bytes is not None:
                 raise _explained(
                     err,
@@ -122,7 +160,7 @@ def plan_graph(
                     f"outside memfit's graphs between forward and backward, e.g. a loss computed "
                     f"outside the model; memfit.step plans the loss too",
                 ) from None
-            if spent_bytes and policy.budget.fraction is None:
+            if spent_bytes and fraction is None:
                 raise _explained(
                     err,
                     f"{spent_bytes} bytes of the budget are already kept by earlier graphs of "
@@ -171,6 +209,7 @@ def plan_graph(
         frontier=frontier,
         schedule=schedule,
         offload_to=offload_to,
+        step_budget_bytes=share.step_budget_bytes if share else None,
     )
 
 
@@ -186,6 +225,22 @@ def _fraction_reach(
         p.peak_bytes for p in points if _activation_bytes(jg, set(p.kept) - _offloaded(p)) <= limit
     ]
     return max(resolved, min(reach)) if reach else resolved
+
+
+def _reported(jg: JointGraph, kept: set[fx.Node], offloaded: set[fx.Node]) -> list[fx.Node]:
+    """What a plan reports as kept: activations held for backward beyond what the step returns
+    anyway (its outputs) and what existed before it (parameters, inputs), in graph order."""
+    outputs = set(jg.fwd_outputs)
+    saved = jg.saved_needed(kept)
+    return [
+        n
+        for n in jg.nodes
+        if n in saved and n.op != "placeholder" and n not in outputs and n not in offloaded
+    ]
+
+
+def _reported_bytes(jg: JointGraph, kept: set[fx.Node], offloaded: set[fx.Node]) -> int:
+    return jg.bytes_of(_reported(jg, kept, offloaded))
 
 
 def _offloaded(point: FrontierPoint) -> set[fx.Node]:
@@ -237,20 +292,13 @@ def _graph_plan(
     frontier: tuple[ParetoPoint, ...],
     schedule: TransferSchedule | None = None,
     offload_to: str | None = None,
+    step_budget_bytes: int | None = None,
 ) -> GraphPlan:
     forward_set = set(jg.forward)
     transfers = schedule.transfers if schedule else ()
     offloaded = {t.value for t in transfers}
     recomputed = [n for n in sim.backward if n in forward_set]
-    # What the plan reports as kept: activations held for backward beyond what the step returns
-    # anyway (its outputs) and what existed before it (parameters, inputs).
-    outputs = set(jg.fwd_outputs)
-    saved = jg.saved_needed(kept)
-    reported = [
-        n
-        for n in jg.nodes
-        if n in saved and n.op != "placeholder" and n not in outputs and n not in offloaded
-    ]
+    reported = _reported(jg, kept, offloaded)
     return GraphPlan(
         policy=policy.name,
         decisions=_decisions(jg, kept, sim, offloaded),
@@ -266,6 +314,7 @@ def _graph_plan(
         note=note,
         recompute_seconds=float(sum(node_seconds(n) for n in recomputed)),
         budget_bytes=budget_bytes,
+        step_budget_bytes=step_budget_bytes,
         frontier=frontier,
         forward_end_bytes=sim.forward_end_bytes,
         outside_bytes=jg.outside_bytes,

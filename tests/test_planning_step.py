@@ -1,0 +1,169 @@
+"""The budget of a whole step captured in several graphs (``planning.step``).
+
+The search is checked against brute force on literal frontiers; the whole mechanism on a model
+with a graph break, measured with exact CPU accounting: before, the step was planned graph by
+graph and a byte budget of 0.8x plain peaked 7% over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memfit
+from memfit.planning.budget import Budget
+from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
+from memfit.planning.step import least_step_peak, share_step, step_budget_bytes
+
+# ---- the search, on literal frontiers --------------------------------------------------------
+
+
+def _graph(key: str, points: list[tuple[int, int, float]], base: tuple[int, int]) -> GraphPlan:
+    """A graph whose frontier is ``points`` of (peak, kept, recompute seconds); it was planned
+    at its first point; ``base`` is (peak, kept) of plain autograd."""
+    frontier = tuple(ParetoPoint(p, 0, s, k) for p, k, s in points)
+    peak, kept, _ = points[0]
+    return GraphPlan(
+        policy="budget",
+        decisions={},
+        kept=(),
+        recomputed=(),
+        kept_bytes=kept,
+        predicted_peak_bytes=peak,
+        baseline_peak_bytes=base[0],
+        baseline_kept_bytes=base[1],
+        recompute_flops=0,
+        forward_flops=1,
+        num_nodes=1,
+        budget_bytes=peak,
+        frontier=frontier,
+        key=key,
+    )
+
+
+A = _graph("a", [(100, 60, 0.0), (80, 40, 1.0), (60, 20, 3.0)], (100, 60))
+B = _graph("b", [(50, 30, 0.0), (40, 20, 0.5), (30, 5, 2.0)], (50, 30))
+
+
+def _combined(choice: tuple[ParetoPoint, ...], times: tuple[int, ...]) -> int:
+    kept = sum(n * p.kept_bytes for p, n in zip(choice, times))
+    return kept + max(p.peak_bytes - p.kept_bytes for p in choice)
+
+
+@pytest.mark.parametrize("budget", [200, 130, 120, 100, 90, 70, 60])
+def test_share_step_is_the_cheapest_combination_that_fits(budget: int) -> None:
+    for graphs, times in (((A, B), (1, 1)), ((A, B, A), (2, 1))):
+        plan = Plan("budget", graphs)
+        combos = list(itertools.product(A.frontier, B.frontier))
+        fits = [c for c in combos if _combined(c, times) <= budget]
+        shares = share_step(plan, budget)
+        if not fits:
+            assert shares is None
+            continue
+        assert shares is not None and set(shares) == {"a", "b"}
+        cheapest = min(sum(n * p.recompute_seconds for p, n in zip(c, times)) for c in fits)
+        chosen = [
+            next(p for p in g.frontier if p.peak_bytes == shares[g.key].peak_bytes) for g in (A, B)
+        ]
+        assert _combined(tuple(chosen), times) <= budget
+        cost = sum(n * p.recompute_seconds for p, n in zip(chosen, times))
+        assert cost == pytest.approx(cheapest)
+        assert all(s.step_budget_bytes == budget for s in shares.values())
+
+
+def test_least_step_peak_and_the_step_budget_of_a_fraction() -> None:
+    plan = Plan("budget", (A, B))
+    combos = itertools.product(A.frontier, B.frontier)
+    assert least_step_peak(plan) == min(_combined(c, (1, 1)) for c in combos)
+    assert step_budget_bytes(Budget(bytes=123), plan) == 123
+    # Half of the step's 90 activation bytes: plain's combined peak (60+30+max(40,20) = 130)
+    # less 45, or the least peak of a combination keeping at most 45 bytes, whichever is more.
+    keeping_half = [
+        _combined(c, (1, 1))
+        for c in itertools.product(A.frontier, B.frontier)
+        if c[0].kept_bytes + c[1].kept_bytes <= 45
+    ]
+    assert step_budget_bytes(Budget(fraction=0.5), plan) == max(130 - 45, min(keeping_half))
+
+
+# ---- a model with a graph break, measured ----------------------------------------------------
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
+        self.b = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.head(self.b(x))
+
+
+X = torch.randn(1024, 128, generator=torch.Generator().manual_seed(1))
+
+
+def _plain() -> tuple[_Broken, int, list[torch.Tensor]]:
+    model = _Broken()
+    model(X).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    peak = memfit.measure(lambda: model(X).square().mean().backward()).peak_bytes
+    model.zero_grad(set_to_none=True)
+    return model, peak, grads
+
+
+def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tensor]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph-break warning
+        for _ in range(2):  # the step is planned as a whole after its first call
+            step().backward()
+            model.zero_grad(set_to_none=True)
+        assert not step.replan_pending
+        peak = memfit.measure(lambda: step().backward()).peak_bytes
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    return peak, grads
+
+
+def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
+    model, plain, plain_grads = _plain()
+    budget = int(0.8 * plain)
+    step = memfit.step(lambda: model(X).square().mean(), budget=budget)
+    peak, grads = _trained(model, step)
+    for g, h in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
+    plan = step.plan
+    assert len(plan.graphs) == 3 and plan.budget_bytes == budget
+    assert all(g.step_budget_bytes == budget for g in plan.graphs)
+    assert plan.predicted_peak_bytes <= budget
+    assert peak <= budget
+    assert peak == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
+
+
+def test_a_fraction_is_of_the_whole_steps_activations() -> None:
+    model, plain, _ = _plain()
+    memory = memfit.step(lambda: model(X).square().mean(), policy="memory")
+    _trained(model, memory)
+    share = memory.plan.kept_bytes / memory.plan.baseline_kept_bytes  # ~0.55 here
+    feasible = round(share + 0.05, 2)
+    step = memfit.step(lambda: model(X).square().mean(), budget=feasible)
+    peak, _ = _trained(model, step)
+    plan = step.plan
+    expected = round(plan.baseline_peak_bytes - (1 - feasible) * plan.baseline_kept_bytes)
+    assert plan.budget_bytes is not None and abs(plan.budget_bytes - expected) <= 1
+    assert peak <= 1.05 * plan.budget_bytes and peak < plain
+    below = memfit.step(lambda: model(X).square().mean(), budget=round(share - 0.05, 2))
+    with pytest.raises(memfit.BudgetError, match="whole step") as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            below().backward()
+    assert err.value.smallest_bytes is not None
+    assert err.value.smallest_bytes == pytest.approx(memory.plan.predicted_peak_bytes, rel=0.01)
