@@ -9,6 +9,8 @@ Three scenarios, each measured with exact CPU allocator accounting (``memfit.mea
   PyTorch.
 * **fractions**: ``budget=0.5`` (half the activations plain autograd keeps, plus the rest of
   the step) on the zoo and on small HuggingFace models: feasible or not, predicted and measured.
+* **accumulation**: three micro-batches into one ``.grad``: plain against memfit, and memfit
+  returning every gradient at once (as it did before it accumulated inside the graph).
 * **shapes**: one model trained on 12 batch sizes and back to the first ones: every call planned
   (none silently eager), and the plan shown is the shape's that ran.
 
@@ -88,6 +90,85 @@ def loss_outside() -> list[dict[str, Any]]:
     return rows
 
 
+def _square_loss(out: Any) -> torch.Tensor:
+    """A loss reading every output of a zoo or HuggingFace model."""
+    if hasattr(out, "logits"):
+        out = out.logits
+    elif hasattr(out, "last_hidden_state"):
+        out = out.last_hidden_state
+    elif isinstance(out, dict):
+        out = sum(v.float().sum() for v in out.values())
+    elif isinstance(out, (tuple, list)):
+        out = sum(v.float().sum() for v in out)
+    return out.float().square().mean()
+
+
+def _hf_case(name: str) -> tuple[str, Any, Any]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return tiny_hf(name)
+
+    def inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        g = torch.Generator().manual_seed(0)
+        return (torch.randint(0, 100, (4, 64), generator=g),), {}
+
+    return f"hf-{name}", make, inputs
+
+
+def _wide_mlp() -> tuple[str, Any, Any]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+
+    def inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (torch.randn(4, 1024, generator=torch.Generator().manual_seed(0)),), {}
+
+    return "mlp-8x1024", make, inputs
+
+
+def accumulation() -> list[dict[str, Any]]:
+    """Three micro-batches into the same ``.grad`` (gradient accumulation), the loss outside a
+    ``memfit.checkpoint`` wrapper: each micro-batch's peak, plain against memfit, and memfit
+    with the backward returning every gradient at once (memfit before it accumulated in the
+    graph: ``execution.accumulate`` switched off)."""
+    from memfit.execution import backend
+
+    rows = []
+    cases = [_wide_mlp()] + [
+        (c.name, c.make_model, c.make_inputs) for c in ZOO if c.name in {"resnet", "unet", "gpt2"}
+    ]
+    cases.append(_hf_case("bert"))
+    for name, make_model, make_inputs in cases:
+        model = make_model()
+        args, kwargs = make_inputs()
+
+        def micro_batches(
+            run: Any, model: nn.Module = model, args: Any = args, kwargs: Any = kwargs
+        ) -> list[int]:
+            model.zero_grad(set_to_none=True)
+            return [_peak(lambda: _square_loss(run(*args, **kwargs)).backward()) for _ in range(3)]
+
+        row: dict[str, Any] = {"model": name, "plain": micro_batches(model)}
+        for policy in ("none", "memory"):
+            torch.compiler.reset()
+            wrapped = memfit.checkpoint(model, policy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                micro_batches(wrapped)  # capture, plan, measure the loss outside, plan again
+                row[policy] = micro_batches(wrapped)
+                original = backend.accumulating
+                backend.accumulating = lambda ctx, values: (frozenset(), [])  # type: ignore[assignment]
+                try:
+                    row[f"{policy} (all gradients at once)"] = micro_batches(wrapped)
+                finally:
+                    backend.accumulating = original
+            row[f"{policy} predicted"] = wrapped.plan.predicted_peak_bytes
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        print(name, row, flush=True)
+    return rows
+
+
 def fractions() -> list[dict[str, Any]]:
     rows = []
     cases: list[tuple[str, Any, Any]] = [
@@ -95,32 +176,13 @@ def fractions() -> list[dict[str, Any]]:
         for c in ZOO
         if c.name in {"resnet", "transformer", "unet", "mlp", "gpt2"}
     ]
-    for name in ("bert", "gpt2", "llama"):
-
-        def make(name: str = name) -> nn.Module:
-            torch.manual_seed(0)
-            return tiny_hf(name)
-
-        def inputs(name: str = name) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            g = torch.Generator().manual_seed(0)
-            return (torch.randint(0, 100, (4, 64), generator=g),), {}
-
-        cases.append((f"hf-{name}", make, inputs))
+    cases += [_hf_case(name) for name in ("bert", "gpt2", "llama")]
     for name, make_model, make_inputs in cases:
         model = make_model()
         args, kwargs = make_inputs()
 
         def loss(m: nn.Module, args: Any = args, kwargs: Any = kwargs) -> torch.Tensor:
-            out = m(*args, **kwargs)
-            if hasattr(out, "logits"):
-                out = out.logits
-            elif hasattr(out, "last_hidden_state"):
-                out = out.last_hidden_state
-            elif isinstance(out, dict):
-                out = sum(v.float().sum() for v in out.values())
-            elif isinstance(out, (tuple, list)):
-                out = sum(v.float().sum() for v in out)
-            return out.float().square().mean()
+            return _square_loss(m(*args, **kwargs))
 
         loss(model).backward()
         model.zero_grad(set_to_none=True)
@@ -242,6 +304,29 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {row['model']} | {_mib(row['plain'])} | {_mib(none.get('measured'))} | {kept} "
             f"| {tail}"
         )
+    lines += [
+        "",
+        "## Gradient accumulation: 3 micro-batches into one .grad, loss outside memfit.checkpoint",
+        "",
+        "Peak of micro-batch 1 / micro-batches 2-3 (the ones adding into an existing .grad); "
+        "'all at once' is memfit with the backward returning every gradient together, as before "
+        "it accumulated inside the graph.",
+        "",
+        "| model | plain | none | none, all at once | memory | memory, all at once "
+        "| memory predicted |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def pair(peaks: list[int]) -> str:
+        return f"{_mib(peaks[0])} / {_mib(max(peaks[1:]))}"
+
+    for row in result["accumulation"]:
+        lines.append(
+            f"| {row['model']} | {pair(row['plain'])} | {pair(row['none'])} "
+            f"| {pair(row['none (all gradients at once)'])} | {pair(row['memory'])} "
+            f"| {pair(row['memory (all gradients at once)'])} "
+            f"| {_mib(row['memory predicted'])} |"
+        )
     calls = result["shapes"]["calls"]
     worst = max(abs(c["measured"] - c["predicted"]) / c["measured"] for c in calls)
     lines += [
@@ -267,6 +352,7 @@ def main() -> None:
     }
     result["loss_outside"] = loss_outside()
     result["fractions"] = fractions()
+    result["accumulation"] = accumulation()
     result["shapes"] = shapes()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "training_loops.json").write_text(json.dumps(result, indent=1))
