@@ -25,8 +25,61 @@ def _batches(rank: int) -> list[torch.Tensor]:
 
 
 def accumulate(rank: int, policies: tuple[str | None, ...]) -> dict[str | None, Any]:
-    """``_accumulate`` with each policy in turn, in one process group."""
-    return {policy: _accumulate(rank, policy) for policy in policies}
+    """``_accumulate`` with each policy in turn, and ``_predicted``, in one process group."""
+    out: dict[str | None, Any] = {policy: _accumulate(rank, policy) for policy in policies}
+    out["predicted"] = _predicted(rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))  # once: a second mesh's groups would be measured
+    out["fsdp2"] = {mode: _fsdp2(rank, mesh, mode) for mode in ("plain", "memfit")}
+    return out
+
+
+def _fsdp2(rank: int, mesh: Any, mode: str) -> dict[str, Any]:
+    """FSDP2 (``fully_shard``, CPU mesh) around memfit-wrapped blocks, or plain blocks: the
+    full gradients after two steps and the peak of the second."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [
+        nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.Tanh())
+        for _ in range(3)
+    ]
+    if mode == "memfit":
+        blocks = [memfit.checkpoint(b, "memory") for b in blocks]
+    model = nn.Sequential(*blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    peak = memfit.measure(lambda: model(x).square().mean().backward()).peak_bytes
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    recomputed = sum(len(b.plan.recomputed) for b in blocks) if mode == "memfit" else 0
+    return {"grads": grads, "peak": peak, "recomputed": recomputed}
+
+
+def _predicted(rank: int) -> dict[str, Any]:
+    """A synchronised step with Dynamo's DDP optimizer splitting memfit's graph at bucket
+    boundaries (small buckets: several graphs): graphs, predicted and measured peak."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(512, 512), nn.Tanh())])
+    wrapped = memfit.checkpoint(model, "memory")
+    ddp = DDP(wrapped, bucket_cap_mb=1)  # about one layer per bucket
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        ddp(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+    measured = memfit.measure(lambda: ddp(x).square().mean().backward()).peak_bytes
+    model.zero_grad(set_to_none=True)
+    plan = wrapped.plan
+    return {
+        "graphs": len(plan.graphs),
+        "predicted": plan.predicted_peak_bytes,
+        "measured": measured,
+    }
 
 
 def _accumulate(rank: int, policy: str | None) -> dict[str, Any]:

@@ -272,3 +272,36 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     assert (step.peak_bytes or 0) < 0.9 * (plain.peak_bytes or 0)
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_a_model_setting_problem_type_on_its_first_call_is_captured_once() -> None:
+    """HuggingFace heads set ``config.problem_type`` on their first call with labels; Dynamo
+    guarded the capture on its old value and captured and planned the model again on the
+    second call. memfit lets the first call's attribute changes happen before it captures."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 2, 1, 0])
+    wrapped = memfit.checkpoint(model, "memory")
+    plans = []
+    for _ in range(3):
+        torch.manual_seed(5)  # dropout
+        wrapped(input_ids=ids, labels=labels).loss.backward()
+        torch.manual_seed(5)
+        plain(input_ids=ids, labels=labels).loss.backward()
+        plans.append(wrapped.plan)
+    assert model.config.problem_type == plain.config.problem_type == "single_label_classification"
+    assert plans[1] is plans[0] and plans[2] is plans[0]  # no second capture, no second plan
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

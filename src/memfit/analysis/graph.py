@@ -81,6 +81,9 @@ class JointGraph:
     #: computed outside the model, measured on an earlier step), on top of what the forward
     #: leaves alive; 0: nothing known
     outside_bytes: int = 0
+    #: positions among the primals of the step's parameters and buffers (AOTAutograd's static
+    #: inputs): their gradients outlive the graph's backward (they become ``.grad``)
+    static_inputs: frozenset[int] = frozenset()
     nodes: list[fx.Node] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
     primals: list[fx.Node] = field(init=False)
@@ -101,6 +104,7 @@ class JointGraph:
     _must: set[fx.Node] = field(init=False, repr=False)
     _never: set[fx.Node] = field(init=False, repr=False)
     _backward_reads: list[fx.Node] = field(init=False, repr=False)
+    _grads_by_primal: list[fx.Node | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         graph = self.module.graph
@@ -114,6 +118,7 @@ class JointGraph:
         outs_nodes = [o if isinstance(o, fx.Node) else None for o in outs]
         self.fwd_outputs = [o for o in outs_nodes[: self.num_fwd_outputs] if o is not None]
         self.bwd_outputs = [o for o in outs_nodes[self.num_fwd_outputs :] if o is not None]
+        self._grads_by_primal = outs_nodes[self.num_fwd_outputs :]
 
         backward: set[fx.Node] = set(self.tangents)
         for n in self.nodes:
@@ -225,6 +230,16 @@ class JointGraph:
                 continue
             stack.extend(inputs[n])
         return needed
+
+    def parameter_grad_bytes(self) -> int:
+        """Bytes of the gradients this graph's backward returns for its static inputs
+        (parameters): unlike the gradients of its other inputs, they stay alive after it."""
+        grads = [
+            g
+            for i, g in enumerate(self._grads_by_primal)
+            if g is not None and i in self.static_inputs
+        ]
+        return self.bytes_of(grads)
 
     def bytes_of(self, nodes: Iterable[fx.Node]) -> int:
         """Bytes of the distinct storages behind ``nodes``, primals' storages excluded."""

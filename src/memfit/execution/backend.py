@@ -254,6 +254,7 @@ def make_backend(
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
         jg.outside_bytes = outside_bytes(current_key[0]) if outside_bytes else 0
+        jg.static_inputs = frozenset(kwargs.get("static_lifetime_input_indices") or ())
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )

@@ -317,6 +317,10 @@ def _graph_plan(
         step_budget_bytes=step_budget_bytes,
         frontier=frontier,
         forward_end_bytes=sim.forward_end_bytes,
+        forward_peak_bytes=max(sim.forward_peak_bytes, sim.forward_end_bytes + jg.outside_bytes),
+        backward_peak_bytes=sim.backward_peak_bytes,
+        output_bytes=jg.bytes_of(jg.fwd_outputs),
+        parameter_grad_bytes=jg.parameter_grad_bytes(),
         outside_bytes=jg.outside_bytes,
         transfers=tuple(
             TransferPlan(t.value.name, t.nbytes, t.wait_after.name, t.prefetch_before.name)

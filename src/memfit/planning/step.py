@@ -10,12 +10,9 @@ GPT-2).
 
 So once a call has run all of a step's graphs, the step is planned as a whole from the graphs'
 frontiers (every budget plan carries its simulated Pareto frontier): one point per graph, the
-cheapest recomputation whose combined peak fits the step's budget. The combination is the one
-``Plan.predicted_peak_bytes`` makes: every graph's kept bytes plus the largest transient above a
-graph's own kept bytes. The search is exact: for each candidate largest transient ``T``, a
-multiple-choice knapsack over the graphs' kept bytes (at most ``budget - T``), solved on Pareto
-sets of (kept, cost) partial sums. Each graph is then planned again, on the next call, with its
-``GraphShare``: the point's peak and kept bytes as its limits.
+cheapest recomputation whose step peak fits the step's budget, found by a dynamic programme over
+the graphs in their order (``_search``). Each graph is then planned again, on the next call,
+with its ``GraphShare``: the chosen point's peak and kept bytes as its limits.
 """
 
 from __future__ import annotations
@@ -37,15 +34,6 @@ class GraphShare:
     kept_bytes: int
 
 
-def _groups(plan: Plan) -> list[tuple[GraphPlan, int]]:
-    """The step's distinct graphs with how often each ran (a graph run twice keeps twice)."""
-    counts: dict[str, tuple[GraphPlan, int]] = {}
-    for g in plan.graphs:
-        first, n = counts.get(g.key, (g, 0))
-        counts[g.key] = (first, n + 1)
-    return list(counts.values())
-
-
 def _points(graph: GraphPlan) -> list[ParetoPoint]:
     if graph.frontier:
         return list(graph.frontier)
@@ -57,46 +45,83 @@ def _cost(p: ParetoPoint) -> float:
     return p.recompute_seconds + p.stall_seconds
 
 
+def _fixed(plan: Plan) -> list[int]:
+    """For each graph of the step in order, what the step holds beside it that no choice of
+    plans changes: the outputs of the graphs before it, and in its backward the parameter
+    gradients of the graphs after it."""
+    graphs = plan.graphs
+    return [
+        sum(h.output_bytes for h in graphs[:i])
+        + sum(h.parameter_grad_bytes for h in graphs[i + 1 :])
+        for i in range(len(graphs))
+    ]
+
+
+_State = tuple[int, int, float, dict[str, ParetoPoint]]  # (kept before, peak, cost, choice)
+
+#: Partial choices the search keeps after pruning (a step has few graphs and short frontiers;
+#: this bounds a pathological one).
+_MAX_STATES = 4000
+
+
+def _prune(states: list[_State], ahead: set[str]) -> list[_State]:
+    """Drop every state another one beats or ties on kept bytes, peak and cost, among states
+    that chose alike for the graphs ``ahead`` that run again (their choice binds later)."""
+    groups: dict[tuple[int, ...], list[_State]] = {}
+    for s in states:
+        signature = tuple(id(p) for k, p in sorted(s[3].items()) if k in ahead)
+        groups.setdefault(signature, []).append(s)
+    kept: list[_State] = []
+    for group in groups.values():
+        group.sort(key=lambda s: (s[0], s[1], s[2]))
+        best: list[_State] = []
+        for s in group:
+            if not any(b[1] <= s[1] and b[2] <= s[2] for b in best):  # b[0] <= s[0]: sorted
+                best.append(s)
+        kept.extend(best)
+    if len(kept) > _MAX_STATES:
+        kept = sorted(kept, key=lambda s: (s[2], s[1]))[:_MAX_STATES]
+    return kept
+
+
 def _search(
     plan: Plan, budget_bytes: int | None, kept_limit: int | None
-) -> tuple[int, float, list[ParetoPoint]] | None:
-    """The cheapest choice of one point per graph whose combined peak is within
-    ``budget_bytes`` (None: the least combined peak) and whose kept bytes sum to at most
-    ``kept_limit``: (combined peak, cost, points by group), or None when nothing fits."""
-    groups = _groups(plan)
-    options = [_points(g) for g, _ in groups]
-    transients = sorted({p.peak_bytes - p.kept_bytes for pts in options for p in pts})
-    best: tuple[tuple[float, float], int, float, list[ParetoPoint]] | None = None
-    for t in transients:
-        room = None if budget_bytes is None else budget_bytes - t
-        if kept_limit is not None:
-            room = kept_limit if room is None else min(room, kept_limit)
-        if room is not None and room < 0:
-            continue
-        # Pareto set of (kept, cost, choice) over the groups so far.
-        states: list[tuple[int, float, list[ParetoPoint]]] = [(0, 0.0, [])]
-        for (_, times), pts in zip(groups, options):
-            usable = [p for p in pts if p.peak_bytes - p.kept_bytes <= t]
-            if not usable:
-                states = []
-                break
-            grown = [
-                (kept + times * p.kept_bytes, cost + times * _cost(p), [*chosen, p])
-                for kept, cost, chosen in states
-                for p in usable
-                if room is None or kept + times * p.kept_bytes <= room
-            ]
-            grown.sort(key=lambda s: (s[0], s[1]))
-            states = []
-            for s in grown:  # keep each state not dominated by one keeping less
-                if not states or s[1] < states[-1][1]:
-                    states.append(s)
-        for kept, cost, chosen in states:
-            combined = kept + max(p.peak_bytes - p.kept_bytes for p in chosen)
-            rank = (float(combined), cost) if budget_bytes is None else (cost, float(combined))
-            if best is None or rank < best[0]:
-                best = (rank, combined, cost, chosen)
-    return None if best is None else best[1:]
+) -> tuple[int, float, dict[str, ParetoPoint]] | None:
+    """The cheapest choice of one point per graph (by key) whose step peak is within
+    ``budget_bytes`` (None: the least step peak), keeping at most ``kept_limit`` bytes in all:
+    (step peak, cost, points by key), or None when nothing fits.
+
+    The graphs run forward in order and backward in reverse, so while graph ``g`` runs the
+    graphs before it hold what they keep: the step peak is the largest, over the graphs, of
+    what the earlier graphs keep plus the graph's own peak plus what the step holds beside it
+    whatever is chosen (``_fixed``): ``Plan.predicted_peak_bytes`` with each graph's forward
+    and backward peaks bounded by its peak. A dynamic programme over the graphs in order, on
+    Pareto sets of (kept so far, peak so far, cost); a graph that runs twice gets one choice
+    (and costs twice).
+    """
+    fixed = _fixed(plan)
+    states: list[_State] = [(0, 0, 0.0, {})]
+    for i, (graph, extra) in enumerate(zip(plan.graphs, fixed)):
+        chosen_before = [s[3].get(graph.key) for s in states]
+        grown: list[_State] = []
+        for s, before in zip(states, chosen_before):
+            prefix, peak, cost, choice = s
+            for p in [before] if before is not None else _points(graph):
+                step_peak = max(peak, prefix + p.peak_bytes + extra)
+                kept = prefix + p.kept_bytes
+                if budget_bytes is not None and step_peak > budget_bytes:
+                    continue
+                if kept_limit is not None and kept > kept_limit:
+                    continue
+                grown.append((kept, step_peak, cost + _cost(p), {**choice, graph.key: p}))
+        states = _prune(grown, {g.key for g in plan.graphs[i + 1 :]})
+        if not states:
+            return None
+    if budget_bytes is None:
+        best = min(states, key=lambda s: (s[1], s[2]))
+    else:
+        best = min(states, key=lambda s: (s[2], s[1]))
+    return best[1], best[2], best[3]
 
 
 def step_budget_bytes(budget: Budget, plan: Plan) -> int:
@@ -126,8 +151,7 @@ def share_step(plan: Plan, budget_bytes: int) -> dict[str, GraphShare] | None:
     if found is None:
         return None
     return {
-        g.key: GraphShare(budget_bytes, p.peak_bytes, p.kept_bytes)
-        for (g, _), p in zip(_groups(plan), found[2])
+        key: GraphShare(budget_bytes, p.peak_bytes, p.kept_bytes) for key, p in found[2].items()
     }
 
 
