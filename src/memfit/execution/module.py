@@ -43,6 +43,20 @@ def _mark_tree(out: Any) -> Any:
     return tree_map(lambda t: mark(t) if isinstance(t, torch.Tensor) else t, out)
 
 
+def _settles_on_first_call(model: nn.Module) -> bool:
+    """Whether ``model`` changes its own Python attributes on its first call.
+
+    HuggingFace models do (a head sets ``config.problem_type`` when it first sees labels), and
+    Dynamo guards a capture on the value it read, so the second call failed the guard and was
+    captured and planned again. Known by class (a ``transformers`` ``PreTrainedModel``), without
+    importing transformers.
+    """
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(model).__mro__
+    )
+
+
 def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
     if _capturing and torch.compiler.is_compiling():
         return _mark_tree(out)
@@ -57,6 +71,7 @@ class CheckpointedModule(nn.Module):
     _model: nn.Module
     _planned: PlannedCall
     _hooks: list[Any]
+    _settled: bool
 
     def __init__(
         self,
@@ -86,6 +101,7 @@ class CheckpointedModule(nn.Module):
         self.__dict__["_hooks"] = [
             named[name].register_forward_hook(_mark_output_hook) for name in policy.modules
         ]
+        self.__dict__["_settled"] = not _settles_on_first_call(model)
         self.training = model.training
 
     @property
@@ -122,6 +138,13 @@ class CheckpointedModule(nn.Module):
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         global _capturing
+        if not self._settled and torch.is_grad_enabled():
+            # Let the first call's attribute changes happen before Dynamo captures (see
+            # ``_settles_on_first_call``): one eager forward without autograd, its buffer updates
+            # and random draws undone, so the step itself is exactly the user's.
+            self.__dict__["_settled"] = True
+            with torch.no_grad(), preserved(self._model.buffers()):
+                self._model(*args, **kwargs)
         _capturing += 1
         try:
             return self._planned(*args, **kwargs)
