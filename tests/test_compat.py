@@ -176,3 +176,40 @@ def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
     f(w, v).backward(inputs=[v])
     torch.autograd.grad(f(w, v), [w])
     assert asked == [True, False, False]
+
+
+def test_eager_module_calls_name_the_modules_whose_call_broke_the_graph() -> None:
+    """Asked from a backend, the modules running eagerly are those whose call Dynamo could not
+    trace into its caller's graph: the root and the layer with the break, not its Linear."""
+
+    class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.fc(x)
+            if x.sum() > 0:  # a graph break inside this module's call
+                x = x * 2
+            return x
+
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Breaks()
+            self.head = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inner(x))
+
+    root = Root()
+    seen: set[int] = set()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        seen.update(id(m) for m in _compat.eager_module_calls())
+        return gm.forward
+
+    torch.compile(root, backend=backend)(torch.ones(2, 4))
+    assert id(root.inner) in seen and id(root) in seen
+    assert id(root.inner.fc) not in seen and id(root.head) not in seen
+    assert _compat.eager_module_calls() == []

@@ -34,6 +34,7 @@ __all__ = [
     "aot_autograd",
     "boxed_codegen",
     "compiled_function_ctx",
+    "eager_module_calls",
     "will_engine_accumulate",
     "detect_fake_mode",
     "disable_current_modes",
@@ -161,6 +162,28 @@ def compiled_function_ctx(frames: int = 3) -> Any:
             return ctx
         frame = frame.f_back
     return None
+
+
+def eager_module_calls() -> list[torch.nn.Module]:
+    """The modules whose call is running eagerly on this thread's Python stack, innermost first.
+
+    A module called from eager Python goes through ``nn.Module._call_impl``, a frame whose local
+    ``self`` is the module (checked 2.13.0); a module call Dynamo traced into a graph leaves no
+    such frame, and neither does one inside a running compiled graph. Asked from a
+    ``torch.compile`` backend, while Dynamo converts a frame, the answer is the modules whose
+    call Dynamo could not trace as part of its caller (a graph break inside it), with the module
+    whose frame is being converted among them.
+    """
+    code = torch.nn.Module._call_impl.__code__
+    found: list[torch.nn.Module] = []
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                found.append(module)
+        frame = frame.f_back
+    return found
 
 
 def will_engine_accumulate(leaf: torch.Tensor) -> bool:
