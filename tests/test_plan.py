@@ -1,7 +1,9 @@
 """The plan as plain data: sums over graphs and a readable summary."""
 
+import dataclasses
+
 from memfit.planning.decision import Decision
-from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.plan import GraphPlan, Plan, RegionPlan
 from memfit.units import format_bytes
 
 
@@ -38,3 +40,37 @@ def test_summary_and_units() -> None:
 
 def test_saved_lists_the_save_decisions_in_order() -> None:
     assert _graph(10, 5).saved() == ["a", "x"]
+
+
+def _ordered(peak: int, kept: int, forward: int, out: int, grads: int) -> GraphPlan:
+    return dataclasses.replace(
+        _graph(peak, kept),
+        forward_peak_bytes=forward,
+        backward_peak_bytes=peak,
+        output_bytes=out,
+        parameter_grad_bytes=grads,
+    )
+
+
+def test_a_region_is_one_part_of_the_step_recomputed_in_its_backward() -> None:
+    """Graphs inside a region keep their values only while the backward recomputes it: in the
+    step's order the region keeps nothing itself (its inputs are the outputs before it), its
+    forward holds its graphs' outputs, its backward is its graphs run as a step of their own."""
+    outside = _ordered(100, 30, forward=60, out=8, grads=4)
+    inner1 = _ordered(40, 20, forward=30, out=6, grads=3)
+    inner2 = _ordered(50, 25, forward=35, out=5, grads=2)
+    region = RegionPlan("layers.0", "Layer", "model.py:12", input_bytes=8, graphs=(1, 2))
+    plan = Plan("memory", (outside, inner1, inner2), regions=(region,))
+    part = plan.parts()[1]
+    # forward: max(30, 6 + 35); backward: max(30, 2 + 40), then 20 + 6 + max(35, 50)
+    assert (part.forward_peak_bytes, part.backward_peak_bytes) == (41, 76)
+    assert (part.kept_bytes, part.output_bytes, part.parameter_grad_bytes) == (0, 5, 5)
+    # the outside graph's backward with the region's gradients (105); the region's backward
+    # with what the outside graph keeps and outputs (38 + 76)
+    assert plan.predicted_peak_bytes == max(60, 5 + 100, 38 + 41, 38 + 76) == 114
+    assert plan.forward_end_bytes == 30 + 8 + 5  # kept, the region's inputs, its output
+    assert plan.kept_bytes == 30 + 8 and plan.kept == ("a",)
+    assert plan.recompute_flops == 3 * 10 + 2 * 40  # every graph's, and the region's forward
+    text = str(plan)
+    assert "recomputed whole  1 call of layers.0 (Layer at model.py:12)" in text
+    assert "not in the prediction" in text

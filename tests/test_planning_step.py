@@ -7,6 +7,7 @@ graph and a byte budget of 0.8x plain peaked 7% over it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 import memfit
 from memfit.planning.budget import Budget
-from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
+from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
 from memfit.planning.step import least_step_peak, share_step, step_budget_bytes
 
 # ---- the search, on literal frontiers --------------------------------------------------------
@@ -67,6 +68,25 @@ def _step_peak(graphs: tuple[GraphPlan, ...], choice: dict[str, ParetoPoint]) ->
 
 def _choices() -> list[dict[str, ParetoPoint]]:
     return [{"a": a, "b": b} for a, b in itertools.product(A.frontier, B.frontier)]
+
+
+def test_a_region_is_one_fixed_part_of_the_step() -> None:
+    """A region (its graphs planned with "none": no frontier) is one part of the step in its
+    order, with one choice and no share: it keeps nothing itself (its inputs are what A
+    outputs), peaks at its graph's 50 while recomputed, outputs 5, leaves 2 of gradients."""
+    inner = dataclasses.replace(
+        _graph("r", [(50, 40, 0.0)], (50, 40), out=5, grads=2), frontier=(), budget_bytes=None
+    )
+    plan = Plan("budget", (A, inner), regions=(RegionPlan("layer", "L", "f.py:1", 7, (1,)),))
+    part = plan.parts()[1]
+    assert plan.parts()[0] is A and (part.kept_bytes, part.predicted_peak_bytes) == (0, 50)
+    assert (part.output_bytes, part.parameter_grad_bytes) == (5, 2)
+    # A's points: peak + the region's gradients (2), or A's kept + A's output (7) + 50
+    steps = [max(p.peak_bytes + 2, p.kept_bytes + 7 + 50) for p in A.frontier]
+    assert steps == [117, 97, 77] and least_step_peak(plan) == 77
+    shares = share_step(plan, 100)
+    assert shares is not None and set(shares) == {"a"} and shares["a"].kept_bytes == 40
+    assert share_step(plan, 76) is None
 
 
 @pytest.mark.parametrize("budget", [250, 200, 160, 140, 120, 100, 80])

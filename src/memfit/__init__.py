@@ -17,7 +17,7 @@ from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
-from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
+from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
 from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointedModule",
     "Plan",
     "GraphPlan",
+    "RegionPlan",
 ]
 __version__ = "0.1.0"
 

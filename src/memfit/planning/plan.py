@@ -7,6 +7,12 @@ the executor builds the forward and backward graphs from it and from nothing els
 report of that same decision on that same graph (what is kept, what is recomputed, the simulated
 peak), computed once by the planner. Everything here is numbers and names, so a plan can be
 printed, compared, serialised or asserted on without touching a graph.
+
+A submodule Dynamo could not capture whole (a graph break inside it) may be recomputed whole in
+the backward pass, its Python run again (``execution.regions``); each such call is a
+``RegionPlan`` naming the module and the graphs that ran inside it, and the ``Plan``'s sums count
+it as the checkpoint runs it: its inputs kept, its graphs' kept values alive only while it is
+recomputed.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.capture.attention import AttentionSite
 
-__all__ = ["GraphPlan", "ParetoPoint", "Plan", "TransferPlan"]
+__all__ = ["GraphPlan", "ParetoPoint", "Plan", "RegionPlan", "TransferPlan"]
 
 
 @dataclass(frozen=True)
@@ -122,21 +128,113 @@ class GraphPlan:
 
 
 @dataclass(frozen=True)
+class RegionPlan:
+    """One call of a submodule recomputed whole in the backward pass (``execution.regions``).
+
+    Dynamo could not capture the module's forward as one graph, so its calls run as
+    ``torch.utils.checkpoint`` runs a function (``use_reentrant=False``): only its inputs are
+    kept, and the backward runs its Python again, memfit's graphs inside it included, with the
+    random state of the forward and its buffers put back afterwards. ``graphs`` are the indices
+    in ``Plan.graphs`` of the graphs that ran inside this call; what its Python allocates outside
+    them is not predicted.
+    """
+
+    #: the module, named as in ``named_modules()``
+    module: str
+    #: its class, and where its ``forward`` is defined (``file:line``)
+    kind: str
+    where: str
+    #: bytes of the inputs the checkpoint keeps (tensors autograd made, one count per storage)
+    input_bytes: int
+    graphs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Plan:
     """The plan of a whole model: one ``GraphPlan`` per captured graph.
 
     ``predicted_peak_bytes`` is the predicted peak of activation memory of one training step
     (forward + backward) above what was live before it, the quantity ``memfit.measure`` reports.
-    With several graphs (graph breaks), earlier graphs' kept values stay alive while later graphs
-    run, so the prediction is the sum of what every graph keeps plus the largest transient on top.
+    With several graphs (graph breaks), the graphs run in order (``predicted_peak_bytes``); a
+    region (``RegionPlan``) is one part of that order (``region_part``), whose graphs keep their
+    values only while the backward recomputes it. Not predicted: what the model's Python outside
+    memfit's graphs allocates (in a region, its eager code runs twice); ``str(plan)`` says so.
     """
 
     policy: str
     graphs: tuple[GraphPlan, ...] = field(default_factory=tuple)
+    #: calls of submodules recomputed whole, in the order they ran (graph breaks inside them)
+    regions: tuple[RegionPlan, ...] = ()
+
+    def outside_regions(self) -> list[GraphPlan]:
+        """The graphs that ran outside every region, in order (those a step budget shares)."""
+        inside = {i for r in self.regions for i in r.graphs}
+        return [g for i, g in enumerate(self.graphs) if i not in inside]
+
+    def _region_graphs(self, region: RegionPlan) -> list[GraphPlan]:
+        return [self.graphs[i] for i in region.graphs]
+
+    def parts(self) -> list[GraphPlan]:
+        """The step's parts in the order they run: each graph outside a region, and in place of
+        a region's graphs one summary of the region (``region_part``)."""
+        starts = {r.graphs[0]: r for r in self.regions if r.graphs}
+        inside = {i for r in self.regions for i in r.graphs}
+        parts = []
+        for i, g in enumerate(self.graphs):
+            if i in starts:
+                parts.append(self.region_part(starts[i]))
+            elif i not in inside:
+                parts.append(g)
+        return parts
+
+    def region_part(self, region: RegionPlan) -> GraphPlan:
+        """One region call as a part of the step, in ``GraphPlan``'s terms.
+
+        Its forward keeps nothing (the checkpoint keeps only the inputs, which the parts before
+        it output and are counted there); while it runs, its graphs' outputs are alive and their
+        kept values are dropped as they are made. Its backward starts by running its graphs
+        again, which then keep what they keep: its backward peak is that of its graphs as a step
+        of their own. It outputs what its last graph outputs.
+        """
+        inner = self._region_graphs(region)
+        own = Plan(self.policy, tuple(inner))
+        backward = own.predicted_peak_bytes
+        if all(g.forward_peak_bytes for g in inner):
+            outputs = [sum(g.output_bytes for g in inner[:i]) for i in range(len(inner))]
+            forward = max(o + g.forward_peak_bytes for o, g in zip(outputs, inner))
+        else:
+            forward = backward
+        return GraphPlan(
+            policy="region",
+            decisions={},
+            kept=(),
+            recomputed=(),
+            kept_bytes=0,
+            predicted_peak_bytes=max(forward, backward),
+            baseline_peak_bytes=own.baseline_peak_bytes,
+            baseline_kept_bytes=own.baseline_kept_bytes,
+            recompute_flops=sum(g.forward_flops + g.recompute_flops for g in inner),
+            forward_flops=sum(g.forward_flops for g in inner),
+            num_nodes=sum(g.num_nodes for g in inner),
+            note=f"{region.module} recomputed whole",
+            forward_end_bytes=inner[-1].output_bytes if inner else 0,
+            forward_peak_bytes=forward,
+            backward_peak_bytes=backward,
+            output_bytes=inner[-1].output_bytes if inner else 0,
+            parameter_grad_bytes=sum(g.parameter_grad_bytes for g in inner),
+            key=f"region {region.module} @{region.graphs[0] if region.graphs else 0}",
+        )
+
+    def region_peak_bytes(self, region: RegionPlan) -> int:
+        """A region's predicted peak above what the step holds beside it: the larger of its
+        forward and its recomputation with its backward (``region_part``)."""
+        return self.region_part(region).predicted_peak_bytes
 
     @property
     def kept(self) -> tuple[str, ...]:
-        return tuple(name for g in self.graphs for name in g.kept)
+        """Values the graphs keep for backward (graphs inside a region keep theirs only while
+        the region is recomputed: not listed)."""
+        return tuple(name for g in self.outside_regions() for name in g.kept)
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -149,7 +247,11 @@ class Plan:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(g.kept_bytes for g in self.graphs)
+        """Bytes kept from forward to backward: the graphs' kept values, and each region's
+        inputs instead of what its graphs keep."""
+        return sum(g.kept_bytes for g in self.outside_regions()) + sum(
+            r.input_bytes for r in self.regions
+        )
 
     @property
     def offloaded(self) -> tuple[str, ...]:
@@ -180,7 +282,10 @@ class Plan:
 
     @property
     def recompute_flops(self) -> int:
-        return sum(g.recompute_flops for g in self.graphs)
+        """FLOPs the backward runs again: each graph's recomputation, and each region's whole
+        forward (its graphs' FLOPs; its eager ops are not counted)."""
+        regions = sum(g.forward_flops for r in self.regions for g in self._region_graphs(r))
+        return sum(g.recompute_flops for g in self.graphs) + regions
 
     @property
     def outside_bytes(self) -> int:
@@ -194,10 +299,12 @@ class Plan:
     @property
     def budget_bytes(self) -> int | None:
         """The byte budget of the step: with graph breaks, once the step was planned as a
-        whole, the whole step's; before that, the first graph's."""
-        if not self.graphs:
+        whole, the whole step's; before that, the first graph's. Graphs inside regions are
+        planned without a budget: None when every graph ran inside one."""
+        planned = self.outside_regions()
+        if not planned:
             return None
-        first = self.graphs[0]
+        first = planned[0]
         return (
             first.step_budget_bytes if first.step_budget_bytes is not None else first.budget_bytes
         )
@@ -207,22 +314,28 @@ class Plan:
 
         Only plans made with a budget carry a frontier (``memfit.plan`` always does). With graph
         breaks, the k-th point combines each graph's point at the same relative position of its
-        own frontier, summed the way ``predicted_peak_bytes`` sums graphs.
+        own frontier, summed the way ``predicted_peak_bytes`` sums graphs; a region (planned
+        without a budget) is the same part of every point, its FLOPs counted, not its seconds.
         """
-        if not self.graphs or any(not g.frontier for g in self.graphs):
+        graphs = self.outside_regions()
+        if not self.graphs or any(not g.frontier for g in graphs):
             raise ValueError(
                 f"this plan ({self.policy!r}) has no frontier: plan with a budget, "
                 f"e.g. memfit.plan(model, *inputs, budget=1.0) or checkpoint(model, budget=0.5)"
             )
-        if len(self.graphs) == 1:
-            return list(self.graphs[0].frontier)
-        count = max(len(g.frontier) for g in self.graphs)
+        if len(graphs) == 1 and not self.regions:
+            return list(graphs[0].frontier)
+        fixed = [
+            # the same in every point; only FLOPs are known for a region's forward, not seconds
+            ParetoPoint(part.predicted_peak_bytes, part.recompute_flops, 0.0, 0)
+            for part in (self.region_part(r) for r in self.regions)
+        ]
+        count = max((len(g.frontier) for g in graphs), default=1)
         points = []
         for k in range(count):
             picked = [
-                g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))]
-                for g in self.graphs
-            ]
+                g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))] for g in graphs
+            ] + fixed
             points.append(
                 ParetoPoint(
                     peak_bytes=self._combine(
@@ -253,8 +366,9 @@ class Plan:
         while graph ``g`` runs, the graphs before it hold what they keep and their outputs, and
         in its backward the graphs after it have left their parameters' gradients (``.grad``
         outlives the graph that made it; measured: DDP's optimizer splits a model into one graph
-        per bucket, and a prediction without them was 3.4x low)."""
-        graphs = self.graphs
+        per bucket, and a prediction without them was 3.4x low). A region is one part of that
+        order (``parts``)."""
+        graphs = self.parts()
         if len(graphs) == 1:
             return graphs[0].predicted_peak_bytes
         if any(g.forward_peak_bytes == 0 and g.backward_peak_bytes == 0 for g in graphs):
@@ -273,6 +387,15 @@ class Plan:
             )
             before += g.kept_bytes + g.output_bytes
         return peak
+
+    @property
+    def forward_end_bytes(self) -> int:
+        """Bytes predicted alive when the step's last forward ends: what the parts before the
+        last keep (a region: its inputs), and the last part's own end."""
+        parts = self.parts()
+        if not parts:
+            return 0
+        return self.kept_bytes - parts[-1].kept_bytes + parts[-1].forward_end_bytes
 
     @property
     def baseline_kept_bytes(self) -> int:
@@ -296,7 +419,8 @@ class Plan:
             f"{'s' if len(self.graphs) != 1 else ''})",
             f"  predicted peak    {format_bytes(self.predicted_peak_bytes)}"
             f"  ({ratio:.0%} of {format_bytes(base)} without checkpointing)",
-            f"  kept for backward {format_bytes(self.kept_bytes)} in {len(self.kept)} tensors",
+            f"  kept for backward {format_bytes(self.kept_bytes)} in {len(self.kept)} tensors"
+            + (f" and the inputs of {len(self.regions)} regions" if self.regions else ""),
             f"  recomputed        {len(self.recomputed)} ops, {self.recompute_flops:.3g} FLOPs"
             f" ({extra:.0%} of one forward)",
         ]
@@ -312,9 +436,24 @@ class Plan:
                 f"  outside memfit    {format_bytes(self.outside_bytes)} between forward and "
                 f"backward (measured on an earlier step; included in the predicted peak)"
             )
+        if self.regions:
+            calls = f"{len(self.regions)} call{'s' if len(self.regions) > 1 else ''}"
+            lines.append(
+                f"  recomputed whole  {calls} of {_region_names(self.regions)} "
+                f"(graph breaks inside): inputs kept, Python re-run in backward; what it "
+                f"allocates outside memfit's graphs is not in the prediction"
+            )
         if self.budget_bytes is not None:
             lines.insert(1, f"  budget            {format_bytes(self.budget_bytes)}")
         for i, g in enumerate(self.graphs):
             if g.note:
                 lines.append(f"  graph {i}: {g.note}")
         return "\n".join(lines)
+
+
+def _region_names(regions: tuple[RegionPlan, ...], shown: int = 3) -> str:
+    """``layers.0, layers.1, ... layers.7 (Layer, file.py:12)``: the modules, each once."""
+    names = list(dict.fromkeys(r.module for r in regions))
+    listed = ", ".join(names) if len(names) <= shown else f"{', '.join(names[:2])}, ... {names[-1]}"
+    kinds = "; ".join(dict.fromkeys(f"{r.kind} at {r.where}" for r in regions))
+    return f"{listed} ({kinds})"

@@ -13,6 +13,9 @@ frontiers (every budget plan carries its simulated Pareto frontier): one point p
 cheapest recomputation whose step peak fits the step's budget, found by a dynamic programme over
 the graphs in their order (``_search``). Each graph is then planned again, on the next call,
 with its ``GraphShare``: the chosen point's peak and kept bytes as its limits.
+
+A region (a submodule recomputed whole, ``Plan.regions``) is one part of that order with a
+single choice (``Plan.region_part``): its graphs are planned with ``"none"`` and get no share.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ def _cost(p: ParetoPoint) -> float:
 
 
 def _fixed(plan: Plan) -> list[int]:
-    """For each graph of the step in order, what the step holds beside it that no choice of
-    plans changes: the outputs of the graphs before it, and in its backward the parameter
-    gradients of the graphs after it."""
-    graphs = plan.graphs
+    """For each part of the step in order, what the step holds beside it that no choice of
+    plans changes: the outputs of the parts before it, and in its backward the parameter
+    gradients of the parts after it."""
+    graphs = plan.parts()
     return [
         sum(h.output_bytes for h in graphs[:i])
         + sum(h.parameter_grad_bytes for h in graphs[i + 1 :])
@@ -100,8 +103,9 @@ def _search(
     (and costs twice).
     """
     fixed = _fixed(plan)
+    parts = plan.parts()
     states: list[_State] = [(0, 0, 0.0, {})]
-    for i, (graph, extra) in enumerate(zip(plan.graphs, fixed)):
+    for i, (graph, extra) in enumerate(zip(parts, fixed)):
         chosen_before = [s[3].get(graph.key) for s in states]
         grown: list[_State] = []
         for s, before in zip(states, chosen_before):
@@ -114,7 +118,7 @@ def _search(
                 if kept_limit is not None and kept > kept_limit:
                     continue
                 grown.append((kept, step_peak, cost + _cost(p), {**choice, graph.key: p}))
-        states = _prune(grown, {g.key for g in plan.graphs[i + 1 :]})
+        states = _prune(grown, {g.key for g in parts[i + 1 :]})
         if not states:
             return None
     if budget_bytes is None:
@@ -140,7 +144,7 @@ def step_budget_bytes(budget: Budget, plan: Plan) -> int:
 def planned_as_step(plan: Plan, budget_bytes: int) -> bool:
     """Whether ``plan``'s graphs were planned together under ``budget_bytes`` and fit it."""
     return (
-        all(g.step_budget_bytes == budget_bytes for g in plan.graphs)
+        all(g.step_budget_bytes == budget_bytes for g in plan.outside_regions())
         and plan.predicted_peak_bytes <= budget_bytes
     )
 
@@ -150,8 +154,11 @@ def share_step(plan: Plan, budget_bytes: int) -> dict[str, GraphShare] | None:
     found = _search(plan, budget_bytes, None)
     if found is None:
         return None
+    graphs = {g.key for g in plan.outside_regions()}  # a region's part gets no share
     return {
-        key: GraphShare(budget_bytes, p.peak_bytes, p.kept_bytes) for key, p in found[2].items()
+        key: GraphShare(budget_bytes, p.peak_bytes, p.kept_bytes)
+        for key, p in found[2].items()
+        if key in graphs
     }
 
 
