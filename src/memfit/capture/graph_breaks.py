@@ -43,16 +43,20 @@ class GraphBreakReport:
     def broke(self) -> bool:
         return bool(self.reasons)
 
-    def warn_once(self) -> None:
+    def warn_once(self, action: str | None = None) -> None:
+        """Warn, the first time only; ``action`` says what memfit does about the breaks (by
+        default: each piece checkpointed on its own, values crossing a break kept)."""
         if self.watcher.warned:
             return
         self.watcher.warned = True
         where = "; ".join(dict.fromkeys(summarize_reason(r) for r in self.reasons))
+        action = action or (
+            "Each piece is checkpointed on its own and values that cross a break are kept"
+        )
         warn_user(
             f"memfit could not capture {self.model_name} as one graph (graph break: {where}). "
-            "It still trains correctly: each piece is checkpointed on its own and values that "
-            "cross a break are kept. Remove the break (e.g. torch.where or torch.cond instead of "
-            "a Python `if` on a tensor) to save more."
+            f"It still trains correctly. {action}. Remove the break (e.g. torch.where or "
+            "torch.cond instead of a Python `if` on a tensor) to save more."
         )
 
 

@@ -226,6 +226,7 @@ def make_backend(
     on_backward: Callable[[GraphPlan], None] | None = None,
     outside_bytes: Callable[[str], int] | None = None,
     share: Callable[[str], GraphShare | None] | None = None,
+    on_compile: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -236,7 +237,9 @@ def make_backend(
     measured to hold outside the graph ``key`` names (``GraphPlan.key``) between its forward and
     backward; the plan reserves it. ``share(key)``, once a step with graph breaks has been
     planned as a whole (``planning.step``), is the graph's share of the step's budget; before
-    that (None), each graph is planned as the step's first call reaches it.
+    that (None), each graph is planned as the step's first call reaches it. ``on_compile`` is
+    called as Dynamo hands the backend a graph, before anything else (the wrapper looks at which
+    modules are running eagerly then: ``execution.regions``).
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -319,6 +322,8 @@ def make_backend(
     )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        if on_compile is not None:
+            on_compile()
         sites.clear()
         current_key[0] = graph_key(gm, example_inputs)
         remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would

@@ -96,6 +96,7 @@ class CheckpointedModule(nn.Module):
             offload=offload,
             max_shapes=max_shapes,
             measure_outside=measure_outside,
+            modules=model,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
@@ -338,8 +339,10 @@ def plan(
     )
     with preserved(model.buffers()), torch.enable_grad():
         wrapped(*example_inputs, **example_kwargs)
-        for _ in range(STEP_ROUNDS):  # graph breaks: the step planned again as a whole
-            if not wrapped.replan_pending:
+        # Graph breaks: the step planned again as a whole, and submodules recomputed whole
+        # (execution.regions) from the call after they were found.
+        for _ in range(STEP_ROUNDS + 1):
+            if not (wrapped.replan_pending or wrapped._planned.regions_changed):
                 break
             wrapped(*example_inputs, **example_kwargs)
     return wrapped.plan

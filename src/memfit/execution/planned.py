@@ -11,6 +11,11 @@ code object, and every compiled module enters through one shared code object, so
 by every model in the process and, once hit, ran new shapes eagerly without a word. memfit
 raises Dynamo's limit around its own calls and keeps its own, ``max_shapes`` per wrapper; past
 it a new shape runs eagerly *with* a warning, and shapes already planned keep their plans.
+
+A wrapped model (``modules``) whose graph breaks lie inside submodules has those submodules
+recomputed whole from the next call on (``execution.regions``): the backend reports each graph
+as Dynamo hands it over, while the modules around it are still running, and the call installs
+the regions it has chosen; the plan lists each region call.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from memfit._compat import recompile_limit, tree_flatten
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
 from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+from memfit.execution.regions import Regions, recomputes_regions
 from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
@@ -44,6 +51,9 @@ __all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS"]
 
 #: Input shapes one wrapper captures and plans before new ones run unplanned (with a warning).
 DEFAULT_MAX_SHAPES = 64
+
+#: How graphs inside a region are planned: its recomputation is the one recomputation.
+NONE = Policy("none")
 
 #: Dynamo's recompile limit while a memfit wrapper runs: memfit's own ``max_shapes`` binds first.
 _DYNAMO_LIMIT = 1 << 16
@@ -98,6 +108,7 @@ class PlannedCall:
         offload: OffloadOptions | None = None,
         max_shapes: int = DEFAULT_MAX_SHAPES,
         measure_outside: bool = True,
+        modules: nn.Module | None = None,
     ) -> None:
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
@@ -115,6 +126,7 @@ class PlannedCall:
         self._target = target
         self._attention = attention
         self._shapes: set[tuple[str, ...]] = set()  # graph keys planned by each capturing call
+        self._keys: set[str] = set()  # every graph key planned
         self._made: list[GraphPlan] = []  # plans made during the current call
         self._ran: list[GraphPlan] = []  # planned graphs run by the current call, in order
         self._window: MemoryWindow | None = None
@@ -125,25 +137,44 @@ class PlannedCall:
         self._shares: dict[str, GraphShare] = {}
         self._step_rounds: dict[tuple[str, ...], int] = {}
         self._warned_step = False
+        #: submodules with graph breaks, recomputed whole (a wrapped model only)
+        self.regions = (
+            Regions(modules, policy, self._ran, self._close_window) if modules is not None else None
+        )
+        #: the regions changed at the end of the last call (they apply from the next one)
+        self.regions_changed = False
         self.compiled = self._compile()
 
     def _compile(self) -> Callable[..., Any]:
         """The target compiled with a new backend (so Dynamo captures every shape again)."""
-        return torch.compile(
-            self._target,
-            backend=make_backend(
-                self.policy,
-                self._made.append,
-                self.step_budget,
-                self._attention,
-                self.offloader,
-                on_run=self._ran.append,
-                on_backward=self._backward_started,
-                outside_bytes=lambda key: self.outside.get(key, 0),
-                share=lambda key: self._shares.get(key),
-            ),
-            dynamic=False,
+        reports: dict[str, Any] = dict(
+            on_run=self._graph_ran,
+            on_backward=self._backward_started,
+            outside_bytes=lambda key: self.outside.get(key, 0),
+            on_compile=self.regions.compiling if self.regions is not None else None,
         )
+        backend = make_backend(
+            self.policy,
+            self._made.append,
+            self.step_budget,
+            self._attention,
+            self.offloader,
+            share=lambda key: self._shares.get(key),
+            **reports,
+        )
+        if self.regions is not None:
+            # Inside a region its recomputation is the one recomputation: keep all a graph's
+            # backward reads (execution.regions). Not part of the step budget: what these graphs
+            # keep lives only while their region is recomputed.
+            self.regions.use(
+                make_backend(NONE, self._made.append, None, self._attention, None, **reports)
+            )
+        return torch.compile(self._target, backend=backend, dynamic=False)
+
+    def _graph_ran(self, graph: GraphPlan) -> None:
+        self._ran.append(graph)
+        if self.regions is not None:
+            self.regions.graph_ran()
 
     @property
     def shapes_planned(self) -> int:
@@ -183,8 +214,14 @@ class PlannedCall:
             self.offloader.spent = 0
         self._made.clear()
         self._ran.clear()
+        regions = self.regions.installed() if self.regions else contextlib.nullcontext()
         try:
-            with self.watcher.watch() as report, recompile_limit(_DYNAMO_LIMIT), _no_new(full):
+            with (
+                self.watcher.watch() as report,
+                recompile_limit(_DYNAMO_LIMIT),
+                _no_new(full),
+                regions,
+            ):
                 out = self.compiled(*args, **kwargs)
         except Exception as exc:
             error = planning_error(exc)
@@ -194,28 +231,57 @@ class PlannedCall:
         finally:
             made = tuple(sorted(p.key for p in self._made))
             self._made.clear()
-        if made:
+        if made and not self._keys.issuperset(made):  # not a region's graphs planned again
             self._shapes.add(made)
+        self._keys.update(made)
         training = torch.is_grad_enabled() and _needs_backward(out)
+        # Regions found in this call change the step from the next call on: check it then.
+        self.regions_changed = self.regions is not None and self.regions.decide()
         if self._ran:
             ran, last = tuple(self._ran), self.last_plan
+            calls = tuple(self.regions.calls) if self.regions is not None else ()
             # The same graphs as the last call: the same Plan object (callers compare plans).
             if (
                 last is None
                 or len(last.graphs) != len(ran)
                 or any(a is not b for a, b in zip(last.graphs, ran))
+                or last.regions != calls
             ):
-                self.last_plan = Plan(policy=self.policy.name, graphs=ran)
+                self.last_plan = Plan(policy=self.policy.name, graphs=ran, regions=calls)
             self.unplanned = None
             if training and self.measure_outside and self._ran[-1].key not in self.outside:
                 self._open_window(out)
-            if training and made and self.policy.name == BUDGET and self.last_plan is not None:
+            budget = self.policy.name == BUDGET and not self.regions_changed
+            if training and made and budget and self.last_plan is not None:
                 self._check_step(self.last_plan)
         elif training:
             self._ran_unplanned(full)
         if report.broke:
-            report.warn_once()
+            report.warn_once(self._break_action())
         return out
+
+    def _break_action(self) -> str | None:
+        """What memfit does about the graph breaks of the last call, for the warning."""
+        if self.regions is None:
+            return None
+        if self.regions.chosen:
+            return (
+                f"From the next call on, memfit recomputes each call of "
+                f"{self.regions.describe()} whole in the backward pass, as "
+                f"torch.utils.checkpoint(use_reentrant=False) does: only its inputs are kept, "
+                f"its Python runs again with the forward's random state, and its buffers "
+                f"(BatchNorm statistics) are updated once. Elsewhere each piece is checkpointed "
+                f"on its own and values that cross a break are kept"
+            )
+        inside = self.regions.modules_with_breaks
+        if inside and not recomputes_regions(self.policy):
+            return (
+                f"Each piece is checkpointed on its own, and values that cross a break and what "
+                f"the Python between pieces saves are kept: policy {self.policy.label!r} does "
+                f"not recompute the modules the breaks are in ({', '.join(inside[:3])}"
+                f"{', ...' if len(inside) > 3 else ''}); 'memory' or a budget would"
+            )
+        return None
 
     def _open_window(self, out: Any) -> None:
         """Measure what the caller's code holds between this forward and its backward."""
@@ -228,6 +294,10 @@ class PlannedCall:
 
     def _backward_started(self, graph: GraphPlan) -> None:
         """A backward graph starts: the code between forward and backward is done."""
+        self._close_window()
+
+    def _close_window(self) -> None:
+        """The backward starts (a backward graph, or a region's recomputation before it)."""
         window, self._window = self._window, None
         if window is not None:
             window.close()
@@ -237,8 +307,7 @@ class PlannedCall:
         for the graph, and plan again if that peak is above what the plan allowed for."""
         last = plan.graphs[-1]
         self.outside[last.key] = outside
-        before = sum(g.kept_bytes for g in plan.graphs[:-1])  # kept by the call's other graphs
-        step_peak = before + last.forward_end_bytes + outside
+        step_peak = plan.forward_end_bytes + outside
         if step_peak <= 1.01 * plan.predicted_peak_bytes:
             return
         self._replan = True
@@ -302,6 +371,8 @@ class PlannedCall:
                     f"{format_bytes(plan.predicted_peak_bytes)}. Remove the graph breaks or "
                     f"give a larger budget."
                 )
+            return
+        if not shares:  # every graph is inside a region: nothing to plan again
             return
         self._step_rounds[step] = rounds + 1
         self._shares.update(shares)
