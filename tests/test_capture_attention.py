@@ -79,6 +79,27 @@ def test_each_variant_is_found_and_matches_plain_pytorch(variant: AttentionVaria
     assert torch.equal(rng, ref_rng), "the step drew a different amount of randomness than eager"
 
 
+def test_a_rewritten_attention_serves_every_sequence_length() -> None:
+    """Lengths that vary are captured once more with the length as a symbol: the rewritten
+    graph (a causal mask sliced to the length, dropout masks of the scores' shape read from q
+    and k) holds at every length, each step as plain PyTorch's, its RNG stream included."""
+    variant = next(v for v in VARIANTS if v.name == "causal_masked_fill_dropout")
+    torch.manual_seed(0)
+    model = variant.make()
+    wrapped = memfit.checkpoint(model, "none")
+    g = torch.Generator().manual_seed(0)
+    for length in (T, 40, 33, 17):
+        x = torch.randn(B, length, D, generator=g)
+        ref_out, ref_grads, ref_rng = _step(model, (x,))
+        out, grads, rng = _step(wrapped, (x,))
+        (site,) = wrapped.plan.attention
+        assert site.kernel == MEMFIT
+        assert _close(out, ref_out, 1e-5)
+        _grads_close(grads, ref_grads, 1e-4)
+        assert torch.equal(rng, ref_rng)
+    assert wrapped._planned.shapes_planned == 2
+
+
 def test_attention_off_leaves_the_graph_as_written() -> None:
     variant = VARIANTS[0]
     torch.manual_seed(0)

@@ -213,3 +213,40 @@ def test_eager_module_calls_name_the_modules_whose_call_broke_the_graph() -> Non
     assert id(root.inner) in seen and id(root) in seen
     assert id(root.inner.fc) not in seen and id(root.head) not in seen
     assert _compat.eager_module_calls() == []
+
+
+def test_symbolic_sizes_read_without_guards_and_split_with_the_sizes_saved() -> None:
+    """A graph captured with a symbolic size: its SymInts read at their hint without adding a
+    guard, their expression and symbols, the size nodes told apart, and a split that hands the
+    backward the sizes it reads (saved apart from tensors)."""
+    seen: dict[str, Any] = {}
+
+    def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        nodes = list(joint.graph.nodes)
+        sizes = [n for n in nodes if _compat.is_sym_node(n)]
+        x = next(n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor))
+        numel = x.meta["val"].numel()
+        env = numel.node.shape_env
+        guards = len(env.guards)
+        seen["hint"] = _compat.size_hint(numel)
+        seen["unguarded"] = len(env.guards) == guards
+        seen["expr"] = str(_compat.size_expr(numel))
+        seen["symbols"] = {str(s) for s in _compat.size_symbols(x.meta["val"])}
+        seen["sizes"] = bool(sizes)
+        tensors = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        saved = [n for n in tensors if n.op == "placeholder" and not _compat.is_tangent(n)]
+        return _compat.extract_fwd_bwd_modules(
+            joint, saved + sizes, num_fwd_outputs=kwargs["num_fwd_outputs"]
+        )
+
+    torch.compiler.reset()
+    backend = _compat.aot_autograd(
+        fw_compiler=lambda g, _: _compat.make_boxed_func(g.forward), partition_fn=partition
+    )
+    f = torch.compile(lambda x: torch.tanh(x).sum(), dynamic=True, backend=backend)
+    x = torch.randn(6, 4, requires_grad=True)
+    f(x).backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+    assert seen["hint"] == 24 and seen["unguarded"] and seen["sizes"]
+    assert len(seen["symbols"]) == 2 and all(s in seen["expr"] for s in seen["symbols"])
+    assert _compat.size_hint(7) == 7 and _compat.size_expr(7) == 7

@@ -1,9 +1,11 @@
 """FLOPs per node agree with torch's FlopCounterMode formulas; heavy ops are recognised."""
 
+import pytest
 import torch
 import torch.nn as nn
 
-from memfit.analysis.cost import is_compute_heavy, node_flops
+from memfit.analysis.cost import is_compute_heavy, node_flops, node_seconds
+from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
 
@@ -36,3 +38,15 @@ def test_memfit_attention_kernels_are_heavy_and_priced() -> None:
     assert is_compute_heavy(fwd[0]) and is_compute_heavy(bwd[0])
     assert node_flops(fwd[0]) == 2 * (2 * 3) * 40 * 40 * (8 + 8)
     assert node_flops(bwd[0]) > node_flops(fwd[0])
+
+
+def test_flops_of_a_symbolic_size_at_its_hint_and_at_other_sizes() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
+    (jg,) = joint_graphs(model, torch.randn(8, 16), dynamic=True)
+    (symbol,) = jg.symbols
+    addmm = next(n for n in jg.forward if n.target is torch.ops.aten.addmm.default)
+    tanh = next(n for n in jg.forward if n.target is torch.ops.aten.tanh.default)
+    assert node_flops(addmm) == 2 * 8 * 16 * 32
+    assert node_flops(addmm, Sizes({symbol: 40})) == 2 * 40 * 16 * 32
+    assert node_flops(tanh, Sizes({symbol: 40})) == 40 * 32
+    assert node_seconds(tanh, Sizes({symbol: 40})) == pytest.approx(5 * node_seconds(tanh))

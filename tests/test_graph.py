@@ -3,6 +3,7 @@
 import torch
 import torch.nn as nn
 
+from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
 
@@ -27,3 +28,21 @@ def test_saved_needed_includes_primals_and_random_values() -> None:
     assert any(n.op == "placeholder" for n in needed)  # inputs/weights reach the backward
     random_items = [n for n in needed if jg.never_recompute(n)]
     assert random_items, "the dropout mask must be kept whatever the policy says"
+
+
+def test_a_graph_with_symbolic_sizes_counts_at_any_size_what_a_capture_there_counts() -> None:
+    """One capture with the batch as a symbol, read at batch 24, has the storages of a capture
+    at batch 24; ops' scratch scales with the bytes they touch."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    (dynamic,) = joint_graphs(model, torch.randn(8, 16), dynamic=True)
+    (at_8,) = joint_graphs(model, torch.randn(8, 16))
+    (at_24,) = joint_graphs(model, torch.randn(24, 16))
+    (symbol,) = dynamic.symbols
+    assert sorted(dynamic.storage_bytes.values()) == sorted(at_8.storage_bytes.values())
+    tanh = next(n for n in dynamic.forward if n.target is torch.ops.aten.tanh.default)
+    dynamic.op_scratch = {tanh: 1000}
+    resized = dynamic.at(Sizes({symbol: 24}))
+    assert sorted(resized.storage_bytes.values()) == sorted(at_24.storage_bytes.values())
+    assert resized.op_scratch == {tanh: 3000}  # its input and output are 3x larger
+    assert dynamic.storage_bytes != resized.storage_bytes  # the original is untouched
+    assert not at_8.symbols and at_8.at(Sizes()).storage_bytes == at_8.storage_bytes

@@ -34,6 +34,22 @@ def test_convolution_scratch_is_measured_and_rng_untouched() -> None:
     assert conv_bwd and all(n in scratch for n in conv_bwd)  # oneDNN keeps buffers on CPU
 
 
+def test_a_graph_with_symbolic_sizes_is_measured_at_its_hints() -> None:
+    """Sizes captured as symbols (a size that varied between calls) are measured at the sizes of
+    the call captured: the same scratch as a capture at those sizes (it raised "unhashable type:
+    non-nested SymInt" before)."""
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1))
+    (dynamic,) = joint_graphs(model, torch.randn(4, 8, 32, 32), dynamic=True)
+    (static,) = joint_graphs(model, torch.randn(4, 8, 32, 32))
+    assert dynamic.symbols
+
+    def by_op(jg) -> list[tuple[str, int]]:
+        return sorted((str(n.target), v) for n, v in measure_op_scratch(jg.nodes).items())
+
+    measured = by_op(dynamic)
+    assert measured and measured == by_op(static)
+
+
 def test_inputs_are_materialised_one_op_at_a_time(monkeypatch) -> None:
     c = case("unet")
     (jg,) = joint_graphs(c.make_model(), *c.make_inputs()[0])

@@ -54,6 +54,10 @@ __all__ = [
     "tree_unflatten",
     "unique_graph_count",
     "recompile_limit",
+    "is_sym_node",
+    "size_hint",
+    "size_expr",
+    "size_symbols",
     # added for benchmarks
     "activation_memory_budget",
     "default_partition",
@@ -114,7 +118,8 @@ def extract_fwd_bwd_modules(
     num_fwd_outputs: int,
     static_lifetime_input_indices: Iterable[int] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Split ``joint`` into forward and backward graphs that pass exactly ``saved_values``.
+    """Split ``joint`` into forward and backward graphs that pass exactly ``saved_values``
+    (tensors, and the sizes the backward reads where the graph has symbolic sizes).
 
     ``torch._functorch.partitioners._extract_fwd_bwd_modules`` (checked 2.13.0) is the function
     behind AOTAutograd's own partitioners: it knows the calling convention between the forward
@@ -123,10 +128,15 @@ def extract_fwd_bwd_modules(
     """
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     static = _partitioners.OrderedSet(placeholders[i] for i in static_lifetime_input_indices or ())
+    # Sizes (SymInts of a graph captured with dynamic shapes) travel apart from tensors: the
+    # CompiledFunction stashes them on its ctx rather than in save_for_backward; the split keeps
+    # only those the backward reads.
+    tensors = [n for n in saved_values if not is_sym_node(n)]
+    sizes = [n for n in saved_values if is_sym_node(n)]
     return _partitioners._extract_fwd_bwd_modules(
         joint,
-        saved_values,
-        saved_sym_nodes=[],
+        tensors,
+        saved_sym_nodes=sizes,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=static,
     )
@@ -246,6 +256,45 @@ def recompile_limit(limit: int) -> AbstractContextManager[Any]:
     import torch._dynamo.config as dynamo_config
 
     return dynamo_config.patch(recompile_limit=limit, accumulated_recompile_limit=limit)
+
+
+# ---- symbolic sizes (checked 2.13.0) -------------------------------------------------------------
+# A graph captured with dynamic shapes carries SymInts (a sympy expression over the shape
+# environment's symbols, with a hint: the value at capture) wherever a size varies. Reading one as
+# ``int(...)`` asks the shape environment to *guard* on its value, which specializes the graph to
+# that size; memfit's estimates (bytes, FLOPs) must read hints instead, and its per-size
+# predictions substitute sizes into the expressions. ``torch.fx.experimental.symbolic_shapes``
+# is where torch keeps these helpers; it is not underscored but documented as experimental.
+from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import optimization_hint as _optimization_hint  # noqa: E402
+
+
+def size_hint(value: Any) -> int:
+    """``value`` (an int or SymInt) at the sizes it was captured with, adding no guard.
+
+    ``optimization_hint`` is torch's own "for memory estimation" reading of a size (checked
+    2.13.0); a plain ``int(symint)`` would guard on the value and specialize the graph.
+    """
+    if isinstance(value, torch.SymInt):
+        return int(_optimization_hint(value))
+    return int(value)
+
+
+def size_expr(value: Any) -> Any:
+    """The sympy expression behind a SymInt (``value.node.expr``), or the int itself."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return int(value)
+
+
+def size_symbols(value: Any) -> set[Any]:
+    """The shape symbols a value (SymInt, tensor, or a nest of them) depends on."""
+    return set(_free_symbols(value))
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    """A node whose value is a symbolic int, float or bool (a size computed in the graph)."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 # ---- the profiler's raw events (checked 2.13.0) --------------------------------------------------

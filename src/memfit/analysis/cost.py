@@ -9,6 +9,9 @@ charged one FLOP per output element: it is memory-bound, and its cost grows with
 compute and memory traffic). The budget planner minimises this rather than FLOPs because on every
 device we measured, elementwise ops (BatchNorm, ReLU, adds) cost far more time than their FLOPs
 suggest: recomputing them is not free, and a FLOP count alone would call it free.
+
+Where sizes are symbolic (dynamic shapes), the formulas run on the SymInts and the result is read
+at ``sizes`` (``analysis.sizes``): the capture's hints by default, without a guard.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.fx as fx
 
 from memfit._compat import tree_map
 from memfit.analysis.graph import node_tensors
+from memfit.analysis.sizes import HINTS, Sizes
 
 __all__ = ["node_flops", "node_seconds", "is_compute_heavy", "DEVICE_SPEED"]
 
@@ -73,7 +77,7 @@ def is_compute_heavy(node: fx.Node) -> bool:
     )
 
 
-def _attention_flops(node: fx.Node) -> int:
+def _attention_flops(node: fx.Node) -> Any:
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:3]]
     q, k, v = vals
     if not (
@@ -83,19 +87,20 @@ def _attention_flops(node: fx.Node) -> int:
     *batch, lq, e = q.shape
     ls = k.shape[-2]
     ev = v.shape[-1]
-    b = 1
+    b: Any = 1
     for d in batch:
-        b *= int(d)
-    return 2 * b * int(lq) * int(ls) * (int(e) + int(ev))
+        b *= d
+    return 2 * b * lq * ls * (e + ev)
 
 
-def node_flops(node: fx.Node) -> int:
-    """Estimated FLOPs of running ``node`` once (0 for views, getitems and placeholders)."""
+def node_flops(node: fx.Node, sizes: Sizes = HINTS) -> int:
+    """Estimated FLOPs of running ``node`` once (0 for views, getitems and placeholders), with
+    symbolic sizes read at ``sizes``."""
     if node.op != "call_function":
         return 0
     packet = _packet(node)
     if packet is aten._scaled_dot_product_flash_attention_for_cpu:
-        return _attention_flops(node)
+        return sizes(_attention_flops(node))
     from torch.utils.flop_counter import flop_registry
 
     formula = flop_registry.get(packet)
@@ -107,13 +112,13 @@ def node_flops(node: fx.Node) -> int:
         try:
             args = tree_map(unwrap, node.args)
             kwargs = tree_map(unwrap, dict(node.kwargs))
-            return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+            return sizes(formula(*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # a formula that does not fit this overload: fall through
             pass
     outs = node_tensors(node)
     if not outs or _is_view(node):
         return 0
-    return int(sum(t.numel() for t in outs))
+    return sum(sizes(t.numel()) for t in outs)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -133,14 +138,14 @@ DEVICE_SPEED: dict[str, tuple[float, float]] = {
 }
 
 
-def _bytes_moved(node: fx.Node) -> int:
-    total = sum(t.numel() * t.element_size() for t in node_tensors(node))
+def _bytes_moved(node: fx.Node, sizes: Sizes) -> int:
+    total = sum(sizes(t.numel()) * t.element_size() for t in node_tensors(node))
     for a in node.all_input_nodes:
-        total += sum(t.numel() * t.element_size() for t in node_tensors(a))
+        total += sum(sizes(t.numel()) * t.element_size() for t in node_tensors(a))
     return total
 
 
-def node_seconds(node: fx.Node) -> float:
+def node_seconds(node: fx.Node, sizes: Sizes = HINTS) -> float:
     """Estimated time of running ``node`` once: max(FLOPs / peak FLOP/s, bytes moved / bandwidth).
 
     Views, getitems and placeholders cost nothing.
@@ -150,4 +155,4 @@ def node_seconds(node: fx.Node) -> float:
     outs = node_tensors(node)
     device = outs[0].device.type if outs else "cpu"
     flops_rate, bandwidth = DEVICE_SPEED.get(device, DEVICE_SPEED["cuda"])
-    return max(node_flops(node) / flops_rate, _bytes_moved(node) / bandwidth)
+    return max(node_flops(node, sizes) / flops_rate, _bytes_moved(node, sizes) / bandwidth)

@@ -11,10 +11,17 @@ Memory is counted per *storage*, not per node: views (``t``, ``view``, ``expand`
 multi-output op) share their base's storage, cost no bytes, and keep the base alive. The fake
 tensors that tracing leaves in ``node.meta["val"]`` share fake storages exactly as real views
 would, so the storage identity is read from them rather than from a table of view ops.
+
+Sizes may be symbolic (a graph captured with dynamic shapes, ``analysis.sizes``): bytes are read at
+the capture's hints, never guarded on, and ``at(sizes)`` gives the same view with every byte count
+at other values of the symbols, for the simulator to replay a plan at a size that was not
+captured. Values that are sizes themselves (``sym_size``, arithmetic on sizes) hold no storage
+and are handed to the backward like inputs.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,7 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import StorageWeakRef, is_tangent, tree_flatten
+from memfit._compat import StorageWeakRef, is_sym_node, is_tangent, size_symbols, tree_flatten
+from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
 
 __all__ = ["JointGraph", "ancestors", "is_random", "node_tensors"]
@@ -95,7 +103,14 @@ class JointGraph:
     fwd_outputs: list[fx.Node] = field(init=False)
     bwd_outputs: list[fx.Node] = field(init=False)
     storages: dict[fx.Node, list[Any]] = field(init=False)
+    #: bytes of each storage at ``sizes`` (the capture's hints unless made by ``at``)
     storage_bytes: dict[Any, int] = field(init=False)
+    #: each storage's size in bytes as captured: an int, or a SymInt where sizes are symbolic
+    storage_sizes: dict[Any, Any] = field(init=False)
+    #: the shape symbols the graph's sizes depend on (empty: static shapes)
+    symbols: frozenset[Any] = field(init=False)
+    #: the values ``storage_bytes`` and ``op_scratch`` are read at
+    sizes: Sizes = field(init=False)
     #: each node's input nodes (``all_input_nodes`` is rebuilt on every access)
     inputs: dict[fx.Node, list[fx.Node]] = field(init=False)
     primal_keys: frozenset[Any] = field(init=False)
@@ -103,6 +118,7 @@ class JointGraph:
     _backward_set: set[fx.Node] = field(init=False, repr=False)
     _must: set[fx.Node] = field(init=False, repr=False)
     _never: set[fx.Node] = field(init=False, repr=False)
+    _size_values: set[fx.Node] = field(init=False, repr=False)
     _backward_reads: list[fx.Node] = field(init=False, repr=False)
     _grads_by_primal: list[fx.Node | None] = field(init=False, repr=False)
 
@@ -143,7 +159,7 @@ class JointGraph:
         # Storages are numbered once: every planner and simulator step hashes them, and an int
         # hashes far faster than a StorageWeakRef.
         self.storages = {}
-        self.storage_bytes = {}
+        self.storage_sizes = {}
         ids: dict[Any, int] = {}
         for n in self.nodes:
             keys: list[Any] = []
@@ -151,22 +167,53 @@ class JointGraph:
                 try:
                     storage = t.untyped_storage()
                     ref: Any = StorageWeakRef(storage)
-                    nbytes = int(storage.nbytes())
+                    nbytes: Any = storage.nbytes()
                 except (NotImplementedError, RuntimeError):
                     ref = (n, len(keys))
                     nbytes = t.numel() * t.element_size()
                 key = ids.setdefault(ref, len(ids))
-                if key not in self.storage_bytes:
-                    self.storage_bytes[key] = nbytes
+                if key not in self.storage_sizes:
+                    self.storage_sizes[key] = nbytes
                 keys.append(key)
             self.storages[n] = keys
+        self.sizes = HINTS
+        self.storage_bytes = {k: HINTS(v) for k, v in self.storage_sizes.items()}
+        symbols: set[Any] = set()
+        for v in self.storage_sizes.values():
+            if isinstance(v, torch.SymInt):
+                symbols |= size_symbols(v)
+        self.symbols = frozenset(symbols)
         self.inputs = {n: n.all_input_nodes for n in self.nodes}
         self.primal_keys = frozenset(k for p in self.primals for k in self.storages[p])
         self._must = {n for n in self.nodes if is_random(n) or _is_impure(n)}
         self._never = {n for n in self.nodes if self._never_recompute(n)}
+        self._size_values = {n for n in self.nodes if is_sym_node(n)}
         self._backward_reads = [
             a for n in self.backward for a in self.inputs[n] if a not in self._backward_set
         ]
+
+    def at(self, sizes: Sizes, op_scratch: dict[fx.Node, int] | None = None) -> JointGraph:
+        """This view with every byte count at ``sizes`` (``op_scratch``: the ops' scratch there,
+        by default the captured one scaled by ``scale_scratch``). Shares everything else."""
+        other = copy.copy(self)
+        other.sizes = sizes
+        other.storage_bytes = {k: sizes(v) for k, v in self.storage_sizes.items()}
+        other.op_scratch = op_scratch if op_scratch is not None else self.scale_scratch(sizes)
+        return other
+
+    def scale_scratch(self, sizes: Sizes) -> dict[fx.Node, int]:
+        """The measured op scratch (at the hints) scaled to ``sizes`` by the bytes each op reads
+        and writes: an estimate where an op's scratch grows with its tensors, as the workspaces of
+        convolutions and matrix products do. Exact where shapes are static."""
+        if not self.symbols or sizes is self.sizes:
+            return self.op_scratch
+        out = {}
+        for n, nbytes in self.op_scratch.items():
+            touched = [k for m in (n, *self.inputs[n]) for k in self.storages.get(m, ())]
+            at_hint = sum(HINTS(self.storage_sizes[k]) for k in touched)
+            there = sum(sizes(self.storage_sizes[k]) for k in touched)
+            out[n] = round(nbytes * there / at_hint) if at_hint else nbytes
+        return out
 
     # ---- facts about single nodes -------------------------------------------------------------
 
@@ -219,14 +266,15 @@ class JointGraph:
         visited: set[fx.Node] = set()
         stack = list(self._backward_reads)
         never = self._never
+        sizes = self._size_values
         inputs = self.inputs
         while stack:
             n = stack.pop()
             if n in visited:
                 continue
             visited.add(n)
-            if n in saved_set or n.op == "placeholder" or n in never:
-                needed.add(n)  # primals are handed to backward like saved values, at no cost
+            if n in saved_set or n.op == "placeholder" or n in never or n in sizes:
+                needed.add(n)  # primals and sizes are handed to backward at no cost
                 continue
             stack.extend(inputs[n])
         return needed

@@ -27,6 +27,10 @@ Where it runs
     memfit). It receives each op's name, tensor specs and constant arguments, runs the same code
     with the same private generator, and sends back scratch bytes, so the numbers are the same.
     The enclosing session then sees only the step itself, which is the truth of this process.
+
+Symbolic sizes
+    A graph captured with dynamic shapes is measured at its hints (the sizes of the captured
+    call), read without a guard; ``JointGraph.scale_scratch`` carries the result to other sizes.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from memfit._compat import OpOverload, disable_current_modes, size_hint, tree_flatten, tree_map
 from memfit.analysis.graph import is_random, node_tensors
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
@@ -87,7 +91,7 @@ def measure_op_scratch(
         if not _runnable(n):
             continue
         touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
-        if not touched or max(t.numel() * t.element_size() for t in touched) < min_bytes:
+        if not touched or max(_nbytes_hint(t) for t in touched) < min_bytes:
             continue
         candidates.setdefault(_signature(n), []).append(n)
     if not candidates:
@@ -108,6 +112,14 @@ def measure_op_scratch(
     return out
 
 
+def _nbytes_hint(t: torch.Tensor) -> int:
+    return size_hint(t.numel()) * t.element_size()
+
+
+def _hints(values: Any) -> tuple[int, ...]:
+    return tuple(size_hint(v) for v in values)
+
+
 def _runnable(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is operator.getitem or is_random(node):
         return False
@@ -124,9 +136,9 @@ def _signature(node: fx.Node) -> Any:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type)
+                return ("T", _hints(v.shape), _hints(v.stride()), v.dtype, v.device.type)
             return ("N", repr(v))
-        return repr(a)
+        return repr(size_hint(a)) if isinstance(a, torch.SymInt) else repr(a)
 
     flat, _ = tree_flatten((node.args, node.kwargs))
     return (str(node.target), tuple(key(a) for a in flat))
@@ -136,8 +148,8 @@ def _op_call(node: fx.Node) -> _OpCall:
     def spec(a: Any) -> Any:
         if isinstance(a, fx.Node):
             v = a.meta["val"]
-            return _TensorSpec(tuple(v.shape), tuple(v.stride()), v.dtype)
-        return a
+            return _TensorSpec(_hints(v.shape), _hints(v.stride()), v.dtype)
+        return size_hint(a) if isinstance(a, torch.SymInt) else a
 
     return _OpCall(str(node.target), tree_map(spec, node.args), tree_map(spec, dict(node.kwargs)))
 

@@ -23,11 +23,15 @@ from memfit.capture.passes import prepare_joint_graph
 __all__ = ["joint_graphs"]
 
 
-def joint_graphs(model: nn.Module, *args: Any, prepared: bool = True) -> list[JointGraph]:
+def joint_graphs(
+    model: nn.Module, *args: Any, prepared: bool = True, dynamic: bool = False
+) -> list[JointGraph]:
     """The joint graphs AOTAutograd builds for ``model(*args)`` (one per graph-break piece).
 
-    ``prepared``: apply memfit's pre-planning rewrites (marks, BatchNorm twins) first. Resets
-    Dynamo first (``torch.compiler.reset()``), so earlier compilations cannot stand in.
+    ``prepared``: apply memfit's pre-planning rewrites (marks, BatchNorm twins) first.
+    ``dynamic``: capture every input size as a symbol (``torch.compile(dynamic=True)``; sizes 0
+    and 1 stay constants), as Dynamo captures a size that varied between calls. Resets Dynamo
+    first (``torch.compiler.reset()``), so earlier compilations cannot stand in.
     """
     graphs: list[JointGraph] = []
 
@@ -39,5 +43,5 @@ def joint_graphs(model: nn.Module, *args: Any, prepared: bool = True) -> list[Jo
 
     torch.compiler.reset()
     backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=record)
-    torch.compile(model, backend=backend, dynamic=False)(*args)
+    torch.compile(model, backend=backend, dynamic=dynamic)(*args)
     return graphs

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from memfit._compat import size_hint
 from memfit.nn.additive import additive_attention
 from memfit.nn.attention import attention, fused_sdpa, why_not_fused_sdpa
 from memfit.nn.chunked_attention import chunked_attention
@@ -122,8 +123,26 @@ def _value(node: Any) -> Any:
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
+    """The node's shape; sizes captured as symbols stay SymInts (``int()`` would specialize the
+    graph to this call's size: comparing two of the same symbol needs no guard)."""
     value = _value(node)
-    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _shown(shape: Any) -> tuple[int, ...]:
+    """A shape for ``AttentionSite``: symbolic sizes at the sizes of the call captured."""
+    return tuple(size_hint(s) for s in shape)
+
+
+def _size_args(
+    graph: fx.Graph, shape: tuple[Any, ...], sources: list[tuple[fx.Node, int]]
+) -> list[Any]:
+    """``shape`` as graph arguments: an int where the size is static, else the size read from
+    ``sources[i]`` (a node and dim of that size), so the rewritten graph holds at every size."""
+    out: list[Any] = []
+    for s, (node, dim) in zip(shape, sources, strict=True):
+        out.append(s if isinstance(s, int) else graph.call_method("size", (node, dim)))
+    return out
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -481,12 +500,12 @@ def _example_mask(mask: tuple[str, fx.Node, float] | None, dtype: torch.dtype) -
     if mask is None:
         return None
     kind, operand, value = mask
-    shape = _shape(operand)
+    example = _value(operand)  # a fake tensor: its sizes are q's symbols where they vary
+    if not isinstance(example, torch.Tensor):
+        return torch.empty((), dtype=torch.bool, device="meta")
     if kind == "add":
-        return torch.empty(shape or (), dtype=_value(operand).dtype, device="meta")
-    return torch.empty(
-        shape or (), dtype=torch.bool if value == -math.inf else dtype, device="meta"
-    )
+        return torch.empty_like(example)
+    return torch.empty_like(example, dtype=torch.bool if value == -math.inf else dtype)
 
 
 def _rewrite(gm: fx.GraphModule, m: _Match) -> tuple[str, str]:
@@ -536,7 +555,10 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> tuple[str, str]:
                 values.append(op_value)
             keep = None
             if m.dropout_p > 0:
-                shape = list(_shape(m.scores) or ())
+                scores = _shape(m.scores) or ()
+                # [*B, Lq] from q, Lk from k^T: the scores themselves are erased below.
+                dims = [(m.q, i) for i in range(len(scores) - 1)] + [(m.k_t, len(scores) - 1)]
+                shape = _size_args(graph, scores, dims)
                 assert m.dropout_node is not None
                 probs = _value(m.dropout_node.args[0])
                 keep = graph.call_function(
@@ -567,19 +589,19 @@ def _rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not all(
         isinstance(args[n], (int, float, bool, type(None))) for n in names[4:]
     ):
-        return AttentionSite(_where(node), None, "SDPA with computed arguments", tuple(shape))
+        return AttentionSite(_where(node), None, "SDPA with computed arguments", _shown(shape))
     why = why_not_fused_sdpa(
         q, k, v, mask, args["dropout_p"], args["is_causal"], args["enable_gqa"]
     )
     p = float(args["dropout_p"])
     if why is None:
-        return AttentionSite(_where(node), SDPA, "already SDPA's fused kernel", tuple(shape), p)
+        return AttentionSite(_where(node), SDPA, "already SDPA's fused kernel", _shown(shape), p)
     node.target = attention
     # SDPA names its tensors query/key/value; memfit's kernel, like its other arguments, q/k/v.
     renamed = {"query": "q", "key": "k", "value": "v"}
     node.args, node.kwargs = (), {renamed.get(n, n): args[n] for n in names}
     reason = f"SDPA would take its math path ({why})"
-    return AttentionSite(_where(node), MEMFIT, reason, tuple(int(s) for s in shape), p)
+    return AttentionSite(_where(node), MEMFIT, reason, _shown(shape), p)
 
 
 def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
@@ -591,7 +613,7 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
         if _is(node, _SDPA_CALL):
             sites.append(_rewrite_sdpa_call(gm, node))
         elif _is(node, _SOFTMAX):
-            where, shape = _where(node), _shape(_arg(node, 0, "input")) or ()
+            where, shape = _where(node), _shown(_shape(_arg(node, 0, "input")) or ())
             try:
                 m = _match(node)
             except _Skip as skip:

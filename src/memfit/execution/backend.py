@@ -43,8 +43,9 @@ from memfit.execution.accumulate import (
 )
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
+from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.execution.tangents import tangent_positions, without_tangents
-from memfit.planning.plan import GraphPlan
+from memfit.planning.plan import GraphPlan, sized_key
 from memfit.planning.planner import plan_graph
 from memfit.planning.policy import Policy
 from memfit.planning.step import GraphShare
@@ -53,7 +54,7 @@ __all__ = ["make_backend", "Offloader", "StepBudget"]
 
 
 def _boxed(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
 ) -> Callable[..., Any]:
     """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
 
@@ -61,7 +62,8 @@ def _boxed(
     tensor would live until the backward graph ends. FX's boxed code generator emits code that
     unpacks and clears the list first; then a saved value dies right after its last reader, as
     the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
-    ``on_run`` is called before every run (a planned forward graph reports that it ran).
+    ``on_run`` is called with the arguments before every run (a planned forward graph reports
+    that it ran, and at which sizes).
     """
     strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
     gm.graph.set_codegen(boxed_codegen())
@@ -75,7 +77,7 @@ def _boxed(
     else:
 
         def run(args: list[Any]) -> Any:
-            on_run()
+            on_run(args)
             return gm(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -83,6 +85,7 @@ def _boxed(
 
 
 _PLAN_META = "memfit_plan"
+_SIZES_META = "memfit_plans_by_size"
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
@@ -97,7 +100,7 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
 
 
 def _boxed_forward(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
 ) -> Callable[..., Any]:
     """``_boxed``, and the outputs the loss does not read get no gradient, as in eager.
 
@@ -118,7 +121,7 @@ def _boxed_forward(
 
 
 def _boxed_backward(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[], None] | None = None
+    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
 ) -> Callable[..., Any]:
     """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``) and
     to the parameters whose ``.grad`` it adds into (``execution.accumulate``)."""
@@ -128,7 +131,7 @@ def _boxed_backward(
 
     def run(args: list[Any]) -> Any:
         if on_run is not None:
-            on_run()
+            on_run(args)
         missing = frozenset(name for i, name in tangents if args[i] is None)
         if missing not in bases:
             base = without_tangents(gm, set(missing)) if missing else gm
@@ -224,22 +227,32 @@ def make_backend(
     offloader: Offloader | None = None,
     on_run: Callable[[GraphPlan], None] | None = None,
     on_backward: Callable[[GraphPlan], None] | None = None,
-    outside_bytes: Callable[[str], int] | None = None,
+    outside_bytes: Callable[[str, int], int] | None = None,
     share: Callable[[str], GraphShare | None] | None = None,
     on_compile: Callable[[], None] | None = None,
+    on_budget_miss: Callable[[GraphPlan], None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
     ``on_plan`` receives each graph's plan when it is made; ``on_run`` receives it every time
     the graph's forward runs afterwards, so a wrapper can say which plans the call it just made
     ran (Dynamo reuses a graph compiled earlier without calling the backend again), and
-    ``on_backward`` every time its backward starts. ``outside_bytes(key)`` is what the step was
-    measured to hold outside the graph ``key`` names (``GraphPlan.key``) between its forward and
-    backward; the plan reserves it. ``share(key)``, once a step with graph breaks has been
-    planned as a whole (``planning.step``), is the graph's share of the step's budget; before
-    that (None), each graph is planned as the step's first call reaches it. ``on_compile`` is
-    called as Dynamo hands the backend a graph, before anything else (the wrapper looks at which
-    modules are running eagerly then: ``execution.regions``).
+    ``on_backward`` every time its backward starts. ``outside_bytes(key, output_bytes)`` is what
+    the step holds outside the graph ``key`` names (``GraphPlan.key``) between its forward and
+    backward, when the graph's outputs take ``output_bytes``; the plan reserves it.
+    ``share(key)``, once a step with graph breaks has been planned as a whole
+    (``planning.step``), is the graph's share of the step's budget at the sizes ``key`` names
+    (``GraphPlan.sized_key``); before that (None), each graph is planned as the step's first
+    call reaches it. ``on_compile`` is called as Dynamo hands the backend a graph, before
+    anything else (the wrapper looks at which modules are running eagerly then:
+    ``execution.regions``).
+
+    A graph captured with symbolic sizes (a dimension that varied between calls) is planned once
+    at the sizes of the call captured, for the range of sizes its decisions hold for (guards of
+    the capture: a size outside is captured again), and ``on_run`` receives, for every call,
+    the plan at the sizes that call ran (NOTE [One capture for many sizes] in
+    ``planning.resize``); ``on_budget_miss`` receives it where the budget does not hold at
+    those sizes (between the sizes the range was checked at), for the wrapper to plan again.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -256,12 +269,20 @@ def make_backend(
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
-        jg.outside_bytes = outside_bytes(current_key[0]) if outside_bytes else 0
+        key = current_key[0]
+        outside: Callable[[int], int] | None = None
+        if outside_bytes is not None:
+            report_outside = outside_bytes
+
+            def outside(output_bytes: int) -> int:
+                return report_outside(key, output_bytes)
+
+        jg.outside_bytes = outside(jg.bytes_of(jg.fwd_outputs)) if outside else 0
         jg.static_inputs = frozenset(kwargs.get("static_lifetime_input_indices") or ())
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )
-        graph_share = share(current_key[0]) if share else None
+        graph_share = share(sized_key(key, capture_sizes(jg).key)) if share else None
         graph_plan = plan_graph(
             jg,
             policy,
@@ -273,7 +294,14 @@ def make_backend(
             offload_min_bytes=offloader.options.min_bytes if offloader else 1,
             offload_limit_bytes=limit,
         )
-        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites), key=current_key[0])
+        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
+        by_size: PlansBySize | None = None
+        if jg.symbols:
+            spent = step_budget.spent if step_budget else 0
+            by_size = PlansBySize(
+                jg, graph_plan, policy, outside, spent_bytes=spent, shared=graph_share is not None
+            )
+            graph_plan = by_size.planned
         on_plan(graph_plan)
         if offloader is not None:
             offloader.reserve(graph_plan)
@@ -287,6 +315,8 @@ def make_backend(
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
+        if by_size is not None:
+            fw.meta[_SIZES_META] = by_size
         return fw, bw
 
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -294,15 +324,23 @@ def make_backend(
         if planned is None:  # not partitioned by memfit: no plan to report
             return _boxed_forward(gm, example_inputs)
         plan: GraphPlan = planned
+        by_size: PlansBySize | None = gm.meta.get(_SIZES_META)
+        read_sizes = by_size.reader(gm) if by_size is not None else None
 
-        def ran() -> None:
+        def ran(args: list[Any]) -> None:
+            this = plan
+            if by_size is not None and read_sizes is not None:
+                this = by_size.at(read_sizes(args))
+                spent = step_budget.spent if step_budget is not None else 0
+                if on_budget_miss is not None and by_size.over_budget(this, spent_bytes=spent):
+                    on_budget_miss(this)
             # What this graph keeps (and offloads) is alive while the step's later graphs run.
             if step_budget is not None:
-                step_budget.spent += plan.kept_bytes
-            if offloader is not None and plan.transfers:
-                offloader.spent += plan.offloaded_bytes
+                step_budget.spent += this.kept_bytes
+            if offloader is not None and this.transfers:
+                offloader.spent += this.offloaded_bytes
             if on_run is not None:
-                on_run(plan)
+                on_run(this)
 
         return _boxed_forward(gm, example_inputs, on_run=ran)
 
@@ -312,7 +350,7 @@ def make_backend(
             return _boxed_backward(gm, example_inputs)
         plan: GraphPlan = planned
         report = on_backward
-        return _boxed_backward(gm, example_inputs, on_run=lambda: report(plan))
+        return _boxed_backward(gm, example_inputs, on_run=lambda args: report(plan))
 
     compile_joint = aot_autograd(
         fw_compiler=compile_forward,

@@ -3,10 +3,11 @@
 The wrapper is a view of the user's model, not a copy: it shares the model's parameter, buffer and
 submodule dictionaries, so its ``state_dict`` has the same keys and tensors, an optimizer built on
 either sees the same parameters, and ``.to()`` moves both. Its forward runs the model through
-``torch.compile`` with memfit's backend (static shapes, so a new input shape or dtype is captured
-and planned again). Submodule names in a policy list (``memfit.checkpoint(model, ["layer1"])``)
-are turned into marks by forward hooks that act only while memfit captures, so the user's own
-eager calls are untouched.
+``torch.compile`` with memfit's backend (static shapes at first; a size that changes is captured
+once more as a symbol, and that graph serves a range of sizes: see ``execution.planned``).
+Submodule names in a policy list (``memfit.checkpoint(model, ["layer1"])``) are turned into marks
+by forward hooks that act only while memfit captures, so the user's own eager calls are
+untouched.
 
 ``memfit.plan`` answers "what would memfit do within this budget?" without training: it runs the
 capture (one forward, under the plan) and puts back every buffer and random-number state the
@@ -225,7 +226,8 @@ def checkpoint(
 
     The loss is usually computed outside the model: what it holds between the model's forward
     and backward is outside every graph memfit captures. So memfit measures it, on the first
-    training step of each shape on CUDA (the allocator's counters), on CPU on the first one run
+    training step of each capture on CUDA (the allocator's counters; at other sizes of a range
+    it is scaled by the bytes of the model's outputs), on CPU on the first one run
     inside ``memfit.measure`` (CPU memory is counted by a profiler session, which memfit never
     opens on its own in a training loop); when the step peaked above the plan, memfit says so
     once and plans again with it reserved, so from the next step on the prediction and a byte
@@ -233,9 +235,14 @@ def checkpoint(
     does: it models what its stages hold in between itself). ``memfit.step`` captures the loss
     too and needs none of this.
 
-    Each new input shape (or dtype) is captured and planned on its first call, and ``plan`` is
-    always that of the shape the last call ran. After ``max_shapes`` shapes, a new one runs as
-    plain PyTorch with a warning (shapes already planned keep their plans).
+    The first input shape is captured and planned on its first call. When a size changes (a
+    sequence length, the last smaller batch), the model is captured once more with that size as
+    a symbol, and that graph and its plan serve every size in the range the plan holds for (a
+    budget still met, ``"memory"`` still saving as much); a new size in the range costs a few
+    milliseconds of simulation, one outside it a new capture. A new dtype or number of
+    dimensions is a new capture. ``plan`` is always that of the sizes the last call ran, its
+    prediction simulated at those sizes. After ``max_shapes`` captures, a call that needs
+    another runs as plain PyTorch with a warning (what was captured keeps its plans).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")

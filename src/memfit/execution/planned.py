@@ -1,16 +1,21 @@
 """A callable (a model's forward or a whole training step) run through memfit's backend.
 
 ``memfit.checkpoint`` and ``memfit.step`` differ only in what they compile; what happens around
-each call is the same and lives here. Dynamo captures and memfit plans each new input shape;
-Dynamo reuses a graph compiled earlier without asking the backend again, so the backend reports
-every planned forward graph *when it runs*, and ``plan`` is built from the graphs the last call
-ran: returning to a batch size seen before shows that shape's plan, not the last one made.
+each call is the same and lives here. Dynamo captures and memfit plans the first input shape;
+when a size changes, Dynamo captures once more with that dimension as a symbol (automatic dynamic
+shapes), and that graph serves every size in the range its plan holds for (NOTE [One capture for
+many sizes] in ``planning.resize``): a new sequence length costs a few milliseconds of simulation
+instead of a capture (seconds). Dynamo reuses a graph compiled earlier without asking the backend
+again, so the backend reports every planned forward graph *when it runs*, with the plan at the
+sizes it ran at, and ``plan`` is built from the graphs the last call ran: returning to a batch size
+seen before shows that size's plan, not the last one made.
 
-Shapes are counted here, per wrapper, not by Dynamo: Dynamo's recompile limit (8) counts per
+Captures are counted here, per wrapper, not by Dynamo: Dynamo's recompile limit (8) counts per
 code object, and every compiled module enters through one shared code object, so it was shared
 by every model in the process and, once hit, ran new shapes eagerly without a word. memfit
-raises Dynamo's limit around its own calls and keeps its own, ``max_shapes`` per wrapper; past
-it a new shape runs eagerly *with* a warning, and shapes already planned keep their plans.
+raises Dynamo's limit around its own calls and keeps its own, ``max_shapes`` captures per
+wrapper; past it a call that needs a new capture runs eagerly *with* a warning, and what was
+captured before keeps its plans.
 
 A wrapped model (``modules``) whose graph breaks lie inside submodules has those submodules
 recomputed whole from the next call on (``execution.regions``): the backend reports each graph
@@ -49,7 +54,8 @@ from memfit.warn import warn_user
 
 __all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS"]
 
-#: Input shapes one wrapper captures and plans before new ones run unplanned (with a warning).
+#: Captures (one input shape, or one range of sizes captured as symbols) one wrapper plans
+#: before a call that needs another runs unplanned (with a warning).
 DEFAULT_MAX_SHAPES = 64
 
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
@@ -118,22 +124,25 @@ class PlannedCall:
         self.measure_outside = measure_outside
         self.last_plan: Plan | None = None
         self.unplanned: str | None = None  # why the last training call ran without a plan
-        #: bytes measured outside memfit's graphs between forward and backward, by graph key
-        self.outside: dict[str, int] = {}
+        #: bytes measured outside memfit's graphs between forward and backward, by graph key,
+        #: with the bytes of the graph's outputs at the size measured (what it is scaled by)
+        self.outside: dict[str, tuple[int, int]] = {}
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.name == BUDGET else None
         self.offloader = Offloader(offload or OffloadOptions()) if policy.offload else None
         self._target = target
         self._attention = attention
-        self._shapes: set[tuple[str, ...]] = set()  # graph keys planned by each capturing call
-        self._keys: set[str] = set()  # every graph key planned
+        self._shapes: set[tuple[str, ...]] = set()  # what each capturing call planned
+        self._keys: set[str] = set()  # every graph (and size range) planned
         self._made: list[GraphPlan] = []  # plans made during the current call
         self._ran: list[GraphPlan] = []  # planned graphs run by the current call, in order
         self._window: MemoryWindow | None = None
         self._replan = False
         self._warned_unplanned = False
         self._warned_outside = False
-        #: per graph key, once its step was planned as a whole: its share of the step's budget
+        self._warned_budget = False
+        #: per graph and sizes (``GraphPlan.sized_key``), once its step was planned as a whole:
+        #: its share of the step's budget
         self._shares: dict[str, GraphShare] = {}
         self._step_rounds: dict[tuple[str, ...], int] = {}
         self._warned_step = False
@@ -150,7 +159,7 @@ class PlannedCall:
         reports: dict[str, Any] = dict(
             on_run=self._graph_ran,
             on_backward=self._backward_started,
-            outside_bytes=lambda key: self.outside.get(key, 0),
+            outside_bytes=self._outside_bytes,
             on_compile=self.regions.compiling if self.regions is not None else None,
         )
         backend = make_backend(
@@ -160,6 +169,7 @@ class PlannedCall:
             self._attention,
             self.offloader,
             share=lambda key: self._shares.get(key),
+            on_budget_miss=self._budget_missed,
             **reports,
         )
         if self.regions is not None:
@@ -169,15 +179,43 @@ class PlannedCall:
             self.regions.use(
                 make_backend(NONE, self._made.append, None, self._attention, None, **reports)
             )
-        return torch.compile(self._target, backend=backend, dynamic=False)
+        # None: a dimension that changes between calls is captured again once, as a symbol, and
+        # that graph serves every size in its range (NOTE [One capture for many sizes]). Offload
+        # plans reserve host memory for one size: they are captured per size.
+        return torch.compile(
+            self._target, backend=backend, dynamic=False if self.policy.offload else None
+        )
 
     def _graph_ran(self, graph: GraphPlan) -> None:
         self._ran.append(graph)
         if self.regions is not None:
             self.regions.graph_ran()
 
+    def _outside_bytes(self, key: str, output_bytes: int) -> int:
+        """What the step held outside graph ``key`` between forward and backward, scaled from
+        the size it was measured at by the bytes of the graph's outputs (a loss computed from
+        them holds a multiple of them)."""
+        measured, measured_output = self.outside.get(key, (0, 0))
+        if not measured_output:
+            return measured
+        return round(measured * output_bytes / measured_output)
+
+    def _budget_missed(self, plan: GraphPlan) -> None:
+        """A graph planned for a range of sizes exceeds its budget at the size that just ran."""
+        self._replan = True
+        if not self._warned_budget:
+            self._warned_budget = True
+            sizes = ", ".join(f"{name}={value}" for name, value in plan.sizes)
+            chosen = ", ".join(f"{name}={value}" for name, value in plan.planned_sizes)
+            warn_user(
+                f"{self.name}'s plan, chosen at {chosen}, predicts "
+                f"{format_bytes(plan.predicted_peak_bytes)} at {sizes}, above its budget of "
+                f"{format_bytes(plan.budget_bytes or 0)}; memfit plans again from the next call"
+            )
+
     @property
     def shapes_planned(self) -> int:
+        """Captures planned so far: an input shape, or a range of sizes captured as symbols."""
         return len(self._shapes)
 
     @property
@@ -229,7 +267,9 @@ class PlannedCall:
                 raise error.with_traceback(None) from None
             raise
         finally:
-            made = tuple(sorted(p.key for p in self._made))
+            # A graph and its input shapes, and for a graph with symbolic sizes the range it was
+            # planned for: capturing it again for another range counts again.
+            made = tuple(sorted(f"{p.key}{p.size_range}" for p in self._made))
             self._made.clear()
         if made and not self._keys.issuperset(made):  # not a region's graphs planned again
             self._shapes.add(made)
@@ -306,7 +346,7 @@ class PlannedCall:
         """The step held ``outside`` bytes between ``plan``'s forward and backward: remember it
         for the graph, and plan again if that peak is above what the plan allowed for."""
         last = plan.graphs[-1]
-        self.outside[last.key] = outside
+        self.outside[last.key] = (outside, last.output_bytes)
         step_peak = plan.forward_end_bytes + outside
         if step_peak <= 1.01 * plan.predicted_peak_bytes:
             return
@@ -359,7 +399,7 @@ class PlannedCall:
                 budget_bytes=budget,
                 smallest_bytes=smallest,
             )
-        step = tuple(g.key for g in plan.graphs)
+        step = tuple(g.sized_key for g in plan.graphs)
         rounds = self._step_rounds.get(step, 0)
         if rounds >= STEP_ROUNDS:
             if plan.predicted_peak_bytes > budget and not self._warned_step:
@@ -389,9 +429,10 @@ class PlannedCall:
         """A training call ran none of memfit's graphs: say so, and keep no stale plan."""
         if full:
             why = (
-                f"memfit has planned {self.shapes_planned} input shapes for {self.name} "
-                f"(max_shapes={self.max_shapes}) and ran this new one as plain PyTorch, without a "
-                "plan or savings; pad or bucket inputs to fewer shapes, or raise max_shapes"
+                f"memfit has captured and planned {self.name} {self.shapes_planned} times "
+                f"(max_shapes={self.max_shapes}: input shapes, or ranges of sizes) and ran this "
+                "call, which needed another capture, as plain PyTorch, without a plan or "
+                "savings; pad or bucket inputs to fewer shapes, or raise max_shapes"
             )
         else:
             why = (

@@ -84,7 +84,8 @@ def attention_dropout_mask(
     """
     if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}")
-    dims = [int(d) for d in shape]
+    # A size traced with dynamic shapes stays a SymInt: int() would specialize the graph to it.
+    dims = [d if isinstance(d, torch.SymInt) else int(d) for d in shape]
     if not dims or any(d < 0 for d in dims):
         raise ValueError(f"shape must have at least one dim and no negative sizes, got {shape!r}")
     result: Tensor = torch.ops.memfit.attention_dropout_mask(

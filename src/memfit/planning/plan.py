@@ -26,7 +26,12 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.capture.attention import AttentionSite
 
-__all__ = ["GraphPlan", "ParetoPoint", "Plan", "RegionPlan", "TransferPlan"]
+__all__ = ["GraphPlan", "ParetoPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]
+
+
+def sized_key(key: str, sizes: tuple[tuple[str, int], ...]) -> str:
+    """A graph's ``key`` with the values of its size symbols (``key`` alone where static)."""
+    return key if not sizes else key + "@" + ",".join(f"{name}={value}" for name, value in sizes)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,19 @@ class GraphPlan:
     #: identifies the captured graph and its input shapes, so a measurement made while one
     #: plan ran reaches the next plan of the same graph
     key: str = ""
+    #: Symbolic sizes (a graph captured for a range of input sizes): the values of its size
+    #: symbols this plan's numbers are for (the call that ran), the values its decisions were
+    #: chosen at, and the range of each symbol the decisions are used for (``None``: no bound).
+    #: All empty for a graph with static shapes.
+    sizes: tuple[tuple[str, int], ...] = ()
+    planned_sizes: tuple[tuple[str, int], ...] = ()
+    size_range: tuple[tuple[str, int, int | None], ...] = ()
+
+    @property
+    def sized_key(self) -> str:
+        """``key`` and, for a graph with symbolic sizes, the sizes these numbers are for: what
+        a step's budget is shared by (``planning.step``), since a share holds at one size."""
+        return sized_key(self.key, self.sizes)
 
     def saved(self) -> list[str]:
         """Names of the values decided ``SAVE``, in the order the decisions were made."""
@@ -354,6 +372,12 @@ class Plan:
     def forward_flops(self) -> int:
         return sum(g.forward_flops for g in self.graphs)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The values of the graphs' size symbols this plan's numbers are for (the call that
+        ran); empty where every graph has static shapes."""
+        return {name: value for g in self.graphs for name, value in g.sizes}
+
     @staticmethod
     def _combine(peaks: list[int], kept: list[int]) -> int:
         if not peaks:
@@ -446,6 +470,10 @@ class Plan:
         if self.budget_bytes is not None:
             lines.insert(1, f"  budget            {format_bytes(self.budget_bytes)}")
         for i, g in enumerate(self.graphs):
+            if g.sizes and g.sizes != g.planned_sizes:
+                at = ", ".join(f"{name}={value}" for name, value in g.sizes)
+                chosen = ", ".join(f"{name}={value}" for name, value in g.planned_sizes)
+                lines.append(f"  graph {i}: predicted at {at}; decisions chosen at {chosen}")
             if g.note:
                 lines.append(f"  graph {i}: {g.note}")
         return "\n".join(lines)

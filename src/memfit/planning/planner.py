@@ -79,7 +79,7 @@ def plan_graph(
     frontier: tuple[ParetoPoint, ...] = ()
     budget_bytes: int | None = None
     schedule: TransferSchedule | None = None
-    seconds = {n: node_seconds(n) for n in jg.nodes} if policy.offload else {}
+    seconds = {n: node_seconds(n, jg.sizes) for n in jg.nodes} if policy.offload else {}
 
     def frontier_points() -> list[FrontierPoint]:
         """The graph's frontier, with offload plans added when the policy offloads."""
@@ -131,7 +131,7 @@ def plan_graph(
             if share is not None or (first_plan and (fraction is not None or spent_bytes)):
                 chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
                 note = f"{err}; planned at its least peak until the step is checked as a whole"
-                return _graph_plan(
+                return describe_plan(
                     jg,
                     policy,
                     set(chosen.kept),
@@ -197,7 +197,7 @@ def plan_graph(
         kept, sim, schedule = baseline, base_sim, None
     if schedule is not None and not schedule.transfers:
         schedule = None
-    return _graph_plan(
+    return describe_plan(
         jg,
         policy,
         kept,
@@ -279,7 +279,7 @@ def _decisions(
     return {n.name: decision(n) for n in jg.nodes if n in saved or n in recomputed}
 
 
-def _graph_plan(
+def describe_plan(
     jg: JointGraph,
     policy: Policy,
     kept: set[fx.Node],
@@ -294,6 +294,8 @@ def _graph_plan(
     offload_to: str | None = None,
     step_budget_bytes: int | None = None,
 ) -> GraphPlan:
+    """The ``GraphPlan`` that keeps ``kept`` on ``jg`` (``sim`` its simulation, ``base_sim``
+    plain autograd's): its decisions and every number reported about them, at ``jg.sizes``."""
     forward_set = set(jg.forward)
     transfers = schedule.transfers if schedule else ()
     offloaded = {t.value for t in transfers}
@@ -308,11 +310,11 @@ def _graph_plan(
         predicted_peak_bytes=sim.peak_bytes,
         baseline_peak_bytes=base_sim.peak_bytes,
         baseline_kept_bytes=_activation_bytes(jg, baseline),
-        recompute_flops=sum(node_flops(n) for n in recomputed),
-        forward_flops=sum(node_flops(n) for n in jg.forward_computed),
+        recompute_flops=sum(node_flops(n, jg.sizes) for n in recomputed),
+        forward_flops=sum(node_flops(n, jg.sizes) for n in jg.forward_computed),
         num_nodes=len(jg.nodes),
         note=note,
-        recompute_seconds=float(sum(node_seconds(n) for n in recomputed)),
+        recompute_seconds=float(sum(node_seconds(n, jg.sizes) for n in recomputed)),
         budget_bytes=budget_bytes,
         step_budget_bytes=step_budget_bytes,
         frontier=frontier,

@@ -86,7 +86,8 @@ class SegmentModel:
             default=0,
         )
         node_secs = np.array(
-            [seconds[n] if seconds is not None else node_seconds(n) for n in fwd], dtype=np.float64
+            [seconds[n] if seconds is not None else node_seconds(n, jg.sizes) for n in fwd],
+            dtype=np.float64,
         )
         always = np.array([n in always_kept for n in fwd], dtype=bool)
         heavy = np.zeros(n_fwd, dtype=bool)

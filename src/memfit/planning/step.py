@@ -106,7 +106,7 @@ def _search(
     parts = plan.parts()
     states: list[_State] = [(0, 0, 0.0, {})]
     for i, (graph, extra) in enumerate(zip(parts, fixed)):
-        chosen_before = [s[3].get(graph.key) for s in states]
+        chosen_before = [s[3].get(graph.sized_key) for s in states]
         grown: list[_State] = []
         for s, before in zip(states, chosen_before):
             prefix, peak, cost, choice = s
@@ -117,8 +117,8 @@ def _search(
                     continue
                 if kept_limit is not None and kept > kept_limit:
                     continue
-                grown.append((kept, step_peak, cost + _cost(p), {**choice, graph.key: p}))
-        states = _prune(grown, {g.key for g in parts[i + 1 :]})
+                grown.append((kept, step_peak, cost + _cost(p), {**choice, graph.sized_key: p}))
+        states = _prune(grown, {g.sized_key for g in parts[i + 1 :]})
         if not states:
             return None
     if budget_bytes is None:
@@ -150,11 +150,12 @@ def planned_as_step(plan: Plan, budget_bytes: int) -> bool:
 
 
 def share_step(plan: Plan, budget_bytes: int) -> dict[str, GraphShare] | None:
-    """Each graph's share (by key) of the cheapest combination within ``budget_bytes``."""
+    """Each graph's share (by ``GraphPlan.sized_key``) of the cheapest combination within
+    ``budget_bytes``."""
     found = _search(plan, budget_bytes, None)
     if found is None:
         return None
-    graphs = {g.key for g in plan.outside_regions()}  # a region's part gets no share
+    graphs = {g.sized_key for g in plan.outside_regions()}  # a region's part gets no share
     return {
         key: GraphShare(budget_bytes, p.peak_bytes, p.kept_bytes)
         for key, p in found[2].items()
