@@ -17,7 +17,8 @@ NOTE [One capture for many sizes]
       byte count at that size (milliseconds), and that is the plan the wrapper reports: its
       predicted peak is for the call that ran;
     * before the graph is used, ``size_range`` tries the decisions at 2, 4, 8, ... 64 times the
-      captured sizes and at 1/2, 1/4, ... of them, and keeps the range where they still do what
+      captured sizes and at 1/2, 1/4, ... of them (bisecting between the last factor that held
+      and the first that did not), and keeps the range where they still do what
       the policy promises (``holds``): a byte budget's peak within the budget (down to half the
       captured sizes only: a byte budget holds at every smaller size, but below half of it a
       plan recomputing less would fit, so such a size is captured again), a fraction's
@@ -52,10 +53,13 @@ from memfit.planning.planner import describe_plan, plan_graph
 from memfit.planning.policies import keep_all
 from memfit.planning.policy import BUDGET, Policy
 
-__all__ = ["plan_at", "holds", "size_range", "RANGE_FACTORS", "MEMORY_SLACK"]
+__all__ = ["plan_at", "holds", "size_range", "RANGE_FACTORS", "BISECTIONS", "MEMORY_SLACK"]
 
 #: Factors of the captured sizes a plan is tried at, upwards (and their inverses, downwards).
 RANGE_FACTORS = (2, 4, 8, 16, 32, 64)
+
+#: Bisections between the last factor that held and the first that did not (3: within 9%).
+BISECTIONS = 3
 
 #: ``"memory"`` keeps its decisions while its peak, as a share of plain autograd's at the same
 #: size, is at most this much above its share where the decisions were chosen, or at most this
@@ -146,6 +150,18 @@ def holds(planned: GraphPlan, at: GraphPlan, policy: Policy, *, spent_bytes: int
     return True
 
 
+def _narrow(ok: Callable[[float], bool], good: float, bad: float) -> float:
+    """The factor between ``good`` (holds) and ``bad`` (does not) where holding ends, to within
+    ``2 ** (1 / 2 ** BISECTIONS)`` (geometric bisection)."""
+    for _ in range(BISECTIONS):
+        middle = math.sqrt(good * bad)
+        if ok(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
 def size_range(
     jg: JointGraph,
     plan: GraphPlan,
@@ -175,7 +191,7 @@ def size_range(
     upper = float(RANGE_FACTORS[-1])  # not tried beyond: a larger size is captured again
     for factor in RANGE_FACTORS:
         if not ok(factor):
-            upper = factor / 2
+            upper = _narrow(ok, factor / 2, factor)
             break
     lower: float | None = None
     if policy.name == BUDGET and policy.budget is not None and policy.budget.fraction is None:
@@ -187,7 +203,7 @@ def size_range(
             if all(v <= 2 for v in hints.values()):
                 break
             if not ok(1 / factor):
-                lower = 2 / factor
+                lower = _narrow(ok, 2 / factor, 1 / factor)
                 break
             if all(v / factor <= 2 for v in hints.values()):
                 break
