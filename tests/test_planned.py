@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import memfit
-from lm_models import batch, lm, lm_loss
+from lm_models import VOCAB, batch, lm, lm_loss
 
 
 def _mlp(width: int = 32, depth: int = 4) -> nn.Module:
@@ -164,3 +164,32 @@ def test_replan_pending_says_the_next_call_plans_again() -> None:
     assert wrapped.replan_pending
     lm_loss(wrapped, x, y).backward()
     assert not wrapped.replan_pending and wrapped.plan.outside_bytes > 0
+
+
+def test_a_loss_outside_measured_at_one_length_is_reserved_at_every_length() -> None:
+    """With the length as a symbol, what the loss holds outside the wrapper (measured once, at
+    one length) is reserved at every other length in proportion to the model's outputs (the
+    logits it reads): the predictions cover the whole step at lengths never measured."""
+    model = lm()
+    wrapped = memfit.checkpoint(model, "memory")
+    g = torch.Generator().manual_seed(1)
+
+    def step(length: int) -> int:
+        x, y = (torch.randint(0, VOCAB, (16, length), generator=g) for _ in range(2))
+        peak = memfit.measure(lambda: lm_loss(wrapped, x, y).backward()).peak_bytes
+        model.zero_grad(set_to_none=True)
+        return int(peak or 0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for length in (64, 48):  # the first capture, then the length as a symbol
+            x, y = (torch.randint(0, VOCAB, (16, length), generator=g) for _ in range(2))
+            lm_loss(wrapped, x, y).backward()
+            model.zero_grad(set_to_none=True)
+        step(48)  # measures the loss outside: planned again from the next call
+    assert wrapped.replan_pending
+    for length in (80, 40):
+        measured = step(length)
+        assert wrapped.plan.outside_bytes > 0 and wrapped.plan.sizes
+        assert measured == pytest.approx(wrapped.plan.predicted_peak_bytes, rel=0.05)
+    assert not wrapped.replan_pending

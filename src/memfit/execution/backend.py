@@ -89,8 +89,17 @@ _SIZES_META = "memfit_plans_by_size"
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
-    """A name for a Dynamo graph and its inputs' shapes, the same each time it is captured."""
+    """A name for a Dynamo graph and its inputs' shapes, the same each time it is captured.
+
+    Where a size is a symbol, the key has the symbol, not the size of the call captured: a graph
+    captured again for another range of sizes (after planning again) keeps its name, and with it
+    what was measured while its previous capture ran.
+    """
     parts = [gm.code]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [n.meta.get("example_value") for n in placeholders]
+    if len(examples) == len(example_inputs) and all(e is not None for e in examples):
+        example_inputs = examples  # fake values: symbolic sizes as symbols
     for t in example_inputs:
         if isinstance(t, torch.Tensor):
             parts.append(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device}{t.requires_grad}")
