@@ -250,3 +250,19 @@ def test_symbolic_sizes_read_without_guards_and_split_with_the_sizes_saved() -> 
     assert seen["hint"] == 24 and seen["unguarded"] and seen["sizes"]
     assert len(seen["symbols"]) == 2 and all(s in seen["expr"] for s in seen["symbols"])
     assert _compat.size_hint(7) == 7 and _compat.size_expr(7) == 7
+
+
+def test_automatic_dynamic_shapes_off_captures_every_size_again() -> None:
+    torch.compiler.reset()
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    before = _compat.unique_graph_count()
+    with _compat.automatic_dynamic_shapes(False):
+        for n in (3, 4, 5):
+            f(torch.randn(n))
+    assert _compat.unique_graph_count() == before + 3
+    torch.compiler.reset()
+    before = _compat.unique_graph_count()
+    with _compat.automatic_dynamic_shapes(True):
+        for n in (3, 4, 5):
+            f(torch.randn(n))
+    assert _compat.unique_graph_count() == before + 2  # the second size as a symbol serves 5

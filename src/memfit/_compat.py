@@ -60,6 +60,7 @@ __all__ = [
     "size_symbols",
     # added for benchmarks
     "activation_memory_budget",
+    "automatic_dynamic_shapes",
     "default_partition",
     "inductor_post_grad_pass",
     "make_boxed_func",
@@ -368,6 +369,18 @@ def activation_memory_budget(fraction: float) -> AbstractContextManager[Any]:
     import torch._functorch.config
 
     return torch._functorch.config.patch(activation_memory_budget=fraction)
+
+
+def automatic_dynamic_shapes(enabled: bool) -> AbstractContextManager[Any]:
+    """A context in which Dynamo does (or does not) capture a size that changed as a symbol.
+
+    ``torch._dynamo.config.automatic_dynamic_shapes`` (checked 2.13.0): off, every new size is
+    captured again with static shapes, as memfit did before one capture served many sizes
+    (``benchmarks/variable_shapes.py`` times both).
+    """
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(automatic_dynamic_shapes=enabled)
 
 
 def inductor_post_grad_pass(
