@@ -334,6 +334,7 @@ def make_points(
     compile_budgets: tuple[float, ...],
     memfit_budgets: tuple[float, ...],
     peers: tuple[str, ...] = PEERS,
+    executor: str = "eager",
 ) -> list[Point]:
     points = [Point(spec, "eager", "plain", {})]  # the reference: always there
     if "checkpoint_sequential" in peers and spec.sequence_length is not None:
@@ -344,9 +345,9 @@ def make_points(
             Point(spec, "torch.compile", f"budget {b:g}", {"activation_memory_budget": b})
         )
     for mode in MEMFIT_MODES if "memfit" in peers else ():
-        points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode}))
+        points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode, "executor": executor}))
     for f in memfit_budgets if "memfit" in peers else ():
-        points.append(Point(spec, "memfit", f"budget {f:g}", {"budget": f}))
+        points.append(Point(spec, "memfit", f"budget {f:g}", {"budget": f, "executor": executor}))
     return points
 
 
@@ -399,10 +400,11 @@ def build_and_first_step(p: Point) -> None:
             p.module = torch.compile(entry_point(p.model, tag))  # type: ignore[assignment]
         else:
             entry = entry_point(p.model, tag)
+            executor = p.record["executor"]
             if "mode" in p.record:
-                p.module = memfit.checkpoint(entry, p.record["mode"])
+                p.module = memfit.checkpoint(entry, p.record["mode"], executor=executor)
             else:
-                p.module = memfit.checkpoint(entry, budget=p.record["budget"])
+                p.module = memfit.checkpoint(entry, budget=p.record["budget"], executor=executor)
         first_step(p, CPU)
     p.record["graphs_compiled"] = unique_graph_count() - graphs_before
     if p.peer == "torch.compile":
@@ -438,7 +440,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     torch.compiler.reset()  # once per model; every point then compiles its own code object
     compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
     memfit_budgets = QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS
-    points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers))
+    points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers), args.executor)
 
     print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
     smallest: int | None = None
@@ -454,7 +456,11 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             spec,
             "memfit",
             "budget smallest",
-            {"budget": smallest, "budget_is_smallest_feasible": True},
+            {
+                "budget": smallest,
+                "budget_is_smallest_feasible": True,
+                "executor": args.executor,
+            },
         )
         points.append(p)
         warm_up(p)
@@ -857,6 +863,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="timed rounds per point (median); default 15, --quick 3",
     )
+    p.add_argument(
+        "--executor",
+        choices=memfit.EXECUTORS,
+        default="eager",
+        help="how memfit runs its plans; outputs get '_inductor' for inductor",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -870,7 +882,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / ("budget_frontier" + ("_quick" if args.quick else ""))
+    stem = args.out_dir / (
+        "budget_frontier"
+        + ("" if args.executor == "eager" else f"_{args.executor}")
+        + ("_quick" if args.quick else "")
+    )
     specs = [s for s in model_specs(args.quick) if s.name in args.models]
 
     started = time.perf_counter()
@@ -912,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             "memfit_budget_meaning": "fraction of plain autograd's predicted activation peak; "
             "an int is bytes (the smallest feasible)",
             "memfit_modes": list(MEMFIT_MODES),
+            "memfit_executor": args.executor,
             "equal_peak_tolerance": PEAK_TOLERANCE,
             "recompute_flops": "see each point's recompute_flops_method; peers count "
             "matmul/conv/attention only (FlopCounterMode formulas + CPU flash "

@@ -11,6 +11,7 @@ import sys
 
 from memfit import nn
 from memfit.capture.mark import mark
+from memfit.execution.executors import EXECUTORS
 from memfit.execution.module import CheckpointedModule, checkpoint, plan
 from memfit.execution.offload import OffloadError, OffloadOptions
 from memfit.execution.step import Step, step
@@ -21,6 +22,7 @@ from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
 from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
+    "EXECUTORS",
     "OffloadError",
     "OffloadOptions",
     "checkpoint",

@@ -64,6 +64,9 @@ __all__ = [
     "default_partition",
     "inductor_post_grad_pass",
     "make_boxed_func",
+    # the Inductor executor
+    "inductor_compile",
+    "inductor_decompositions",
 ]
 
 #: The torch releases every entry below was checked on (the test suite runs on these, and the
@@ -394,6 +397,34 @@ def inductor_post_grad_pass(
     import torch._inductor.config
 
     return torch._inductor.config.patch(post_grad_custom_post_pass=graph_pass)
+
+
+# ---- the Inductor executor (checked 2.13.0) ------------------------------------------------------
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions ``torch.compile``'s Inductor backend traces joint graphs with.
+
+    ``torch._inductor.decomposition.select_decomp_table`` (checked 2.13.0): batch norm, GELU and
+    the like become elementwise ops and reductions Inductor can fuse; the graph memfit plans is the
+    one Inductor compiles.
+    """
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def inductor_compile(
+    gm: fx.GraphModule, example_inputs: Any, *, is_backward: bool, is_inference: bool
+) -> Callable[[list[Any]], Any]:
+    """``gm`` compiled by Inductor as one forward, backward or inference graph.
+
+    ``torch._inductor.compile_fx.compile_fx_inner`` (checked 2.13.0): the per-graph compiler that
+    ``torch.compile``'s own AOTAutograd forward and backward compilers call after partitioning.
+    The result takes its inputs as one list (boxed) and clears it, as memfit's FX executor does.
+    Outputs of a forward graph marked ``user_visible_output_idxs`` keep eager's strides.
+    """
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
 
 
 # ---- added for measurement -----------------------------------------------------------------------

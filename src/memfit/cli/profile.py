@@ -123,6 +123,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     )
     p.add_argument("--offload-to", choices=["host", "disk"], help="where offloaded values go")
     p.add_argument(
+        "--executor",
+        choices=memfit.EXECUTORS,
+        default="eager",
+        help="how memfit runs its plans: eager (ATen kernels, gradients bit-equal to plain "
+        "PyTorch) or inductor (torch.compile's fused kernels, to float tolerance)",
+    )
+    p.add_argument(
         "--offload-dir",
         metavar="DIR",
         help="directory for disk offload files (a private subdirectory is made and removed)",
@@ -249,7 +256,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     model = target.model.to(device=device, dtype=dtype) if dtype else target.model.to(device)
     model.train()
     inputs = move_inputs((target.args, target.kwargs), device, dtype)
-    work = Workload(model, tuple(inputs[0]), dict(inputs[1]), offload=offload)
+    work = Workload(
+        model, tuple(inputs[0]), dict(inputs[1]), offload=offload, executor=args.executor
+    )
     name = type(model).__name__
     weights, batch_bytes = resident_bytes(model, work.args, work.kwargs)
     n_params = sum(p.numel() for p in model.parameters())

@@ -79,12 +79,17 @@ class Workload:
     loss: Callable[[Any], torch.Tensor] = default_loss
     #: where policies that offload put their activations (``--offload-to``, ``--offload-dir``)
     offload: OffloadOptions | None = None
+    #: how memfit runs its plans (``--executor``): ``"eager"`` kernels or Inductor's
+    executor: str = "eager"
 
     def wrap(self, policy: Policy, model: nn.Module | None = None) -> nn.Module:
         """``memfit.checkpoint`` of the model (or ``model``) under ``policy``."""
         options = self.offload if policy.offload else None
         return memfit.checkpoint(
-            self.model if model is None else model, policy, offload=options or False
+            self.model if model is None else model,
+            policy,
+            offload=options or False,
+            executor=self.executor,
         )
 
     def step(self, module: nn.Module, marks: list[float] | None = None) -> Callable[[], float]:

@@ -22,18 +22,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import (
-    aot_autograd,
-    boxed_codegen,
-    compiled_function_ctx,
-    disable_current_modes,
-)
+from memfit._compat import aot_autograd, compiled_function_ctx, disable_current_modes
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
-from memfit.capture.mark import strip_marks
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.accumulate import (
     accumulate_into_grads,
@@ -41,6 +35,7 @@ from memfit.execution.accumulate import (
     note_leaves,
     output_values,
 )
+from memfit.execution.executors import EAGER, check_executor, compile_graph, decompositions
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
 from memfit.execution.symbolic import PlansBySize, capture_sizes
@@ -54,37 +49,41 @@ __all__ = ["make_backend", "Offloader", "StepBudget"]
 
 
 def _boxed(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    on_run: Callable[[list[Any]], None] | None = None,
+    executor: str = EAGER,
+    kind: str = "inference",
+    user_outputs: int | None = None,
 ) -> Callable[..., Any]:
     """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
 
     ``make_boxed_func`` alone keeps the argument list alive for the whole call, so every saved
-    tensor would live until the backward graph ends. FX's boxed code generator emits code that
-    unpacks and clears the list first; then a saved value dies right after its last reader, as
+    tensor would live until the backward graph ends. Both executors (``execution.executors``)
+    unpack and clear the list first; then a saved value dies right after its last reader, as
     the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
     ``on_run`` is called with the arguments before every run (a planned forward graph reports
     that it ran, and at which sizes).
     """
-    strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
-    gm.graph.set_codegen(boxed_codegen())
-    gm.recompile()
+    compiled = compile_graph(gm, example_inputs, executor, kind, user_outputs)
 
     if on_run is None:
 
         def run(args: list[Any]) -> Any:
-            return gm(args)
+            return compiled(args)
 
     else:
 
         def run(args: list[Any]) -> Any:
             on_run(args)
-            return gm(args)
+            return compiled(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
 
 _PLAN_META = "memfit_plan"
+_USER_OUTPUTS_META = "memfit_user_outputs"
 _SIZES_META = "memfit_plans_by_size"
 
 
@@ -109,14 +108,18 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
 
 
 def _boxed_forward(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    on_run: Callable[[list[Any]], None] | None = None,
+    executor: str = EAGER,
 ) -> Callable[..., Any]:
     """``_boxed``, and the outputs the loss does not read get no gradient, as in eager.
 
     By default autograd hands an ``autograd.Function`` zeros for every output that got no
     gradient; turning that off lets the backward skip them (``execution.tangents``).
     """
-    run_graph = _boxed(gm, example_inputs, on_run)
+    user_outputs = gm.meta.get(_USER_OUTPUTS_META)
+    run_graph = _boxed(gm, example_inputs, on_run, executor, "forward", user_outputs)
 
     def run(args: list[Any]) -> Any:
         ctx = compiled_function_ctx()
@@ -130,7 +133,10 @@ def _boxed_forward(
 
 
 def _boxed_backward(
-    gm: fx.GraphModule, example_inputs: Any, on_run: Callable[[list[Any]], None] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    on_run: Callable[[list[Any]], None] | None = None,
+    executor: str = EAGER,
 ) -> Callable[..., Any]:
     """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``) and
     to the parameters whose ``.grad`` it adds into (``execution.accumulate``)."""
@@ -151,7 +157,8 @@ def _boxed_backward(
         key = (missing, positions)
         if key not in graphs:
             specialized = accumulate_into_grads(base, positions) if positions else base
-            graphs[key] = _boxed(specialized, example_inputs)
+            examples = list(example_inputs) + [values[i] for i in sorted(positions)]
+            graphs[key] = _boxed(specialized, examples, executor=executor, kind="backward")
         args.extend(grads)  # the trailing inputs of an accumulating graph
         return graphs[key](args)
 
@@ -240,6 +247,7 @@ def make_backend(
     share: Callable[[str], GraphShare | None] | None = None,
     on_compile: Callable[[], None] | None = None,
     on_budget_miss: Callable[[GraphPlan], None] | None = None,
+    executor: str = EAGER,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -269,6 +277,7 @@ def make_backend(
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    check_executor(executor)
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())
     sites: list[AttentionSite] = []
@@ -324,6 +333,7 @@ def make_backend(
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
+        fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]
         if by_size is not None:
             fw.meta[_SIZES_META] = by_size
         return fw, bw
@@ -331,7 +341,7 @@ def make_backend(
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         planned: GraphPlan | None = gm.meta.get(_PLAN_META)
         if planned is None:  # not partitioned by memfit: no plan to report
-            return _boxed_forward(gm, example_inputs)
+            return _boxed_forward(gm, example_inputs, executor=executor)
         plan: GraphPlan = planned
         by_size: PlansBySize | None = gm.meta.get(_SIZES_META)
         read_sizes = by_size.reader(gm) if by_size is not None else None
@@ -351,21 +361,27 @@ def make_backend(
             if on_run is not None:
                 on_run(this)
 
-        return _boxed_forward(gm, example_inputs, on_run=ran)
+        return _boxed_forward(gm, example_inputs, on_run=ran, executor=executor)
 
     def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         planned: GraphPlan | None = gm.meta.get(_PLAN_META)
         if planned is None or on_backward is None:
-            return _boxed_backward(gm, example_inputs)
+            return _boxed_backward(gm, example_inputs, executor=executor)
         plan: GraphPlan = planned
         report = on_backward
-        return _boxed_backward(gm, example_inputs, on_run=lambda args: report(plan))
+        return _boxed_backward(
+            gm, example_inputs, on_run=lambda args: report(plan), executor=executor
+        )
+
+    def compile_inference(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        return _boxed(gm, example_inputs, executor=executor)
 
     compile_joint = aot_autograd(
         fw_compiler=compile_forward,
         bw_compiler=compile_backward,
-        inference_compiler=_boxed,
+        inference_compiler=compile_inference,
         partition_fn=partition,
+        decompositions=decompositions(executor),
     )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:

@@ -27,6 +27,7 @@ import torch.nn as nn
 from memfit._compat import tree_map
 from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.mark import mark
+from memfit.execution.executors import EAGER, check_executor
 from memfit.execution.offload import OffloadOptions, OffloadStore
 from memfit.execution.planned import DEFAULT_MAX_SHAPES, STEP_ROUNDS, PlannedCall
 from memfit.execution.state import preserved
@@ -82,6 +83,7 @@ class CheckpointedModule(nn.Module):
         offload: OffloadOptions | None = None,
         max_shapes: int = DEFAULT_MAX_SHAPES,
         measure_outside: bool = True,
+        executor: str = EAGER,
     ) -> None:
         super().__init__()
         # Share, do not copy: same Parameter objects under the same state_dict keys.
@@ -98,6 +100,7 @@ class CheckpointedModule(nn.Module):
             max_shapes=max_shapes,
             measure_outside=measure_outside,
             modules=model,
+            executor=executor,
         )
         named = dict(model.named_modules())
         self.__dict__["_hooks"] = [
@@ -190,6 +193,7 @@ def checkpoint(
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
     measure_outside: bool = True,
+    executor: str = EAGER,
 ) -> CheckpointedModule:
     """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
 
@@ -243,6 +247,12 @@ def checkpoint(
     dimensions is a new capture. ``plan`` is always that of the sizes the last call ran, its
     prediction simulated at those sizes. After ``max_shapes`` captures, a call that needs
     another runs as plain PyTorch with a warning (what was captured keeps its plans).
+
+    ``executor="eager"`` (the default) runs the planned forward and backward graphs op for op on
+    the ATen kernels eager PyTorch calls: losses and gradients equal plain PyTorch's bit for bit.
+    ``executor="inductor"`` compiles the same plan with Inductor, ``torch.compile``'s compiler:
+    fused kernels, ``torch.compile``'s speed, results equal to floating-point tolerance; the
+    prediction stays the op-by-op simulation, an upper bound of what the fused kernels allocate.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
@@ -257,7 +267,9 @@ def checkpoint(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(model, chosen, attention, options, max_shapes, measure_outside)
+    return CheckpointedModule(
+        model, chosen, attention, options, max_shapes, measure_outside, check_executor(executor)
+    )
 
 
 def resolve_policy(
@@ -325,6 +337,7 @@ def plan(
     offload: bool | OffloadOptions = False,
     offload_to: str | None = None,
     offload_dir: str | None = None,
+    executor: str = EAGER,
     **example_kwargs: Any,
 ) -> Plan:
     """What ``checkpoint(model, budget=budget)`` would keep and recompute, without training.
@@ -334,7 +347,7 @@ def plan(
     and CUDA random-number states, so the model and later random draws are exactly as before; no
     backward runs and no gradient is touched. The returned plan has ``predicted_peak_bytes``,
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
-    plan fits. ``offload`` and its options are ``checkpoint``'s.
+    plan fits. ``offload`` and its options and ``executor`` are ``checkpoint``'s.
     """
     wrapped = checkpoint(
         model,
@@ -343,6 +356,7 @@ def plan(
         offload=offload,
         offload_to=offload_to,
         offload_dir=offload_dir,
+        executor=executor,
     )
     with preserved(model.buffers()), torch.enable_grad():
         wrapped(*example_inputs, **example_kwargs)

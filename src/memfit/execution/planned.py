@@ -36,6 +36,7 @@ import torch.nn as nn
 from memfit._compat import recompile_limit, tree_flatten
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
+from memfit.execution.executors import EAGER, check_executor
 from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
 from memfit.execution.regions import Regions, recomputes_regions
 from memfit.measurement.window import MemoryWindow
@@ -115,11 +116,14 @@ class PlannedCall:
         max_shapes: int = DEFAULT_MAX_SHAPES,
         measure_outside: bool = True,
         modules: nn.Module | None = None,
+        executor: str = EAGER,
     ) -> None:
+        check_executor(executor)
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
         self.policy = policy
         self.name = name
+        self.executor = executor
         self.max_shapes = max_shapes
         self.measure_outside = measure_outside
         self.last_plan: Plan | None = None
@@ -170,6 +174,7 @@ class PlannedCall:
             self.offloader,
             share=lambda key: self._shares.get(key),
             on_budget_miss=self._budget_missed,
+            executor=self.executor,
             **reports,
         )
         if self.regions is not None:
@@ -177,7 +182,15 @@ class PlannedCall:
             # backward reads (execution.regions). Not part of the step budget: what these graphs
             # keep lives only while their region is recomputed.
             self.regions.use(
-                make_backend(NONE, self._made.append, None, self._attention, None, **reports)
+                make_backend(
+                    NONE,
+                    self._made.append,
+                    None,
+                    self._attention,
+                    None,
+                    executor=self.executor,
+                    **reports,
+                )
             )
         # None: a dimension that changes between calls is captured again once, as a symbol, and
         # that graph serves every size in its range (NOTE [One capture for many sizes]). Offload

@@ -15,6 +15,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
+from memfit.execution.executors import EAGER, check_executor
 from memfit.execution.module import resolve_policy
 from memfit.execution.offload import OffloadOptions, OffloadStore
 from memfit.execution.planned import DEFAULT_MAX_SHAPES, PlannedCall
@@ -35,6 +36,7 @@ class Step:
         attention: str,
         offload: OffloadOptions | None,
         max_shapes: int,
+        executor: str = EAGER,
     ) -> None:
         functools.update_wrapper(self, fn)
         self._planned = PlannedCall(
@@ -44,6 +46,7 @@ class Step:
             attention=attention,
             offload=offload,
             max_shapes=max_shapes,
+            executor=executor,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -95,6 +98,7 @@ def step(
     offload_to: str | None = None,
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
+    executor: str = EAGER,
 ) -> Step: ...
 
 
@@ -110,6 +114,7 @@ def step(
     offload_to: str | None = None,
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
+    executor: str = EAGER,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
@@ -124,6 +129,7 @@ def step(
     offload_to: str | None = None,
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
+    executor: str = EAGER,
 ) -> Step | Callable[[Callable[..., Any]], Step]:
     """Run the training step ``fn`` (batch in, loss out) with fewer activations kept.
 
@@ -139,9 +145,9 @@ def step(
 
         loss = train_step(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    ``policy``, ``budget``, ``attention``, ``offload`` and its options, and ``max_shapes`` are
-    ``memfit.checkpoint``'s, except policies naming submodules: a step has no single model to
-    name them in (use ``memfit.checkpoint(model, [...])`` or ``memfit.mark``).
+    ``policy``, ``budget``, ``attention``, ``offload`` and its options, ``max_shapes`` and
+    ``executor`` are ``memfit.checkpoint``'s, except policies naming submodules: a step has no
+    single model to name them in (use ``memfit.checkpoint(model, [...])`` or ``memfit.mark``).
     """
     if isinstance(fn, (str, Policy)) and policy is None and budget is None:
         fn, policy = None, fn  # @memfit.step("memory")
@@ -153,6 +159,7 @@ def step(
     chosen, options = resolve_policy(
         policy, budget, checkpoints, attention, offload, offload_to, offload_dir, "step"
     )
+    check_executor(executor)
     if chosen.modules:
         raise ValueError(
             f"policy {chosen.label!r} names submodules; a step has no single model to name them "
@@ -164,6 +171,6 @@ def step(
             raise TypeError(f"memfit.step expects a function, got {type(function).__name__}")
         if isinstance(function, Step):
             raise TypeError("this function is already a memfit.step; apply it once")
-        return Step(function, chosen, attention, options, max_shapes)
+        return Step(function, chosen, attention, options, max_shapes, executor)
 
     return wrap if fn is None else wrap(fn)

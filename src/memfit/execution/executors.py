@@ -1,0 +1,115 @@
+"""How a planned forward or backward graph runs: as FX code on eager kernels, or through Inductor.
+
+``"eager"`` runs each graph as plain FX code, op for op the ATen kernels eager PyTorch calls:
+losses and gradients equal plain PyTorch's bit for bit, and the simulator's op-by-op replay is
+exactly what runs. ``"inductor"`` hands the same graphs (memfit's partition: what is kept,
+recomputed and offloaded, recomputation placed just before its gradients) to Inductor, the
+compiler behind ``torch.compile``: elementwise ops and reductions are fused into generated
+kernels, so a value that lives only inside a fused kernel is never allocated, and the step runs
+at ``torch.compile``'s speed. Results then equal plain PyTorch's to floating-point tolerance (a
+fused kernel sums in another order), as ``torch.compile``'s do.
+
+Both take their inputs as one list (AOTAutograd's boxed convention) and clear it as they unpack
+it, so a saved value is freed after its last reader in backward instead of living until the
+graph ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from memfit._compat import boxed_codegen, inductor_compile, inductor_decompositions
+from memfit.capture.mark import strip_marks
+
+__all__ = ["EXECUTORS", "EAGER", "INDUCTOR", "compile_graph", "decompositions"]
+
+EAGER = "eager"
+INDUCTOR = "inductor"
+EXECUTORS = (EAGER, INDUCTOR)
+
+#: The kinds of graph AOTAutograd hands a compiler.
+_KINDS = ("forward", "backward", "inference")
+
+
+def check_executor(executor: str) -> str:
+    """``executor`` if memfit knows it, else a ValueError naming the choices."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    return executor
+
+
+def decompositions(executor: str) -> dict[Any, Callable[..., Any]] | None:
+    """What AOTAutograd decomposes the joint graph with before memfit plans it.
+
+    Inductor fuses what it is given in decomposed form (batch norm as reductions and elementwise
+    ops), so the joint graph memfit analyses and partitions is the decomposed one, the graph
+    Inductor compiles; the eager executor keeps eager's ops (and so its kernels).
+    """
+    return inductor_decompositions() if executor == INDUCTOR else None
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    executor: str,
+    kind: str,
+    user_outputs: int | None = None,
+) -> Callable[[list[Any]], Any]:
+    """``gm`` ready to run under ``executor``, called with its inputs in one list (boxed).
+
+    ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``. ``user_outputs`` is how many
+    of a forward graph's first outputs the user sees (the rest are saved for backward): Inductor
+    gives those eager's strides and picks the layout of the rest itself. Inputs the graph does
+    not read (a tangent that arrives as None) are not passed to Inductor.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    strip_marks(gm)  # inference graphs (no_grad calls) still contain marks: drop them
+    if check_executor(executor) == EAGER:
+        gm.graph.set_codegen(boxed_codegen())
+        gm.recompile()
+        return gm
+    return _inductor(gm, list(example_inputs), kind, user_outputs)
+
+
+def _inductor(
+    gm: fx.GraphModule, example_inputs: list[Any], kind: str, user_outputs: int | None
+) -> Callable[[list[Any]], Any]:
+    graph = fx.Graph()  # a copy: one backward graph may be compiled for several specializations
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    gm = fx.GraphModule(gm, graph)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise ValueError(
+            f"graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs"
+        )
+    unread = [i for i, p in enumerate(placeholders) if not p.users]
+    for i in reversed(unread):
+        gm.graph.erase_node(placeholders[i])
+    read = [i for i in range(len(placeholders)) if i not in set(unread)]
+    examples = [example_inputs[i] for i in read]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    (outs,) = output.args
+    if kind == "inference":
+        user_outputs = len(outs)
+    visible = range(min(user_outputs or 0, len(outs)))
+    # Inductor's name (compile_fx_forward sets it the same way, checked 2.13.0).
+    output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(outs[i], fx.Node)]
+    gm.recompile()
+    compiled = inductor_compile(
+        gm, examples, is_backward=kind == "backward", is_inference=kind == "inference"
+    )
+    if not unread:
+        return compiled
+
+    def run(args: list[Any]) -> Any:
+        inputs = [args[i] for i in read]
+        args.clear()
+        return compiled(inputs)
+
+    return run

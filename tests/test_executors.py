@@ -1,0 +1,152 @@
+"""memfit's plans run by Inductor (``executor="inductor"``): results to fp32 tolerance of plain
+PyTorch, the plan honoured (peak measured within the prediction, budgets held), the wrapper's
+bookkeeping (plans, accumulation, outputs without gradient) unchanged.
+
+Inductor compiles C++ on CPU (seconds per graph), so the models are small and few.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memfit
+from memfit.execution.executors import compile_graph
+
+RTOL = 1e-4
+#: absolute tolerance relative to the model's largest gradient entry: fused sums round
+#: differently, and a gradient that is zero in exact arithmetic (a bias before BatchNorm) is
+#: rounding noise in both
+ATOL_SCALE = 1e-5
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.GELU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+    )
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _assert_same_training(model: nn.Module, ref: nn.Module) -> None:
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, name
+        close = torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL_SCALE * scale)
+        assert close, (name, float((p.grad - q.grad).abs().max()))
+    for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+        assert torch.allclose(b.float(), c.float(), rtol=RTOL, atol=1e-6), name
+
+
+@pytest.mark.parametrize("policy", ["none", "memory"])
+def test_gradients_and_batchnorm_match_plain_pytorch(policy: str) -> None:
+    x, y = _batch()
+    ref = _net()
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, policy, executor="inductor")
+    loss = F.cross_entropy(wrapped(x), y)
+    loss.backward()
+    expected = F.cross_entropy(ref(x), y)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=RTOL)
+    _assert_same_training(model, ref)
+    assert wrapped.plan.graphs, "the step ran no planned graph"
+    if policy == "memory":
+        assert wrapped.plan.recomputed, "memory recomputed nothing on a conv/BN/activation net"
+
+
+def test_peak_within_prediction_and_budget_held() -> None:
+    """The simulator replays the graphs op by op; Inductor's fused kernels allocate no more
+    than that (values that live inside one kernel are never allocated): the measured peak is
+    at most the prediction, and a byte budget is held."""
+    x, y = _batch()
+    model = _net()
+    plain = memfit.measure(lambda: F.cross_entropy(model(x), y).backward())
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(memfit.BudgetError) as refused:
+        F.cross_entropy(memfit.checkpoint(model, budget=1, executor="inductor")(x), y)
+    smallest = refused.value.smallest_bytes
+    assert smallest is not None and smallest < plain.peak_bytes
+    budget = (smallest + plain.peak_bytes) // 2
+    wrapped = memfit.checkpoint(model, budget=budget, executor="inductor")
+    F.cross_entropy(wrapped(x), y).backward()  # capture, plan, compile
+    model.zero_grad(set_to_none=True)
+    step = memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
+    assert step.peak_bytes <= budget
+    assert step.peak_bytes <= wrapped.plan.predicted_peak_bytes
+
+
+def test_accumulation_and_unused_outputs() -> None:
+    """Two micro-batches add into ``.grad`` (the backward specialized to existing gradients,
+    compiled again by Inductor); an output the loss does not read gets no gradient."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model = copy.deepcopy(ref)
+
+    class TwoOutputs(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.inner(x)
+            return h, h.sin()
+
+    wrapped = memfit.checkpoint(TwoOutputs(model), "memory", executor="inductor")
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(16, 32, generator=g) for _ in range(2)]
+    for x in batches:
+        wrapped(x)[0].pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    _assert_same_training(model, ref)
+
+
+def test_step_with_inductor() -> None:
+    x, y = _batch()
+    ref = _net()
+    model = copy.deepcopy(ref)
+
+    @memfit.step(budget=0.6, executor="inductor")
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    train_step(x, y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    _assert_same_training(model, ref)
+    assert train_step.plan.budget_bytes is not None
+
+
+def test_unknown_executor_is_refused() -> None:
+    with pytest.raises(ValueError, match="executor must be one of"):
+        memfit.checkpoint(nn.Linear(2, 2), executor="tvm")
+    with pytest.raises(ValueError, match="executor must be one of"):
+        memfit.step(lambda x: x.sum(), executor="Inductor")
+
+
+def test_eager_graph_runs_boxed_and_inputs_are_cleared() -> None:
+    """Both executors take one list and empty it, so saved values can die at their last use."""
+    gm = torch.fx.symbolic_trace(lambda a, b: (a * b).sum())
+    run = compile_graph(gm, [torch.ones(2), torch.ones(2)], "eager", "inference")
+    args = [torch.ones(2), torch.full((2,), 3.0)]
+    assert float(run(args)) == 6.0
+    assert args == []
+    with pytest.raises(ValueError, match="kind must be one of"):
+        compile_graph(gm, [], "eager", "training")
