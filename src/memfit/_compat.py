@@ -413,7 +413,12 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 def inductor_compile(
-    gm: fx.GraphModule, example_inputs: Any, *, is_backward: bool, is_inference: bool
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    *,
+    is_backward: bool,
+    is_inference: bool,
+    layout_opt: bool | None = None,
 ) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by Inductor as one forward, backward or inference graph.
 

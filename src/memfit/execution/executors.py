@@ -30,6 +30,13 @@ EAGER = "eager"
 INDUCTOR = "inductor"
 EXECUTORS = (EAGER, INDUCTOR)
 
+#: Inductor's channels-last layouts for convolution graphs ("layout optimization"): off. With it,
+#: Inductor copies every convolution weight and the input into channels-last buffers of its own,
+#: memory no graph memfit planned holds (a CIFAR ResNet, nothing recomputed: measured 62.8 MiB
+#: against 61.2 predicted; without it 61.15, and no slower on CPU, benchmarks/results/
+#: budget_frontier_inductor.md). Off, the graphs Inductor runs allocate what memfit simulated.
+LAYOUT_OPTIMIZATION = False
+
 #: The kinds of graph AOTAutograd hands a compiler.
 _KINDS = ("forward", "backward", "inference")
 
@@ -102,7 +109,11 @@ def _inductor(
     output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(outs[i], fx.Node)]
     gm.recompile()
     compiled = inductor_compile(
-        gm, examples, is_backward=kind == "backward", is_inference=kind == "inference"
+        gm,
+        examples,
+        is_backward=kind == "backward",
+        is_inference=kind == "inference",
+        layout_opt=LAYOUT_OPTIMIZATION,
     )
     if not unread:
         return compiled
