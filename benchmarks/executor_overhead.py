@@ -1,0 +1,220 @@
+"""Where memfit's ``"none"`` step spends time that plain eager does not.
+
+Why: ``"none"`` keeps every activation and recomputes nothing, so any time it takes beyond eager's
+is the executor's overhead, paid by every plan. This script times, on the budget frontier's
+models, in one process with interleaved rounds (medians):
+
+* ``eager``: plain PyTorch;
+* ``aot_eager``: ``torch.compile(backend="aot_eager")``: Dynamo, AOTAutograd's runtime and its
+  default partition, run as FX code on eager kernels: the machinery memfit's eager executor
+  shares, without memfit;
+* ``memfit none``: ``memfit.checkpoint(model, "none")`` (eager executor);
+* ``memfit none, attention off``: the same without rewriting attention;
+* ``memfit-inductor none`` and ``torch.compile`` (Inductor), for the fused executors.
+
+and attributes the difference from one profiled step of each (``torch.profiler``, CPU): the
+number of ATen ops run, their summed self time (kernels and dispatch), the rest of the step
+(Python: module calls, FX code, AOTAutograd's wrappers, the autograd engine), and the ops whose
+count or time differ most from eager's.
+
+Writes ``benchmarks/results/executor_overhead.{json,md}``.
+Run: ``python benchmarks/executor_overhead.py [--rounds 15] [--models resnet transformer unet]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memfit  # noqa: E402
+from budget_frontier import MODELS, model_specs  # noqa: E402
+from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench.peers import entry_point  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+VARIANTS = (
+    "eager",
+    "aot_eager",
+    "memfit none",
+    "memfit none, attention off",
+    "memfit-inductor none",
+    "torch.compile",
+)
+
+
+def _wrap(variant: str, model: torch.nn.Module, tag: str) -> torch.nn.Module:
+    entry = entry_point(model, tag)
+    if variant == "eager":
+        return model
+    if variant == "aot_eager":
+        return torch.compile(entry, backend="aot_eager")  # type: ignore[return-value]
+    if variant == "torch.compile":
+        return torch.compile(entry)  # type: ignore[return-value]
+    if variant == "memfit none":
+        return memfit.checkpoint(entry, "none")
+    if variant == "memfit none, attention off":
+        return memfit.checkpoint(entry, "none", attention="off")
+    if variant == "memfit-inductor none":
+        return memfit.checkpoint(entry, "none", executor="inductor")
+    raise ValueError(variant)
+
+
+def _profile(step: Callable[[], None]) -> dict[str, Any]:
+    """One step under the CPU profiler: ATen op count and self time, the rest, by op."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            by_op[e.name][0] += 1
+            by_op[e.name][1] += e.self_cpu_time_total / 1e6
+    op_s = sum(v[1] for v in by_op.values())
+    return {
+        "profiled_wall_s": wall,
+        "aten_ops": int(sum(v[0] for v in by_op.values())),
+        "aten_self_s": op_s,
+        "rest_s": wall - op_s,
+        "by_op": {k: {"count": int(v[0]), "self_s": v[1]} for k, v in by_op.items()},
+    }
+
+
+def _differences(base: dict[str, Any], other: dict[str, Any], top: int = 8) -> list[str]:
+    ops = set(base["by_op"]) | set(other["by_op"])
+    zero = {"count": 0, "self_s": 0.0}
+    rows = []
+    for op in ops:
+        b, o = base["by_op"].get(op, zero), other["by_op"].get(op, zero)
+        rows.append((o["self_s"] - b["self_s"], o["count"] - b["count"], op))
+    rows.sort(key=lambda r: -abs(r[0]))
+    return [f"{op} {dc:+d} calls {ds * 1e3:+.1f} ms" for ds, dc, op in rows[:top]]
+
+
+def run_model(name: str, rounds: int) -> dict[str, Any]:
+    spec = next(s for s in model_specs(False) if s.name == name)
+    torch.compiler.reset()
+    steps: dict[str, Callable[[], None]] = {}
+    models: dict[str, torch.nn.Module] = {}
+    for variant in VARIANTS:
+        model = spec.build()
+        module = _wrap(variant, model, f"{name}_{variant}".replace(" ", "_").replace(",", ""))
+
+        def step(module: torch.nn.Module = module) -> None:
+            spec.loss(module(*spec.inputs)).backward()
+
+        for _ in range(2):  # compile and warm up
+            model.zero_grad(set_to_none=True)
+            step()
+        steps[variant], models[variant] = step, model
+        print(f"  {name}: {variant} ready", flush=True)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        gc.disable()
+        try:
+            for i in range(len(VARIANTS)):
+                variant = VARIANTS[(r + i) % len(VARIANTS)]
+                models[variant].zero_grad(set_to_none=True)
+                gc.collect()
+                t = time.perf_counter()
+                steps[variant]()
+                times[variant].append(time.perf_counter() - t)
+        finally:
+            gc.enable()
+    profiles = {}
+    for variant in ("eager", "aot_eager", "memfit none"):
+        models[variant].zero_grad(set_to_none=True)
+        profiles[variant] = _profile(steps[variant])
+    eager = statistics.median(times["eager"])
+    rows = []
+    for variant in VARIANTS:
+        median = statistics.median(times[variant])
+        row: dict[str, Any] = {"variant": variant, "time_s": median}
+        row["time_vs_eager"] = median / eager
+        if variant in profiles:
+            row.update({k: v for k, v in profiles[variant].items() if k != "by_op"})
+            if variant != "eager":
+                row["largest_differences_vs_eager"] = _differences(
+                    profiles["eager"], profiles[variant]
+                )
+        rows.append(row)
+        print(f"  {name}: {variant:<28} {median * 1e3:7.1f} ms  {median / eager:.3f}x", flush=True)
+    return {"name": name, "description": spec.description, "rows": rows, "times_s": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    started, load_start = time.perf_counter(), load_average()
+    results = [run_model(name, args.rounds) for name in args.models]
+    report = {
+        "benchmark": "executor_overhead",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "software": software_info(ROOT),
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "load_average": {"start": load_start, "end": load_average()},
+        "total_runtime_s": round(time.perf_counter() - started, 1),
+        "models": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "executor_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# Executor overhead ({report['date_utc']})",
+        "",
+        f"CPU ({report['machine'].get('cpu_model', report['machine']['processor'])}), torch "
+        f"{torch.__version__}, {report['threads']} threads, median of {args.rounds} interleaved "
+        f"rounds; load average {load_start} at start, {report['load_average']['end']} at end. "
+        "Profiled columns come from one step under torch.profiler (which slows every op "
+        "alike): ATen ops run, their summed self time, and the rest of the step (Python: "
+        "module calls, FX code, AOTAutograd's runtime, the autograd engine).",
+        "",
+    ]
+    for res in results:
+        lines += [
+            f"## {res['name']}",
+            "",
+            res["description"],
+            "",
+            "| variant | step ms | / eager | ATen ops | ATen self ms | rest ms | largest "
+            "differences from eager (profiled) |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for row in res["rows"]:
+            prof = (
+                f"{row['aten_ops']} | {row['aten_self_s'] * 1e3:.1f} | {row['rest_s'] * 1e3:.1f}"
+                if "aten_ops" in row
+                else "- | - | -"
+            )
+            diffs = "; ".join(row.get("largest_differences_vs_eager", []))
+            lines.append(
+                f"| {row['variant']} | {row['time_s'] * 1e3:.1f} | {row['time_vs_eager']:.3f} "
+                f"| {prof} | {diffs} |"
+            )
+        lines.append("")
+    (args.out / "executor_overhead.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

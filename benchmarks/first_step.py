@@ -1,0 +1,275 @@
+"""What the first training step costs, end to end and per phase: memfit against torch.compile.
+
+Why: memfit plans inside the user's first step (capture, op-scratch measurement, frontier,
+simulation, splitting, compiling), so planning is only affordable while that step stays close to
+what any ``torch.compile`` first step costs. Issue 11's target: the first step of ``"memory"`` and
+of ``budget=`` at most 1.3x that of ``"none"`` (which captures and splits but has nothing to
+decide), on a 400-layer MLP (~6,400 joint-graph nodes) and a 60-layer GPT-2.
+
+Each configuration runs in a fresh Python process (imports, Dynamo's and Inductor's caches in
+memory all cold, as for a user's first step; Inductor's on-disk cache is pointed at a fresh
+directory for every process, so every Inductor configuration really compiles), ``--repeats``
+times, and the median is reported. A child times one training step from the first call to the
+end of ``backward()`` and, for memfit, each phase by wrapping the functions that do it:
+
+* ``op_scratch``: ``measure_op_scratch`` (running each distinct op signature once);
+* ``plan``: ``plan_graph`` (all of planning), of which ``frontier`` (``pareto_frontier``: the
+  plans at every budget of the grid, each simulated) and ``simulate`` (the other simulations:
+  the baseline and the chosen plan);
+* ``split``: ``split_joint_graph`` (forward and backward graphs from the plan);
+* ``compile``: ``compile_graph`` (FX code for the eager executor, Inductor for ``"inductor"``);
+* ``rest``: the step less all of these: Dynamo's capture, AOTAutograd's tracing, running.
+
+Configurations: memfit ``"none"``, ``"memory"``, ``budget=1.0`` with the eager executor (the
+planner computes the same frontier at any budget; on a ReLU MLP no plan keeps less than plain
+autograd, so a smaller fraction is refused) and ``"none"``, ``"memory"`` with the Inductor one;
+``torch.compile(backend="aot_eager")`` (capture and tracing without a compiler: the closest peer
+of memfit's eager executor) and ``torch.compile()`` (Inductor).
+
+Writes ``benchmarks/results/first_step.{json,md}``. Run with the Python of the environment memfit
+is installed in: ``python benchmarks/first_step.py [--quick]`` (about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+CONFIGS = (
+    "memfit none",
+    "memfit memory",
+    "memfit budget=1.0",
+    "memfit-inductor none",
+    "memfit-inductor memory",
+    "torch.compile aot_eager",
+    "torch.compile inductor",
+)
+MODELS = ("mlp-400", "gpt2-60")
+QUICK_MODELS = ("mlp-40", "gpt2-6")
+PHASES = ("op_scratch", "plan", "frontier", "simulate", "split", "compile")
+
+
+def _build(name: str) -> tuple[Any, tuple[Any, ...], Callable[[Any], Any]]:
+    """The model, its inputs and its loss; seeded."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    kind, size = name.rsplit("-", 1)
+    if kind == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(int(size)):
+            layers += [nn.Linear(64, 64), nn.ReLU()]
+        return nn.Sequential(*layers), (torch.randn(32, 64),), lambda out: out.square().mean()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=int(size), n_embd=64, n_head=4, n_positions=64, vocab_size=256, use_cache=False
+    )
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    return GPT2LMHeadModel(config).train(), (ids,), lambda out: out.logits.square().mean()
+
+
+def child(model_name: str, config: str) -> dict[str, Any]:
+    """One first step of ``config`` on ``model_name`` in this (fresh) process, timed by phase."""
+    import torch
+
+    import memfit
+    import memfit.execution.backend as backend
+    import memfit.planning.planner as planner
+
+    torch.set_num_threads(int(os.environ.get("FIRST_STEP_THREADS", "2")))
+    model, inputs, loss = _build(model_name)
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(module: Any, attr: str, phase: str) -> None:
+        inner = getattr(module, attr)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - t
+
+        setattr(module, attr, wrapper)
+
+    timed(backend, "measure_op_scratch", "op_scratch")
+    timed(backend, "plan_graph", "plan")
+    timed(planner, "pareto_frontier", "frontier")
+    timed(planner, "simulate_step", "simulate")
+    timed(backend, "split_joint_graph", "split")
+    timed(backend, "compile_graph", "compile")
+
+    peer, setting = config.split(" ", 1)
+    if peer == "torch.compile":
+        wrapped = torch.compile(model, backend=setting)
+    else:
+        executor = "inductor" if peer == "memfit-inductor" else "eager"
+        if setting.startswith("budget="):
+            wrapped = memfit.checkpoint(model, budget=float(setting[7:]), executor=executor)
+        else:
+            wrapped = memfit.checkpoint(model, setting, executor=executor)
+    t = time.perf_counter()
+    loss(wrapped(*inputs)).backward()
+    total = time.perf_counter() - t
+    record: dict[str, Any] = {"model": model_name, "config": config, "first_step_s": total}
+    if peer != "torch.compile":
+        record["phases_s"] = dict(spent)
+        named = spent["op_scratch"] + spent["plan"] + spent["split"] + spent["compile"]
+        record["phases_s"]["rest"] = total - named
+        plan = wrapped.plan
+        record["joint_nodes"] = sum(g.num_nodes for g in plan.graphs)
+        record["predicted_peak_bytes"] = plan.predicted_peak_bytes
+    return record
+
+
+def _run_child(model_name: str, config: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="memfit-first-step-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", model_name, config],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"model": model_name, "config": config, "error": out.stderr[-2000:]}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    record = dict(ok[0])
+    record["runs_s"] = [r["first_step_s"] for r in ok]
+    record["first_step_s"] = statistics.median(record["runs_s"])
+    if "phases_s" in record:
+        record["phases_s"] = {
+            k: statistics.median(r["phases_s"][k] for r in ok) for k in ok[0]["phases_s"]
+        }
+    return record
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        "| model | configuration | first step (s) | / memfit none | / aot_eager | capture etc. "
+        "| op scratch | plan (frontier, simulate) | split | compile |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    out = [header]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['config']} | error | | | | | | | |")
+            continue
+        base = next(
+            (q for q in rows if q["model"] == r["model"] and q["config"] == "memfit none"), None
+        )
+        aot = next(
+            (
+                q
+                for q in rows
+                if q["model"] == r["model"] and q["config"] == "torch.compile aot_eager"
+            ),
+            None,
+        )
+
+        def ratio(q: dict[str, Any] | None, r: dict[str, Any] = r) -> str:
+            if q is None or "error" in q:
+                return "-"
+            return f"{r['first_step_s'] / q['first_step_s']:.2f}"
+
+        p = r.get("phases_s")
+        phases = (
+            [
+                f"{p['rest']:.1f}",
+                f"{p['op_scratch']:.1f}",
+                f"{p['plan']:.1f} ({p['frontier']:.1f}, {p['simulate']:.1f})",
+                f"{p['split']:.1f}",
+                f"{p['compile']:.1f}",
+            ]
+            if p
+            else ["-"] * 5
+        )
+        out.append(
+            f"| {r['model']} | {r['config']} | {r['first_step_s']:.1f} | {ratio(base)} "
+            f"| {ratio(aot)} | " + " | ".join(phases) + " |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, one repeat")
+    parser.add_argument("--repeats", type=int, default=None, help="processes per point (3)")
+    parser.add_argument("--models", nargs="+", default=None)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)), flush=True)
+        return 0
+    import torch
+
+    from memfit.bench.environment import load_average, machine_info, software_info
+
+    models = args.models or list(QUICK_MODELS if args.quick else MODELS)
+    repeats = args.repeats or (1 if args.quick else 3)
+    started, load_start = time.perf_counter(), load_average()
+    rows = []
+    for model_name in models:
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.configs}
+        for _ in range(repeats):  # interleaved: machine noise hits every configuration alike
+            for config in args.configs:
+                runs[config].append(_run_child(model_name, config))
+                last = runs[config][-1]
+                shown = "error" if "error" in last else f"{last['first_step_s']:.1f} s"
+                print(f"{model_name:>10} {config:<24} {shown}", flush=True)
+        rows += [_median_record(runs[c]) for c in args.configs]
+    report = {
+        "benchmark": "first_step",
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "software": software_info(ROOT),
+        "threads": int(os.environ.get("FIRST_STEP_THREADS", "2")),
+        "repeats": repeats,
+        "load_average": {"start": load_start, "end": load_average()},
+        "total_runtime_s": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("first_step" + ("_quick" if args.quick else ""))
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    md = (
+        f"# First training step ({report['date_utc']})\n\n"
+        f"CPU ({report['machine'].get('cpu_model', report['machine']['processor'])}), torch "
+        f"{torch.__version__}, {report['threads']} threads; each point is a fresh process with "
+        f"a fresh Inductor cache directory, median of {repeats}; load average {load_start} at "
+        f"start, {report['load_average']['end']} at end. Phases in seconds: see the script's "
+        "docstring (capture etc. is the step less the named phases: Dynamo, AOTAutograd's "
+        "tracing, running).\n\n" + _table(rows) + "\n"
+    )
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
