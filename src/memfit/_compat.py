@@ -426,10 +426,22 @@ def inductor_compile(
     ``torch.compile``'s own AOTAutograd forward and backward compilers call after partitioning.
     The result takes its inputs as one list (boxed) and clears it, as memfit's FX executor does.
     Outputs of a forward graph marked ``user_visible_output_idxs`` keep eager's strides.
+    ``layout_opt`` is Inductor's choice of channels-last layouts for convolutions (None: Inductor
+    decides per graph); False also turns off ``torch._inductor.config.layout_optimization``
+    while the graph compiles.
     """
+    import torch._inductor.config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
+    patch = {} if layout_opt is None else {"layout_optimization": layout_opt}
+    with torch._inductor.config.patch(patch):
+        return compile_fx_inner(
+            gm,
+            example_inputs,
+            is_backward=is_backward,
+            is_inference=is_inference,
+            layout_opt=layout_opt,
+        )
 
 
 # ---- added for measurement -----------------------------------------------------------------------
