@@ -125,5 +125,6 @@ def test_bad_input_in_process(argv: list[str], fragment: str, capsys, monkeypatc
 def test_usage_errors_exit_2(capsys) -> None:
     assert main(["profile"]) == 2  # argparse: TARGET missing
     assert main(["frobnicate"]) == 2
+    assert main(["profile", "tests.cli_factories:tiny_mlp", "--executor", "tvm"]) == 2
     assert main(["--help"]) == 0
     assert "examples:" in capsys.readouterr().out

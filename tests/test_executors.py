@@ -74,9 +74,9 @@ def test_gradients_and_batchnorm_match_plain_pytorch(policy: str) -> None:
 
 
 def test_peak_within_prediction_and_budget_held() -> None:
-    """The simulator replays the graphs op by op; Inductor's fused kernels allocate no more
-    than that (values that live inside one kernel are never allocated): the measured peak is
-    at most the prediction, and a byte budget is held."""
+    """On a convolutional net the graphs Inductor runs allocate what the simulator replays
+    (channels-last layouts off): the measured peak is within the prediction and the budget.
+    A budget with Inductor is not guaranteed in general, and memfit says so."""
     x, y = _batch()
     model = _net()
     plain = memfit.measure(lambda: F.cross_entropy(model(x), y).backward())
@@ -86,7 +86,8 @@ def test_peak_within_prediction_and_budget_held() -> None:
     smallest = refused.value.smallest_bytes
     assert smallest is not None and smallest < plain.peak_bytes
     budget = (smallest + plain.peak_bytes) // 2
-    wrapped = memfit.checkpoint(model, budget=budget, executor="inductor")
+    with pytest.warns(UserWarning, match="budget is not guaranteed"):
+        wrapped = memfit.checkpoint(model, budget=budget, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()  # capture, plan, compile
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
@@ -124,10 +125,11 @@ def test_step_with_inductor() -> None:
     ref = _net()
     model = copy.deepcopy(ref)
 
-    @memfit.step(budget=0.6, executor="inductor")
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
+    with pytest.warns(UserWarning, match="budget is not guaranteed"):
+        train_step = memfit.step(loss_of, budget=0.6, executor="inductor")
     train_step(x, y).backward()
     F.cross_entropy(ref(x), y).backward()
     _assert_same_training(model, ref)
