@@ -152,3 +152,19 @@ def test_eager_graph_runs_boxed_and_inputs_are_cleared() -> None:
     assert args == []
     with pytest.raises(ValueError, match="kind must be one of"):
         compile_graph(gm, [], "eager", "training")
+
+
+def test_symbolic_sizes_with_inductor() -> None:
+    """A size that varies is captured once more as a symbol; Inductor compiles that graph for
+    the whole range, and each call's plan is at its own size."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, "memory", executor="inductor")
+    g = torch.Generator().manual_seed(3)
+    for rows in (8, 12, 20):
+        x = torch.randn(rows, 32, generator=g)
+        wrapped(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    _assert_same_training(model, ref)
+    assert dict(wrapped.plan.graphs[0].sizes).popitem()[1] == 20
