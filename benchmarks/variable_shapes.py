@@ -346,14 +346,17 @@ def main() -> None:
         "load_average": load_average(),
     }
     result["per_length"] = not args.no_per_length
+    name = "variable_shapes_quick" if args.quick else "variable_shapes"
+    RESULTS.mkdir(exist_ok=True)
+    partial = RESULTS / f"{name}.partial.json"
     result["timed"] = timed_pass(model, variants, batches, result["per_length"])
+    partial.write_text(json.dumps(result, indent=1))  # a long run keeps its first pass
     result["measured"] = measured_pass(model, variants, batches)
     result["load_average_end"] = load_average()
     result["summary"] = summary(result)
-    name = "variable_shapes_quick" if args.quick else "variable_shapes"
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{name}.md").write_text(markdown(result))
+    partial.unlink(missing_ok=True)
     print(markdown(result))
 
 
