@@ -30,12 +30,15 @@ EAGER = "eager"
 INDUCTOR = "inductor"
 EXECUTORS = (EAGER, INDUCTOR)
 
-#: Inductor's channels-last layouts for convolution graphs ("layout optimization"): off. With it,
-#: Inductor copies every convolution weight and the input into channels-last buffers of its own,
-#: memory no graph memfit planned holds (a CIFAR ResNet, nothing recomputed: measured 62.8 MiB
-#: against 61.2 predicted; without it 61.15, and no slower on CPU, benchmarks/results/
-#: budget_frontier_inductor.md). Off, the graphs Inductor runs allocate what memfit simulated.
-LAYOUT_OPTIMIZATION = False
+#: Inductor's channels-last layouts for convolution graphs ("layout optimization"): Inductor's own
+#: choice (None), as in ``torch.compile``. With it Inductor copies convolution weights and inputs
+#: into channels-last buffers of its own, memory no graph memfit simulated, but oneDNN's
+#: convolutions then need far less scratch: measured on the budget frontier's models (CPU), with
+#: it off the predictions were exact on the ResNet but memfit's steps 1.32x (ResNet) and 1.57x
+#: (U-Net) torch.compile's at equal peak and the U-Net's peaks higher; with it on, 1.10x and
+#: 1.15x, predictions within -3% (ResNet, measured above) to +50% (U-Net, measured below)
+#: (benchmarks/results/budget_frontier_inductor.md).
+LAYOUT_OPTIMIZATION: bool | None = None
 
 #: The kinds of graph AOTAutograd hands a compiler.
 _KINDS = ("forward", "backward", "inference")
