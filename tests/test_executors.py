@@ -168,3 +168,22 @@ def test_symbolic_sizes_with_inductor() -> None:
         ref(x).pow(2).mean().backward()
     _assert_same_training(model, ref)
     assert dict(wrapped.plan.graphs[0].sizes).popitem()[1] == 20
+
+
+@pytest.mark.parametrize("policy", ["none", "memory"])
+def test_dropout_draws_eagers_masks(policy: str) -> None:
+    """Random ops run as eager's kernels on eager's generator (Inductor's fallback_random): the
+    same masks as plain PyTorch from the same seed, recomputed or not."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.3), nn.GELU(), nn.Linear(64, 32))
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, policy, executor="inductor")
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(5)
+    loss = wrapped(x).pow(2).mean()
+    loss.backward()
+    torch.manual_seed(5)
+    expected = ref(x).pow(2).mean()
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=RTOL)
+    _assert_same_training(model, ref)

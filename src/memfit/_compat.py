@@ -407,9 +407,13 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
     the like become elementwise ops and reductions Inductor can fuse; the graph memfit plans is the
     one Inductor compiles.
     """
+    import torch._inductor.config
     from torch._inductor.decomposition import select_decomp_table
 
-    return dict(select_decomp_table())
+    # With fallback_random (see inductor_compile) the table leaves random ops (dropout) whole,
+    # so they draw from eager's generator as eager's kernels do.
+    with torch._inductor.config.patch(fallback_random=True):
+        return dict(select_decomp_table())
 
 
 def inductor_compile(
@@ -428,12 +432,16 @@ def inductor_compile(
     Outputs of a forward graph marked ``user_visible_output_idxs`` keep eager's strides.
     ``layout_opt`` is Inductor's choice of channels-last layouts for convolutions (None: Inductor
     decides per graph); False also turns off ``torch._inductor.config.layout_optimization``
-    while the graph compiles.
+    while the graph compiles. ``torch._inductor.config.fallback_random`` is on while it compiles.
     """
     import torch._inductor.config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    patch = {} if layout_opt is None else {"layout_optimization": layout_opt}
+    # Random ops (dropout) run as eager's kernels on eager's generator: the same masks as plain
+    # PyTorch, and the graph needs none of Inductor's joint-graph rewrites of random ops.
+    patch: dict[str, Any] = {"fallback_random": True}
+    if layout_opt is not None:
+        patch["layout_optimization"] = layout_opt
     with torch._inductor.config.patch(patch):
         return compile_fx_inner(
             gm,
