@@ -16,9 +16,10 @@ directly.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any
@@ -423,6 +424,7 @@ def inductor_compile(
     is_backward: bool,
     is_inference: bool,
     layout_opt: bool | None = None,
+    schedules: list[tuple[list[tuple[str, bool, int, int, int, int]], list[str]]] | None = None,
 ) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by Inductor as one forward, backward or inference graph.
 
@@ -433,6 +435,10 @@ def inductor_compile(
     ``layout_opt`` is Inductor's choice of channels-last layouts for convolutions (None: Inductor
     decides per graph); False also turns off ``torch._inductor.config.layout_optimization``
     while the graph compiles. ``torch._inductor.config.fallback_random`` is on while it compiles.
+
+    ``schedules``: a list that receives the buffer timeline of the order Inductor runs its
+    kernels in (see ``inductor_schedule``); Inductor's on-disk graph cache is then off for this
+    compile, since a graph loaded from it is never scheduled.
     """
     import torch._inductor.config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -442,7 +448,10 @@ def inductor_compile(
     patch: dict[str, Any] = {"fallback_random": True}
     if layout_opt is not None:
         patch["layout_optimization"] = layout_opt
-    with torch._inductor.config.patch(patch):
+    if schedules is not None:
+        patch["fx_graph_cache"] = False
+        patch["reorder_for_peak_memory"] = True
+    with torch._inductor.config.patch(patch), inductor_schedule(schedules):
         return compile_fx_inner(
             gm,
             example_inputs,
@@ -450,6 +459,73 @@ def inductor_compile(
             is_inference=is_inference,
             layout_opt=layout_opt,
         )
+
+
+@contextlib.contextmanager
+def inductor_schedule(
+    schedules: list[tuple[list[tuple[str, bool, int, int, int, int]], list[str]]] | None,
+) -> Iterator[None]:
+    """While Inductor compiles, append to ``schedules`` the buffers of each graph it schedules.
+
+    Inductor's scheduler picks its kernel order last, in
+    ``torch._inductor.memory.reorder_for_peak_memory`` (checked 2.13.0: the scheduler imports it
+    from that module when it runs, so wrapping the module's function sees every call), from the
+    fused nodes and their buffers. The wrapper keeps Inductor's choice and records, for that
+    order, each buffer as ``(name, is_graph_input, bytes_allocated, bytes_freed, first_step,
+    last_step)`` (``last_step`` -1: a graph output, never freed), from Inductor's own
+    ``compute_memory_timeline``: the lifetimes its generated code frees buffers by; and, for each
+    graph output in order, the buffer it is (a view of): ``GraphLowering.get_output_names``.
+    """
+    if schedules is None:
+        yield
+        return
+    import torch._inductor.memory as inductor_memory
+
+    original = inductor_memory.reorder_for_peak_memory
+
+    def recording(
+        nodes: Any,
+        name_to_buf: Any,
+        name_to_fused_node: Any,
+        graph_inputs: Any,
+        graph_outputs: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        order = original(
+            nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, *args, **kwargs
+        )
+        freeable = inductor_memory.get_freeable_input_buf(order, graph_inputs)
+        inductor_memory.assign_memory_planning_info_for_scheduler_nodes(
+            order, name_to_fused_node, name_to_buf, freeable
+        )
+        infos, _, _ = inductor_memory.compute_memory_timeline(order, freeable, graph_outputs)
+        timeline = []
+        for info in infos:
+            is_input = isinstance(info.buffer, inductor_memory.FreeableInputBuffer)
+            name = info.buffer.get_name()
+            timeline.append(
+                (name, is_input, info.size_alloc, info.size_free, info.start_step, info.end_step)
+            )
+        from torch._inductor.virtualized import V
+
+        schedules.append((timeline, list(V.graph.get_output_names())))
+        return order
+
+    inductor_memory.reorder_for_peak_memory = recording
+    try:
+        yield
+    finally:
+        inductor_memory.reorder_for_peak_memory = original
+
+
+def forward_output_strides() -> AbstractContextManager[Any]:
+    """A context receiving the strides Inductor gives a forward graph's outputs (its saved
+    values' layouts), as AOTAutograd uses it to compile the backward for them (checked 2.13.0:
+    ``TracingContext.report_output_strides``)."""
+    from torch._guards import TracingContext
+
+    return TracingContext.report_output_strides()
 
 
 # ---- added for measurement -----------------------------------------------------------------------

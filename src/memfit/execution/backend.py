@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch.fx as fx
 from memfit._compat import aot_autograd, compiled_function_ctx, disable_current_modes
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.analysis.scheduled import scheduled_peak
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
@@ -35,15 +36,27 @@ from memfit.execution.accumulate import (
     note_leaves,
     output_values,
 )
-from memfit.execution.executors import EAGER, check_executor, compile_graph, decompositions
+from memfit.execution.executors import (
+    EAGER,
+    INDUCTOR,
+    CompiledPair,
+    check_executor,
+    compile_graph,
+    compile_pair,
+    decompositions,
+)
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
 from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.execution.tangents import tangent_positions, without_tangents
+from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
+from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, sized_key
-from memfit.planning.planner import plan_graph
-from memfit.planning.policy import Policy
+from memfit.planning.planner import plan_graph, with_executor_peaks
+from memfit.planning.policy import BUDGET, Policy
 from memfit.planning.step import GraphShare
+from memfit.units import format_bytes
+from memfit.warn import warn_user
 
 __all__ = ["make_backend", "Offloader", "StepBudget"]
 
@@ -55,6 +68,7 @@ def _boxed(
     executor: str = EAGER,
     kind: str = "inference",
     user_outputs: int | None = None,
+    compiled: Callable[[list[Any]], Any] | None = None,
 ) -> Callable[..., Any]:
     """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
 
@@ -63,9 +77,10 @@ def _boxed(
     unpack and clear the list first; then a saved value dies right after its last reader, as
     the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
     ``on_run`` is called with the arguments before every run (a planned forward graph reports
-    that it ran, and at which sizes).
+    that it ran, and at which sizes). ``compiled``: ``gm`` already compiled (while planning).
     """
-    compiled = compile_graph(gm, example_inputs, executor, kind, user_outputs)
+    if compiled is None:
+        compiled = compile_graph(gm, example_inputs, executor, kind, user_outputs)
 
     if on_run is None:
 
@@ -85,6 +100,7 @@ def _boxed(
 _PLAN_META = "memfit_plan"
 _USER_OUTPUTS_META = "memfit_user_outputs"
 _SIZES_META = "memfit_plans_by_size"
+_COMPILED_META = "memfit_compiled"
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
@@ -119,7 +135,9 @@ def _boxed_forward(
     gradient; turning that off lets the backward skip them (``execution.tangents``).
     """
     user_outputs = gm.meta.get(_USER_OUTPUTS_META)
-    run_graph = _boxed(gm, example_inputs, on_run, executor, "forward", user_outputs)
+    run_graph = _boxed(
+        gm, example_inputs, on_run, executor, "forward", user_outputs, gm.meta.get(_COMPILED_META)
+    )
 
     def run(args: list[Any]) -> Any:
         ctx = compiled_function_ctx()
@@ -141,6 +159,7 @@ def _boxed_backward(
     """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``) and
     to the parameters whose ``.grad`` it adds into (``execution.accumulate``)."""
     tangents = tangent_positions(gm)
+    precompiled = gm.meta.get(_COMPILED_META)  # for every tangent, no .grad to add into
     bases: dict[frozenset[str], tuple[fx.GraphModule, list[torch.Tensor | None]]] = {}
     graphs: dict[tuple[frozenset[str], frozenset[int]], Callable[..., Any]] = {}
 
@@ -158,12 +177,216 @@ def _boxed_backward(
         if key not in graphs:
             specialized = accumulate_into_grads(base, positions) if positions else base
             examples = list(example_inputs) + [values[i] for i in sorted(positions)]
-            graphs[key] = _boxed(specialized, examples, executor=executor, kind="backward")
+            graphs[key] = _boxed(
+                specialized,
+                examples,
+                executor=executor,
+                kind="backward",
+                compiled=None if missing or positions else precompiled,
+            )
         args.extend(grads)  # the trailing inputs of an accumulating graph
         return graphs[key](args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+#: How many plans of one graph Inductor compiles, at most, to find one within the budget.
+SCHEDULE_TRIES = 3
+
+#: Said when a graph captured for a range of sizes is planned for Inductor with a budget.
+SYMBOLIC_BUDGET_WARNING = (
+    "executor='inductor' with a budget, for a graph captured for a range of input sizes: "
+    "memfit plans it against its op-by-op simulation, which Inductor's fused kernels can peak "
+    "above (measured up to 1.3x on a transformer encoder), so the budget is not guaranteed; "
+    "use executor='eager' (the default) for a budget that must hold"
+)
+
+#: Said when a budget planned for Inductor is checked against Inductor's schedule only.
+UNMEASURED_BUDGET_WARNING = (
+    "executor='inductor' with a budget: the compiled graphs could not be measured while they "
+    "were planned (a CPU profiler session was running, such as memfit.measure around the first "
+    "call), so the budget is checked against Inductor's own buffer-lifetime estimate, which can "
+    "be off (measured 1.38x low on a transformer encoder): the budget is not guaranteed"
+)
+
+
+def _fit_schedule(
+    jg: JointGraph,
+    graph_plan: GraphPlan,
+    plan: Callable[[int], GraphPlan],
+    split: Callable[[GraphPlan], tuple[fx.GraphModule, fx.GraphModule]],
+    user_outputs: int,
+    limit_bytes: int | None,
+    primals: Sequence[Any] | None,
+    strict: bool = True,
+) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule]:
+    """``graph_plan`` compiled by Inductor now, its peaks measured (or, where they cannot be,
+    read from Inductor's schedule), and planned again with headroom while they exceed
+    ``limit_bytes``.
+
+    The simulator replays memfit's op order; Inductor fuses, lays out and orders kernels itself,
+    so a plan within the budget in simulation can peak above it as compiled. The compiled
+    forward and backward run once on ``primals`` (the real parameters and inputs of the call
+    being captured, in the joint graph's order: ``measurement.calibrate``); without them, or
+    while a CPU profiler runs, the peaks come from the buffer lifetimes of Inductor's schedule
+    (``analysis.scheduled``), which can be off (measured 1.38x low on a transformer encoder).
+    The excess of a compiled plan over its simulation is taken off the budget of the next plan
+    (``plan(headroom)``), at most ``SCHEDULE_TRIES`` compiles in all. The first plan that fits
+    is kept (the cheapest: each try allows less); if none does, ``BudgetError`` naming the least
+    peak (or, not ``strict``: a graph of a step with graph breaks, whose budget is settled for
+    the whole step, that plan, and its note says so). The compiled graphs travel in the graphs'
+    metadata, so AOTAutograd's compilers reuse them.
+    """
+    by_name = {n.name: n for n in jg.nodes}
+
+    def peaks(fw: fx.GraphModule, pair: CompiledPair) -> tuple[int, int]:
+        """The scheduled forward's and backward's peaks. A saved value is the buffer Inductor's
+        forward returns it in (views of one buffer are one allocation); the user's outputs are
+        held while the backward runs; other inputs count as memfit's storages, parameters and
+        user inputs not at all."""
+        output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+        outs = list(output.args[0])
+        buffer_of = {
+            out.name: buffer
+            for out, buffer in zip(outs, pair.forward_schedule.outputs)
+            if isinstance(out, fx.Node)
+        }
+        allocated = pair.forward_schedule.output_bytes(list(buffer_of.values()))
+        held = {
+            buffer_of[out.name]
+            for out in outs[:user_outputs]
+            if isinstance(out, fx.Node) and buffer_of.get(out.name) in allocated
+        }
+
+        def storages(name: str) -> list[tuple[Any, int]]:
+            buffer = buffer_of.get(name)
+            if buffer is not None:
+                if buffer not in allocated or buffer in held:
+                    return []
+                return [(buffer, allocated[buffer])]
+            node = by_name[name]  # KeyError: a name memfit does not know, at Inductor's size
+            return [(k, jg.storage_bytes[k]) for k in jg.storages[node] if k not in jg.primal_keys]
+
+        return (
+            scheduled_peak(pair.forward_schedule.buffers, storages),
+            scheduled_peak(
+                pair.backward_schedule.buffers, storages, sum(allocated[b] for b in held)
+            ),
+        )
+
+    def predicted(fw: fx.GraphModule, bw: fx.GraphModule, pair: CompiledPair) -> GraphPlan:
+        measured = _calibrate(fw, bw, pair, user_outputs, primals)
+        if measured is None and limit_bytes is not None:
+            warn_user(UNMEASURED_BUDGET_WARNING)
+        if measured is not None:
+            return with_executor_peaks(
+                graph_plan,
+                measured.forward_peak_bytes,
+                measured.backward_peak_bytes,
+                forward_end=measured.forward_end_bytes,
+                source="the compiled graphs, measured once",
+            )
+        return with_executor_peaks(graph_plan, *peaks(fw, pair), source="Inductor's schedule")
+
+    tries: list[tuple[GraphPlan, fx.GraphModule, fx.GraphModule]] = []
+    headroom = 0
+    while True:
+        fw, bw = split(graph_plan)
+        pair = compile_pair(fw, bw, user_outputs)
+        fw.meta[_COMPILED_META] = pair.forward
+        bw.meta[_COMPILED_META] = pair.backward
+        scheduled = predicted(fw, bw, pair)
+        tries.append((scheduled, fw, bw))
+        over = 0 if limit_bytes is None else scheduled.predicted_peak_bytes - limit_bytes
+        if over <= 0 or len(tries) == SCHEDULE_TRIES:
+            break
+        headroom = max(headroom, scheduled.predicted_peak_bytes - graph_plan.predicted_peak_bytes)
+        headroom = max(headroom + 1, headroom)
+        try:
+            again = plan(headroom)
+        except BudgetError:
+            break
+        if again.decisions == graph_plan.decisions:
+            break
+        graph_plan = again
+    fits = [t for t in tries if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
+    if fits:
+        return fits[0]
+    least = min(tries, key=lambda t: t[0].predicted_peak_bytes)
+    assert limit_bytes is not None
+    note = (
+        f"compiled by Inductor, the least peak of the {len(tries)} plans tried is "
+        f"{format_bytes(least[0].predicted_peak_bytes)}, above the budget of "
+        f"{format_bytes(limit_bytes)}"
+    )
+    if strict:
+        raise BudgetError(
+            f"{note} (the simulation of eager kernels found plans within it; Inductor's kernels "
+            f"hold more); use a larger budget or executor='eager'",
+            budget_bytes=limit_bytes,
+            smallest_bytes=least[0].predicted_peak_bytes,
+        )
+    return (dataclasses.replace(least[0], note=f"{least[0].note}; {note}"),) + least[1:]
+
+
+def _calibrate(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    pair: CompiledPair,
+    user_outputs: int,
+    primals: Sequence[Any] | None,
+) -> StepPeaks | None:
+    """The compiled pair's peaks measured on ``primals``, or None where that cannot be done."""
+    if primals is None:
+        return None
+    fw_placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    inputs: list[Any] = []
+    for p in fw_placeholders:
+        index = _primal_index(p.name)
+        if index is None or index >= len(primals):
+            return None
+        value, fake = primals[index], p.meta.get("val")
+        if isinstance(fake, torch.Tensor) and (
+            not isinstance(value, torch.Tensor) or value.shape != fake.shape
+        ):
+            return None
+        inputs.append(value)
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    names = [o.name if isinstance(o, fx.Node) else None for o in output.args[0]]
+    position = {name: i for i, name in enumerate(names) if name is not None}
+    bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+
+    def backward_inputs(outputs: Sequence[Any]) -> list[Any]:
+        args: list[Any] = []
+        for p in bw_placeholders:
+            if p.name in position:
+                args.append(outputs[position[p.name]])
+                continue
+            fake = p.meta.get("val")
+            if not isinstance(fake, torch.Tensor):
+                raise _CannotCalibrate(p.name)
+            args.append(torch.ones(fake.shape, dtype=fake.dtype, device=inputs[0].device))
+        return args
+
+    try:
+        with disable_current_modes():  # the partitioner runs under fake tensors: run real ones
+            return measure_compiled_step(
+                pair.forward, pair.backward, inputs, backward_inputs, user_outputs
+            )
+    except _CannotCalibrate:
+        return None
+
+
+class _CannotCalibrate(Exception):
+    """A backward input is neither saved by the forward nor a tensor memfit can make."""
+
+
+def _primal_index(name: str) -> int | None:
+    prefix = "primals_"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return None
+    return int(name[len(prefix) :]) - 1
 
 
 def _largest_value(jg: JointGraph) -> int:
@@ -282,6 +505,8 @@ def make_backend(
         offloader = Offloader(OffloadOptions())
     sites: list[AttentionSite] = []
     current_key = [""]
+    #: the real values of the joint graph's primals for the graph being captured
+    current_primals: list[list[Any] | None] = [None]
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
@@ -301,21 +526,57 @@ def make_backend(
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )
         graph_share = share(sized_key(key, capture_sizes(jg).key)) if share else None
-        graph_plan = plan_graph(
-            jg,
-            policy,
-            spent_bytes=step_budget.spent if step_budget else 0,
-            share=graph_share,
-            first_plan=graph_share is None,
-            link=link,
-            offload_to=to,
-            offload_min_bytes=offloader.options.min_bytes if offloader else 1,
-            offload_limit_bytes=limit,
-        )
-        graph_plan = dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
+        spent = step_budget.spent if step_budget else 0
+
+        def plan(headroom: int = 0) -> GraphPlan:
+            graph_plan = plan_graph(
+                jg,
+                policy,
+                spent_bytes=spent,
+                share=graph_share,
+                first_plan=graph_share is None,
+                link=link,
+                offload_to=to,
+                offload_min_bytes=offloader.options.min_bytes if offloader else 1,
+                offload_limit_bytes=limit,
+                headroom_bytes=headroom,
+            )
+            return dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
+
+        def split(graph_plan: GraphPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
+            return split_joint_graph(
+                joint,
+                graph_plan,
+                num_fwd_outputs=kwargs["num_fwd_outputs"],
+                static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
+                store=offloader.store if offloader else None,
+            )
+
+        graph_plan = plan()
+        if executor == INDUCTOR and jg.symbols and policy.name == BUDGET:
+            warn_user(SYMBOLIC_BUDGET_WARNING)
+        if executor == INDUCTOR and not jg.symbols and not policy.offload:
+            byte_budget = policy.budget is not None and policy.budget.fraction is None
+            limit_bytes = None
+            if policy.name == BUDGET and graph_plan.budget_bytes is not None:
+                own = byte_budget and graph_share is None
+                limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
+            graph_plan, fw, bw = _fit_schedule(
+                jg,
+                graph_plan,
+                plan,
+                split,
+                kwargs["num_fwd_outputs"],
+                limit_bytes,
+                current_primals[0],
+                strict=graph_share is None and not spent,
+            )
+            on_plan(graph_plan)
+            fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
+            fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]
+            return fw, bw
         by_size: PlansBySize | None = None
         if jg.symbols:
-            spent = step_budget.spent if step_budget else 0
             by_size = PlansBySize(
                 jg, graph_plan, policy, outside, spent_bytes=spent, shared=graph_share is not None
             )
@@ -323,13 +584,7 @@ def make_backend(
         on_plan(graph_plan)
         if offloader is not None:
             offloader.reserve(graph_plan)
-        fw, bw = split_joint_graph(
-            joint,
-            graph_plan,
-            num_fwd_outputs=kwargs["num_fwd_outputs"],
-            static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
-            store=offloader.store if offloader else None,
-        )
+        fw, bw = split(graph_plan)
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
@@ -389,6 +644,14 @@ def make_backend(
             on_compile()
         sites.clear()
         current_key[0] = graph_key(gm, example_inputs)
+        # AOTAutograd's primals: the module's parameters and buffers, then Dynamo's inputs
+        # (aot_module_simplified, checked 2.13.0); real values, which the Inductor executor runs
+        # its compiled graphs on once to measure them.
+        current_primals[0] = [
+            *dict(gm.named_parameters(remove_duplicate=False)).values(),
+            *dict(gm.named_buffers(remove_duplicate=False)).values(),
+            *example_inputs,
+        ]
         remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
         if attention == "auto":
             sites.extend(replace_attention(gm))

@@ -17,14 +17,30 @@ graph ends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from memfit._compat import boxed_codegen, inductor_compile, inductor_decompositions
+from memfit._compat import (
+    boxed_codegen,
+    forward_output_strides,
+    inductor_compile,
+    inductor_decompositions,
+)
+from memfit.analysis.scheduled import Schedule
 from memfit.capture.mark import strip_marks
 
-__all__ = ["EXECUTORS", "EAGER", "INDUCTOR", "compile_graph", "decompositions"]
+__all__ = [
+    "EXECUTORS",
+    "EAGER",
+    "INDUCTOR",
+    "CompiledPair",
+    "compile_graph",
+    "compile_pair",
+    "decompositions",
+]
 
 EAGER = "eager"
 INDUCTOR = "inductor"
@@ -67,13 +83,15 @@ def compile_graph(
     executor: str,
     kind: str,
     user_outputs: int | None = None,
+    schedules: list[Schedule] | None = None,
 ) -> Callable[[list[Any]], Any]:
     """``gm`` ready to run under ``executor``, called with its inputs in one list (boxed).
 
     ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``. ``user_outputs`` is how many
     of a forward graph's first outputs the user sees (the rest are saved for backward): Inductor
     gives those eager's strides and picks the layout of the rest itself. Inputs the graph does
-    not read (a tangent that arrives as None) are not passed to Inductor.
+    not read (a tangent that arrives as None) are not passed to Inductor. ``schedules``
+    (Inductor only) receives the buffer timeline of the order Inductor runs the graph in.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
@@ -82,11 +100,66 @@ def compile_graph(
         gm.graph.set_codegen(boxed_codegen())
         gm.recompile()
         return gm
-    return _inductor(gm, list(example_inputs), kind, user_outputs)
+    return _inductor(gm, list(example_inputs), kind, user_outputs, schedules)
+
+
+@dataclass
+class CompiledPair:
+    """A planned forward and backward graph compiled by Inductor, with the buffer timelines of
+    the schedules Inductor runs them in (``analysis.scheduled``)."""
+
+    forward: Callable[[list[Any]], Any]
+    backward: Callable[[list[Any]], Any]
+    forward_schedule: Schedule
+    backward_schedule: Schedule
+
+
+def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> CompiledPair:
+    """``fw`` and ``bw`` compiled by Inductor while they are planned, before anything runs.
+
+    AOTAutograd would compile them after the partition returns; compiling them here lets memfit
+    read what Inductor's schedule holds and plan again if it holds more than the budget. The
+    examples are the graphs' own fake values, as AOTAutograd passes them, and the backward is
+    compiled for the layouts Inductor gave the saved values (the forward's output strides), as
+    AOTAutograd does: the saved values arrive in those layouts.
+    """
+    fw_examples = [n.meta.get("val") for n in fw.graph.nodes if n.op == "placeholder"]
+    forward_schedule: list[Schedule] = []
+    with forward_output_strides() as strides:
+        forward = _inductor(fw, fw_examples, "forward", user_outputs, forward_schedule)
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    (outs,) = output.args
+    stride_of: dict[str, Any] = {}
+    if strides:
+        for out, stride in zip(outs, strides):
+            if isinstance(out, fx.Node) and stride is not None:
+                stride_of[out.name] = stride
+    bw_examples = []
+    for n in bw.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        value = n.meta.get("val")
+        stride = stride_of.get(n.name)
+        if isinstance(value, torch.Tensor) and stride is not None:
+            if tuple(value.stride()) != tuple(stride):
+                value = value.as_strided(value.size(), stride)
+        bw_examples.append(value)
+    backward_schedule: list[Schedule] = []
+    backward = _inductor(bw, bw_examples, "backward", None, backward_schedule)
+    return CompiledPair(
+        forward,
+        backward,
+        forward_schedule[-1] if forward_schedule else Schedule((), ()),
+        backward_schedule[-1] if backward_schedule else Schedule((), ()),
+    )
 
 
 def _inductor(
-    gm: fx.GraphModule, example_inputs: list[Any], kind: str, user_outputs: int | None
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    kind: str,
+    user_outputs: int | None,
+    schedules: list[Schedule] | None = None,
 ) -> Callable[[list[Any]], Any]:
     graph = fx.Graph()  # a copy: one backward graph may be compiled for several specializations
     env: dict[fx.Node, fx.Node] = {}
@@ -111,13 +184,18 @@ def _inductor(
     # Inductor's name (compile_fx_forward sets it the same way, checked 2.13.0).
     output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(outs[i], fx.Node)]
     gm.recompile()
+    scheduled: list[tuple[Any, Any]] | None = [] if schedules is not None else None
     compiled = inductor_compile(
         gm,
         examples,
         is_backward=kind == "backward",
         is_inference=kind == "inference",
         layout_opt=LAYOUT_OPTIMIZATION,
+        schedules=scheduled,
     )
+    if schedules is not None and scheduled:
+        buffers, outputs = scheduled[-1]
+        schedules.append(Schedule(tuple(buffers), tuple(outputs)))
     if not unread:
         return compiled
 

@@ -68,10 +68,11 @@ _DYNAMO_LIMIT = 1 << 16
 #: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
 STEP_ROUNDS = 3
 
-#: Said once per wrapper that plans a budget and runs it through Inductor.
+#: Said once per wrapper that plans a budget with offload and runs it through Inductor: such
+#: plans are not measured after compiling (``execution.backend``), only simulated.
 INDUCTOR_BUDGET_WARNING = (
-    "executor='inductor' with a budget: memfit plans against its op-by-op simulation of the "
-    "graphs Inductor compiles, but Inductor schedules and allocates its fused kernels itself "
+    "executor='inductor' with a budget and offload: memfit plans offload against its op-by-op "
+    "simulation of the graphs, but Inductor schedules and allocates its fused kernels itself "
     "and can peak above that prediction (measured up to 1.3x on a transformer encoder), so the "
     "budget is not guaranteed; use executor='eager' (the default) for a budget that must hold"
 )
@@ -127,7 +128,7 @@ class PlannedCall:
         executor: str = EAGER,
     ) -> None:
         check_executor(executor)
-        if executor == INDUCTOR and policy.name == BUDGET:
+        if executor == INDUCTOR and policy.name == BUDGET and policy.offload:
             warn_user(INDUCTOR_BUDGET_WARNING)
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")

@@ -16,6 +16,7 @@ runs, and a budget plan's predicted peak is within its budget by construction.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch.fx as fx
@@ -34,7 +35,7 @@ from memfit.planning.policy import BUDGET, Policy
 from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
 
-__all__ = ["plan_graph"]
+__all__ = ["plan_graph", "with_executor_peaks"]
 
 #: The named policies the planner answers with one keep-set rule ("memory" and budgets use the
 #: frontier instead).
@@ -56,6 +57,7 @@ def plan_graph(
     offload_limit_bytes: int | None = None,
     share: GraphShare | None = None,
     first_plan: bool = False,
+    headroom_bytes: int = 0,
 ) -> GraphPlan:
     """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
@@ -69,7 +71,9 @@ def plan_graph(
     known, and so is a graph that cannot meet its share.
     Policies that offload need the ``link`` they offload over (and ``offload_to``, its name
     for the plan); ``offload_limit_bytes`` caps what one graph may offload (the host budget, or
-    the free space of the offload disk).
+    the free space of the offload disk). ``headroom_bytes`` is taken off a budget for what the
+    executor holds beyond the simulation (Inductor's schedule, measured on a plan compiled before:
+    ``execution.backend``).
     """
     if policy.offload and link is None:
         raise ValueError(f"policy {policy.label!r} offloads: plan_graph needs the link's bandwidth")
@@ -125,6 +129,7 @@ def plan_graph(
             budget_bytes = _fraction_reach(jg, points, fraction, budget_bytes)
         # A fraction is of this graph's own activations; bytes are shared with earlier graphs.
         allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
+        allowed -= headroom_bytes
         try:
             chosen = choose(allowed_points or points, allowed)
         except BudgetError as err:
@@ -331,4 +336,30 @@ def describe_plan(
         offload_to=offload_to if transfers else None,
         transfer_seconds=schedule.transfer_seconds if schedule else 0.0,
         stall_seconds=schedule.stall_seconds if schedule else 0.0,
+    )
+
+
+def with_executor_peaks(
+    plan: GraphPlan,
+    forward_peak: int,
+    backward_peak: int,
+    *,
+    forward_end: int | None = None,
+    source: str,
+) -> GraphPlan:
+    """``plan`` predicted from the peaks of its forward and backward as the executor runs them
+    (measured once, or from Inductor's schedule: ``execution.backend``) instead of from the
+    op-by-op simulation. What the step holds between the two (a loss outside the graph) stays
+    reserved on top of what the forward leaves alive (``forward_end``; the simulation's when not
+    given). ``source`` says where the peaks come from, in the plan's note."""
+    end = plan.forward_end_bytes if forward_end is None else forward_end
+    forward = max(forward_peak, end + plan.outside_bytes)
+    note = f"peak predicted from {source}"
+    return dataclasses.replace(
+        plan,
+        predicted_peak_bytes=max(forward, backward_peak),
+        forward_end_bytes=end,
+        forward_peak_bytes=forward,
+        backward_peak_bytes=backward_peak,
+        note=f"{plan.note}; {note}" if plan.note else note,
     )
