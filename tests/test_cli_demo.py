@@ -8,6 +8,7 @@ per policy with its measured peak, and that the figure is a real PNG of a sensib
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 from clitools import explain, png_size, run_memfit
@@ -15,7 +16,9 @@ from clitools import explain, png_size, run_memfit
 
 def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
-    proc = run_memfit("demo", "--quick", "--out", str(out), cwd=tmp_path)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = run_memfit("demo", "--quick", "--out", str(out), cwd=cwd)
     assert proc.returncode == 0, explain(proc)
 
     rows = {}
@@ -35,6 +38,9 @@ def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) 
 
     png = out / "demo.png"
     assert png.is_file(), proc.stdout
+    # --out is honoured (tests/test_cli_out.py checks the other commands and the default folder)
+    assert sorted(p.name for p in out.iterdir()) == ["demo.png"]
+    assert list(cwd.iterdir()) == [], "demo wrote into its working directory"
     height, width = png_size(png)
     assert height > 300 and width > 600, (height, width)
     assert str(png) in proc.stdout.replace("\n", "")
@@ -45,3 +51,9 @@ def test_demo_help_has_an_example() -> None:
     proc = run_memfit("demo", "--help")
     assert proc.returncode == 0, explain(proc)
     assert "examples:" in proc.stdout and "memfit demo" in proc.stdout
+
+
+def test_demo_defaults_to_a_folder_in_the_temporary_directory() -> None:
+    from memfit.cli.demo import DEFAULT_OUT
+
+    assert DEFAULT_OUT.parent == Path(tempfile.gettempdir()) and DEFAULT_OUT.name == "memfit-demo"

@@ -3,7 +3,8 @@ directory, and never into the working directory it is run from.
 
 Each command runs as a user runs it (a subprocess, quick settings) in an empty working directory,
 with ``TMPDIR`` pointing at a folder of the test's own, so the defaults can be checked without
-touching the machine's real temporary directory.
+touching the machine's real temporary directory. ``demo``, the slowest, is run once, with ``--out``,
+in tests/test_cli_demo.py, which also checks its default folder.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from clitools import ROOT, TINY_SWEEP, explain, run_memfit
 #: Per command: its arguments (quick settings), the folder it defaults to in the temporary
 #: directory, and the files it must write there.
 COMMANDS = {
-    "demo": (["demo", "--quick"], "memfit-demo", ["demo.png"]),
     "profile": (
         [
             "profile",
@@ -60,7 +60,7 @@ def test_default_out_is_in_the_temporary_directory(command: str, tmp_path: Path)
     assert str(out / files[0]) in proc.stdout.replace("\n", "")  # it says where the files went
 
 
-@pytest.mark.parametrize("command", ["demo", "profile"])  # bench: tests/test_cli_bench.py
+@pytest.mark.parametrize("command", ["profile"])  # bench: test_cli_bench.py, demo: test_cli_demo.py
 def test_out_is_honoured(command: str, tmp_path: Path) -> None:
     args, folder, files = COMMANDS[command]
     cwd, tmp = _dirs(tmp_path)
