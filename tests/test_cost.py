@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memfit.analysis.cost import is_compute_heavy, node_flops, node_seconds
+from memfit.analysis.cost import DEVICE_SPEED, is_compute_heavy, node_flops, node_seconds
 from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
@@ -16,6 +16,17 @@ def test_matmul_flops_and_heaviness() -> None:
     assert node_flops(addmm) == 2 * 8 * 32 * 64
     assert is_compute_heavy(addmm) and not is_compute_heavy(relu)
     assert node_flops(relu) == 8 * 64  # one per output element
+
+
+def test_fused_elementwise_costs_its_arithmetic_only() -> None:
+    """Under a fusing executor an elementwise op moves no bytes of its own; a matrix product is
+    its own kernel either way."""
+    (jg,) = joint_graphs(nn.Sequential(nn.Linear(32, 64), nn.ReLU()), torch.randn(8, 32))
+    addmm = next(n for n in jg.forward if n.target is torch.ops.aten.addmm.default)
+    relu = next(n for n in jg.forward if n.target is torch.ops.aten.relu.default)
+    assert node_seconds(addmm, fused=True) == node_seconds(addmm)
+    assert node_seconds(relu, fused=True) == node_flops(relu) / DEVICE_SPEED["cpu"][0]
+    assert node_seconds(relu, fused=True) < node_seconds(relu)
 
 
 class _Chunked(nn.Module):

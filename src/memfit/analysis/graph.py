@@ -92,6 +92,9 @@ class JointGraph:
     #: positions among the primals of the step's parameters and buffers (AOTAutograd's static
     #: inputs): their gradients outlive the graph's backward (they become ``.grad``)
     static_inputs: frozenset[int] = frozenset()
+    #: the executor fuses elementwise ops and reductions into generated kernels (Inductor), so
+    #: recomputing one costs its arithmetic, not its memory traffic (``analysis.cost``)
+    fused_elementwise: bool = False
     nodes: list[fx.Node] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
     primals: list[fx.Node] = field(init=False)

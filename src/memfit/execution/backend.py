@@ -511,6 +511,7 @@ def make_backend(
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         prepare_joint_graph(joint)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
+        jg.fused_elementwise = executor == INDUCTOR
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
         key = current_key[0]
         outside: Callable[[int], int] | None = None

@@ -88,7 +88,10 @@ def pareto_frontier(
 ) -> list[FrontierPoint]:
     """Simulated Pareto-optimal plans of ``jg``, sorted by increasing peak (decreasing cost)."""
     started = time.perf_counter()
-    costs = {n: (node_seconds(n, jg.sizes), node_flops(n, jg.sizes)) for n in jg.forward}
+    costs = {
+        n: (node_seconds(n, jg.sizes, jg.fused_elementwise), node_flops(n, jg.sizes))
+        for n in jg.forward
+    }
     baseline = keep_all(jg)
     points = [
         _point(jg, baseline, "none", costs),

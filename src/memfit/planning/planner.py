@@ -319,7 +319,9 @@ def describe_plan(
         forward_flops=sum(node_flops(n, jg.sizes) for n in jg.forward_computed),
         num_nodes=len(jg.nodes),
         note=note,
-        recompute_seconds=float(sum(node_seconds(n, jg.sizes) for n in recomputed)),
+        recompute_seconds=float(
+            sum(node_seconds(n, jg.sizes, jg.fused_elementwise) for n in recomputed)
+        ),
         budget_bytes=budget_bytes,
         step_budget_bytes=step_budget_bytes,
         frontier=frontier,

@@ -86,7 +86,12 @@ class SegmentModel:
             default=0,
         )
         node_secs = np.array(
-            [seconds[n] if seconds is not None else node_seconds(n, jg.sizes) for n in fwd],
+            [
+                seconds[n]
+                if seconds is not None
+                else node_seconds(n, jg.sizes, jg.fused_elementwise)
+                for n in fwd
+            ],
             dtype=np.float64,
         )
         always = np.array([n in always_kept for n in fwd], dtype=bool)
