@@ -112,6 +112,9 @@ class CompiledPair:
     backward: Callable[[list[Any]], Any]
     forward_schedule: Schedule
     backward_schedule: Schedule
+    #: the backward's example inputs in the layouts the forward gives its saved values: what any
+    #: other specialization of the backward must be compiled for
+    backward_examples: list[Any]
 
 
 def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> CompiledPair:
@@ -145,12 +148,13 @@ def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> C
                 value = value.as_strided(value.size(), stride)
         bw_examples.append(value)
     backward_schedule: list[Schedule] = []
-    backward = _inductor(bw, bw_examples, "backward", None, backward_schedule)
+    backward = _inductor(bw, list(bw_examples), "backward", None, backward_schedule)
     return CompiledPair(
         forward,
         backward,
         forward_schedule[-1] if forward_schedule else Schedule((), ()),
         backward_schedule[-1] if backward_schedule else Schedule((), ()),
+        bw_examples,
     )
 
 
