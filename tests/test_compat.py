@@ -266,3 +266,29 @@ def test_automatic_dynamic_shapes_off_captures_every_size_again() -> None:
         for n in (3, 4, 5):
             f(torch.randn(n))
     assert _compat.unique_graph_count() == before + 2  # the second size as a symbol serves 5
+
+
+def test_inductor_compile_reports_its_schedule() -> None:
+    """Inductor's scheduler still picks its order in ``memory.reorder_for_peak_memory``, whose
+    timeline names every buffer, and the lowering names the buffer of each output."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.mm(x, x)
+        return (y.relu() + 1, y)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(16, 16)
+    gm = make_fx(f)(x)
+    schedules: list[Any] = []
+    compiled = _compat.inductor_compile(
+        gm, [x], is_backward=False, is_inference=True, schedules=schedules
+    )
+    out = compiled([x])
+    assert torch.allclose(out[0], torch.mm(x, x).relu() + 1)
+    (timeline, outputs) = schedules[-1]
+    assert len(outputs) == 2
+    buffers = {name: alloc for name, is_input, alloc, _, _, _ in timeline if not is_input}
+    assert outputs[1] in buffers and buffers[outputs[1]] == 16 * 16 * 4
+    with _compat.forward_output_strides() as strides:  # no tracing context here
+        assert strides is None

@@ -66,7 +66,9 @@ __all__ = [
     "inductor_post_grad_pass",
     "make_boxed_func",
     # the Inductor executor
+    "forward_output_strides",
     "inductor_compile",
+    "inductor_schedule",
     "inductor_decompositions",
 ]
 
