@@ -149,6 +149,78 @@ def extract_fwd_bwd_modules(
     )
 
 
+def min_cut_saved_values(
+    joint: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: Iterable[int] | None,
+    must_recompute: Iterable[fx.Node] = (),
+    must_save: Iterable[fx.Node] = (),
+    memory_budget: float | None = None,
+) -> list[fx.Node]:
+    """The values torch's min-cut partitioner saves in ``joint``, with ``must_recompute`` forced
+    into the backward and ``must_save`` never recomputed.
+
+    Without ``memory_budget``: ``torch._functorch.partitioners.solve_min_cut`` (checked 2.13.0),
+    as ``torch.compile``'s own partitioner calls it under an ``activation_memory_budget`` below 1
+    before its knapsack: ops Inductor fuses may be recomputed (its allowlist), compute-intensive
+    and random ops are banned, and none of the three runtime heuristics (used far apart, long
+    fusible chains, materialized in backward) bans anything. With ``memory_budget``: what
+    ``torch.compile`` saves under ``activation_memory_budget=memory_budget``
+    (``choose_saved_values_set``: its min-cut, then its knapsack over what else to recompute).
+    ``node_info`` and ``dist_from_bw`` are built as ``min_cut_rematerialization_partition``
+    builds them; the ``recompute`` tags are set only while it solves, and the graph is otherwise
+    left as it was.
+    """
+    import torch._functorch.config as functorch_config
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = joint.graph
+    static = list(static_lifetime_input_indices or ())
+    node_info = _partitioners.classify_nodes(joint, static, num_fwd_outputs)
+    if len(node_info.required_bw_nodes) == 0:  # nothing to partition (networkx would fail)
+        return []
+    # How far each forward node is from the backward, as min_cut_rematerialization_partition
+    # computes it (an attribute the solver reads off every node).
+    distance: dict[fx.Node, int] = {}
+    for node in reversed(graph.nodes):
+        if node.op != "output" and not node_info.is_required_fw(node):
+            distance[node] = 0
+        else:
+            users = node.users if node.op != "output" else ()
+            distance[node] = min([int(1e9)] + [distance[u] + 1 for u in users])
+        setattr(node, "dist_from_bw", distance[node])  # noqa: B010
+    tags = {
+        **{n: CheckpointPolicy.MUST_SAVE for n in must_save},
+        **{n: CheckpointPolicy.MUST_RECOMPUTE for n in must_recompute},
+    }
+    previous = {n: n.meta.get("recompute", _MISSING) for n in tags}
+    options = _partitioners.MinCutOptions(
+        ban_if_used_far_apart=False,
+        ban_if_long_fusible_chains=False,
+        ban_if_materialized_backward=False,
+        ban_if_not_in_allowlist=functorch_config.ban_recompute_not_in_allowlist,
+        ban_if_reduction=functorch_config.ban_recompute_reductions,
+    )
+    try:
+        for n, tag in tags.items():
+            n.meta["recompute"] = tag
+        if memory_budget is None:
+            saved, _ = _partitioners.solve_min_cut(graph, node_info, options)
+        else:
+            saved = _partitioners.choose_saved_values_set(graph, node_info, memory_budget)
+    finally:
+        for n, old in previous.items():
+            if old is _MISSING:
+                n.meta.pop("recompute", None)
+            else:
+                n.meta["recompute"] = old
+    return list(saved)
+
+
+_MISSING = object()
+
+
 def is_tangent(node: fx.Node) -> bool:
     """A joint graph's tangent input: AOTAutograd names them ``tangents_N`` (checked 2.13.0).
 
@@ -411,6 +483,10 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
     one Inductor compiles.
     """
     import torch._inductor.config
+
+    # Some decompositions (max_pool2d_with_indices) ask Inductor's lowerings whether to fall
+    # back, through the module attribute, which exists only once the module is imported.
+    import torch._inductor.lowering  # noqa: F401
     from torch._inductor.decomposition import select_decomp_table
 
     # With fallback_random (see inductor_compile) the table leaves random ops (dropout) whole,

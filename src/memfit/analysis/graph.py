@@ -264,6 +264,15 @@ class JointGraph:
         recomputed) and stops at saved nodes and primals; the primals it reaches are included,
         and so are random and impure values (``never_recompute``), whatever ``saved`` says.
         """
+        return self._walk_back(saved)[0]
+
+    def recomputed_for(self, saved: Iterable[fx.Node]) -> set[fx.Node]:
+        """The forward nodes the backward runs again when ``saved`` is kept: those it reaches
+        from its reads without passing a saved value (``saved_needed``'s walk)."""
+        needed, visited = self._walk_back(saved)
+        return {n for n in visited - needed if n in self._forward_set}
+
+    def _walk_back(self, saved: Iterable[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
         saved_set = set(saved)
         needed: set[fx.Node] = set()
         visited: set[fx.Node] = set()
@@ -280,7 +289,7 @@ class JointGraph:
                 needed.add(n)  # primals and sizes are handed to backward at no cost
                 continue
             stack.extend(inputs[n])
-        return needed
+        return needed, visited
 
     def parameter_grad_bytes(self) -> int:
         """Bytes of the gradients this graph's backward returns for its static inputs

@@ -10,7 +10,10 @@ The frontier's points come from plain autograd, ``"speed"``, the cut heuristic
 (``policies.keep_min_peak``), the segment programme of ``planning.segments`` solved at a grid of
 modelled budgets between its least feasible peak and keeping everything (each solve is a few
 milliseconds; the simulator replays every distinct plan), and a local search in the simulator
-from the least peak among them (``planning.refine``). Points closer than ``min_gap`` of the
+from the least peak among them (``planning.refine``). Under Inductor (``jg.fused_elementwise``)
+each of those plans also comes with fusible recomputation added, and ``torch.compile``'s own plans
+at a grid of ``activation_memory_budget`` values join them (``planning.fusion``), so the frontier
+holds every plan ``torch.compile`` would pick. Points closer than ``min_gap`` of the
 baseline peak to a cheaper point are dropped, so two plans the measurement could not tell apart
 never both appear; the least peak is always kept.
 
@@ -27,7 +30,9 @@ so every budget is still answered within its bytes or refused.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch.fx as fx
@@ -37,12 +42,18 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
+from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_kept, with_fused_recomputation
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
 from memfit.units import format_bytes
 
 __all__ = ["FrontierPoint", "pareto_frontier", "pareto", "choose"]
+
+#: Seconds from the start of ``pareto_frontier`` after which no more Inductor candidates
+#: (``_fused_points``) are solved: they come after the time-limited search, so they get a limit of
+#: their own.
+FUSED_TIME_LIMIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -142,8 +153,40 @@ def pareto_frontier(
         deadline=started + time_limit_s,
     )
     if frozenset(refined) not in seen:
+        seen.add(frozenset(refined))
         points.append(_point(jg, refined, "refined", costs))
+    if jg.fused_elementwise:
+        points += _fused_points(jg, pareto(points, min_gap * base.peak_bytes), costs, seen, started)
     return pareto(points, min_gap * base.peak_bytes)
+
+
+def _fused_points(
+    jg: JointGraph,
+    frontier: list[FrontierPoint],
+    costs: dict[fx.Node, tuple[float, int]],
+    seen: set[frozenset[fx.Node]],
+    started: float,
+) -> list[FrontierPoint]:
+    """Under Inductor: each frontier plan with fusible recomputation added, and the plans
+    ``torch.compile`` makes at ``COMPILE_BUDGETS`` (``planning.fusion``), those not seen yet.
+    Each is one min-cut solve; like the rest, they stop when the time limit is spent."""
+    found: list[FrontierPoint] = []
+    candidates: list[tuple[str, Callable[[], set[fx.Node]]]] = [
+        (f"fused {p.source}", partial(with_fused_recomputation, jg, set(p.kept))) for p in frontier
+    ]
+    candidates += [
+        (f"torch.compile {b:g}", partial(torch_compile_kept, jg, b)) for b in COMPILE_BUDGETS
+    ]
+    for source, make in candidates:
+        if time.perf_counter() - started > FUSED_TIME_LIMIT_S:
+            break
+        kept = make()
+        key = frozenset(kept)
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append(_point(jg, kept, source, costs))
+    return found
 
 
 def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:

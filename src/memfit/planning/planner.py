@@ -28,6 +28,7 @@ from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
 from memfit.planning.frontier import FrontierPoint, choose, pareto_frontier
+from memfit.planning.fusion import with_fused_recomputation
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
@@ -193,6 +194,10 @@ def plan_graph(
         kept, sim, schedule = set(baseline), swapped.simulation, swapped.schedule
     else:
         kept = _KEEP_RULES[policy.name](jg)
+        if policy.name == "speed" and jg.fused_elementwise:
+            # Under Inductor, "recompute only cheap ops" includes what fuses into the backward's
+            # kernels (``planning.fusion``), as torch.compile's partitioner does.
+            kept = with_fused_recomputation(jg, kept)
         sim = simulate_step(jg, kept)
     if policy.never_worse_than_none and sim.peak_bytes > base_sim.peak_bytes:
         note = (

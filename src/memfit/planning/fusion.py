@@ -1,0 +1,66 @@
+"""Under Inductor, a plan's kept values with fusible recomputation added, by torch's min-cut.
+
+Why: Inductor fuses elementwise ops and reductions into the kernels that read them, so under
+``executor="inductor"`` recomputing a BatchNorm's normalisation and the ReLU after it inside
+the backward kernels that need them costs almost nothing, while keeping their outputs costs a
+tensor each. ``torch.compile``'s min-cut partitioner is built on exactly that: with no
+convolution recomputed, it keeps a CIFAR ResNet's step at 33.7 MiB where memfit's ``"none"``,
+keeping what eager autograd keeps, held 62.8 MiB, at the same step time
+(``benchmarks/results/budget_frontier_inductor.md``, before this pass). memfit's own planners
+decide which values to keep op by op, pricing each recomputation, but they do not know which
+ops Inductor fuses; a plan's memory there came from recomputing convolutions instead.
+
+Two kinds of candidate come from torch's solver. First, memfit's own plans with fusible
+recomputation added, each side doing what it knows: memfit's plan decides what is recomputed
+(every op it recomputes stays recomputed), and torch's min-cut solver (``_compat
+.min_cut_saved_values``, the solve ``torch.compile`` runs under an ``activation_memory_budget``)
+then chooses, among the rest, the fewest bytes to keep such that only ops Inductor fuses are
+recomputed in addition. Random and impure ops stay kept. Second, the plans ``torch.compile``
+itself makes under ``activation_memory_budget`` at a grid of budgets (its min-cut, then its
+knapsack over which heavier ops to recompute): whatever ``torch.compile`` can reach, memfit
+considers. Every candidate joins the frontier (``planning.frontier``), simulated and priced like
+every other: the planner, not this module, decides which is worth it.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from memfit._compat import min_cut_saved_values
+from memfit.analysis.graph import JointGraph
+from memfit.planning.policies import always_kept
+
+__all__ = ["COMPILE_BUDGETS", "torch_compile_kept", "with_fused_recomputation"]
+
+#: The ``activation_memory_budget`` values whose ``torch.compile`` plans join the frontier.
+COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def with_fused_recomputation(jg: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
+    """``kept`` less what Inductor can recompute inside the backward's fused kernels: the
+    values min-cut keeps when everything ``kept`` recomputes must be recomputed."""
+    recomputed = jg.recomputed_for(kept)
+    must_save = {n for n in jg.forward if jg.never_recompute(n)}
+    saved = min_cut_saved_values(
+        jg.module,
+        num_fwd_outputs=jg.num_fwd_outputs,
+        static_lifetime_input_indices=sorted(jg.static_inputs),
+        must_recompute=recomputed,
+        must_save=must_save,
+    )
+    if not saved:
+        return set(kept)
+    return jg.saved_needed(set(saved) | always_kept(jg))
+
+
+def torch_compile_kept(jg: JointGraph, memory_budget: float) -> set[fx.Node]:
+    """What ``torch.compile`` keeps of ``jg`` under ``activation_memory_budget=memory_budget``,
+    with random and impure ops kept as memfit keeps them."""
+    saved = min_cut_saved_values(
+        jg.module,
+        num_fwd_outputs=jg.num_fwd_outputs,
+        static_lifetime_input_indices=sorted(jg.static_inputs),
+        must_save={n for n in jg.forward if jg.never_recompute(n)},
+        memory_budget=memory_budget,
+    )
+    return jg.saved_needed(set(saved) | always_kept(jg))

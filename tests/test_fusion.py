@@ -1,0 +1,87 @@
+"""Fusible recomputation under Inductor (``planning.fusion``): torch's min-cut asked what else a
+plan need not keep, and torch.compile's own plans, as candidates of memfit's frontier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.analysis.cost import is_compute_heavy, node_seconds
+from memfit.analysis.simulate import simulate_step
+from memfit.bench.graphs import joint_graphs
+from memfit.bench.zoo import cifar_resnet, unet
+from memfit.planning.frontier import pareto_frontier
+from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_kept, with_fused_recomputation
+from memfit.planning.policies import keep_all, keep_heavy, keep_min_peak
+
+
+@pytest.fixture(scope="module", params=["resnet", "unet"])
+def graph(request):
+    torch.manual_seed(0)
+    if request.param == "resnet":
+        model, x = cifar_resnet(2, width=8), torch.randn(4, 3, 16, 16)
+    else:
+        model, x = unet(depth=2, width=4), torch.randn(2, 1, 32, 32)
+    (jg,) = joint_graphs(model, x, executor="inductor")
+    return jg
+
+
+def _heavy(nodes):
+    return {n for n in nodes if is_compute_heavy(n)}
+
+
+def test_fused_recomputation_keeps_less_and_recomputes_no_new_heavy_op(graph) -> None:
+    for kept in (keep_all(graph), keep_heavy(graph), keep_min_peak(graph)):
+        fused = with_fused_recomputation(graph, kept)
+        before, after = graph.recomputed_for(kept), graph.recomputed_for(fused)
+        assert before <= after, "what the plan recomputes stays recomputed"
+        assert _heavy(after) == _heavy(before), "only ops Inductor fuses are added"
+        assert graph.bytes_of(fused) <= graph.bytes_of(kept)
+    # BatchNorm's normalisation and ReLU are recomputed instead of kept: a real saving
+    everything = keep_all(graph)
+    assert graph.bytes_of(with_fused_recomputation(graph, everything)) < graph.bytes_of(everything)
+
+
+def test_random_and_impure_values_stay_kept(graph) -> None:
+    fused = with_fused_recomputation(graph, keep_heavy(graph))
+    for n in graph.forward:
+        if graph.never_recompute(n) and n in graph.saved_needed(graph.forward):
+            assert n in fused
+
+
+def test_solving_leaves_the_graph_as_it_was(graph) -> None:
+    before = {n.name: dict(n.meta).get("recompute") for n in graph.nodes}
+    code = graph.module.code
+    with_fused_recomputation(graph, keep_min_peak(graph))
+    torch_compile_kept(graph, 0.5)
+    assert {n.name: n.meta.get("recompute") for n in graph.nodes} == before
+    assert graph.module.code == code
+
+
+def test_torch_compile_plans_keep_less_under_smaller_budgets(graph) -> None:
+    kept = [graph.bytes_of(torch_compile_kept(graph, b)) for b in sorted(COMPILE_BUDGETS)]
+    assert kept == sorted(kept)
+    assert kept[0] < kept[-1]
+
+
+def test_frontier_is_not_beaten_by_any_torch_compile_plan(graph) -> None:
+    points = pareto_frontier(graph)
+    assert any(p.source.startswith("torch.compile") or p.source.startswith("fused") for p in points)
+    forward = set(graph.forward)
+    gap = 0.01 * points[-1].peak_bytes  # the frontier's min_gap: plain autograd's peak
+    for b in COMPILE_BUDGETS:
+        sim = simulate_step(graph, torch_compile_kept(graph, b))
+        cost = sum(node_seconds(n, graph.sizes, fused=True) for n in sim.backward if n in forward)
+        # some frontier point peaks no higher (within the gap) and recomputes no more
+        assert any(
+            p.peak_bytes <= sim.peak_bytes + gap and p.recompute_seconds <= cost + 1e-12
+            for p in points
+        ), b
+
+
+def test_eager_frontier_has_no_inductor_candidates() -> None:
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(cifar_resnet(1, width=8), torch.randn(2, 3, 16, 16))
+    assert not jg.fused_elementwise
+    sources = {p.source for p in pareto_frontier(jg)}
+    assert not any(s.startswith(("fused", "torch.compile")) for s in sources)
