@@ -219,3 +219,4 @@ def test_dropout_draws_eagers_masks(policy: str) -> None:
     expected.backward()
     assert torch.allclose(loss, expected, rtol=RTOL)
     _assert_same_training(model, ref)
+

@@ -50,7 +50,8 @@ from memfit.execution.partition import split_joint_graph
 from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
-from memfit.planning.budget import BudgetError
+from memfit.planning.budget import Budget, BudgetError
+from memfit.planning.measured_search import Tried, plan_cost, search_plans
 from memfit.planning.plan import GraphPlan, sized_key
 from memfit.planning.planner import plan_graph, with_executor_peaks
 from memfit.planning.policy import BUDGET, Policy
@@ -211,7 +212,7 @@ def _boxed_backward(
 
 
 #: How many plans of one graph Inductor compiles, at most, to find one within the budget.
-SCHEDULE_TRIES = 3
+SCHEDULE_TRIES = 4
 
 #: Said when a graph captured for a range of sizes is planned for Inductor with a budget.
 SYMBOLIC_BUDGET_WARNING = (
@@ -239,6 +240,7 @@ def _fit_schedule(
     limit_bytes: int | None,
     primals: Sequence[Any] | None,
     strict: bool = True,
+    at_least_peak: bool = False,
 ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule]:
     """``graph_plan`` compiled by Inductor now, its peaks measured (or, where they cannot be,
     read from Inductor's schedule), and planned again with headroom while they exceed
@@ -250,9 +252,14 @@ def _fit_schedule(
     being captured, in the joint graph's order: ``measurement.calibrate``); without them, or
     while a CPU profiler runs, the peaks come from the buffer lifetimes of Inductor's schedule
     (``analysis.scheduled``), which can be off (measured 1.38x low on a transformer encoder).
-    The excess of a compiled plan over its simulation is taken off the budget of the next plan
-    (``plan(headroom)``), at most ``SCHEDULE_TRIES`` compiles in all. The first plan that fits
-    is kept (the cheapest: each try allows less); if none does, ``BudgetError`` naming the least
+    Plans are tried by ``planning.measured_search``: the excess of a compiled plan over its
+    simulation taken off the budget of the next plan (``plan(headroom)``), a shortfall given back
+    (the simulation replays eager's kernels and their scratch, which Inductor's fused,
+    channels-last kernels often do not need: a U-Net's least-peak plan measured 0.85x its
+    simulation), bisecting between a headroom that fitted and one that did not: at most
+    ``SCHEDULE_TRIES`` compiles in all. With ``at_least_peak`` (``"memory"``), the limit is the
+    first plan's measured peak: a cheaper plan that peaks no higher once compiled is taken
+    instead. The cheapest plan that fits is kept; if none does, ``BudgetError`` naming the least
     peak (or, not ``strict``: a graph of a step with graph breaks, whose budget is settled for
     the whole step, that plan, and its note says so). The compiled graphs travel in the graphs'
     metadata, so AOTAutograd's compilers reuse them.
@@ -294,7 +301,9 @@ def _fit_schedule(
             ),
         )
 
-    def predicted(fw: fx.GraphModule, bw: fx.GraphModule, pair: CompiledPair) -> GraphPlan:
+    def predicted(
+        graph_plan: GraphPlan, fw: fx.GraphModule, bw: fx.GraphModule, pair: CompiledPair
+    ) -> GraphPlan:
         measured = _calibrate(fw, bw, pair, user_outputs, primals)
         if measured is None and limit_bytes is not None:
             warn_user(UNMEASURED_BUDGET_WARNING)
@@ -308,31 +317,27 @@ def _fit_schedule(
             )
         return with_executor_peaks(graph_plan, *peaks(fw, pair), source="Inductor's schedule")
 
-    tries: list[tuple[GraphPlan, fx.GraphModule, fx.GraphModule]] = []
-    headroom = 0
-    while True:
+    def measured(graph_plan: GraphPlan) -> Tried[tuple[fx.GraphModule, fx.GraphModule]]:
         fw, bw = split(graph_plan)
         pair = compile_pair(fw, bw, user_outputs)
         fw.meta[_COMPILED_META] = pair.forward
         bw.meta[_COMPILED_META] = pair.backward
         bw.meta[_EXAMPLES_META] = _Shared(pair.backward_examples)
-        scheduled = predicted(fw, bw, pair)
-        tries.append((scheduled, fw, bw))
-        over = 0 if limit_bytes is None else scheduled.predicted_peak_bytes - limit_bytes
-        if over <= 0 or len(tries) == SCHEDULE_TRIES:
-            break
-        headroom = max(headroom, scheduled.predicted_peak_bytes - graph_plan.predicted_peak_bytes)
-        headroom = max(headroom + 1, headroom)
-        try:
-            again = plan(headroom)
-        except BudgetError:
-            break
-        if again.decisions == graph_plan.decisions:
-            break
-        graph_plan = again
+        return Tried(predicted(graph_plan, fw, bw, pair), (fw, bw))
+
+    done, limit_bytes = search_plans(
+        graph_plan,
+        measured,
+        plan,
+        limit_bytes,
+        tries=SCHEDULE_TRIES,
+        at_least_peak=at_least_peak,
+        resolution_bytes=_largest_value(jg) // 4,
+    )
+    tries = [(t.plan, *t.made) for t in done]
     fits = [t for t in tries if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
     if fits:
-        return fits[0]
+        return min(fits, key=lambda t: (plan_cost(t[0]), t[0].predicted_peak_bytes))
     least = min(tries, key=lambda t: t[0].predicted_peak_bytes)
     assert limit_bytes is not None
     note = (
@@ -549,10 +554,17 @@ def make_backend(
         graph_share = share(sized_key(key, capture_sizes(jg).key)) if share else None
         spent = step_budget.spent if step_budget else 0
 
+        #: "memory"'s first plan's simulated peak: under Inductor a cheaper plan that peaks no
+        #: higher once compiled is searched as a budget at that peak less ``headroom``
+        least_simulated: list[int] = []
+
         def plan(headroom: int = 0) -> GraphPlan:
+            asked = policy
+            if headroom and least_simulated:
+                asked = Policy(BUDGET, budget=Budget(bytes=least_simulated[0]))
             graph_plan = plan_graph(
                 jg,
-                policy,
+                asked,
                 spent_bytes=spent,
                 share=graph_share,
                 first_plan=graph_share is None,
@@ -562,6 +574,10 @@ def make_backend(
                 offload_limit_bytes=limit,
                 headroom_bytes=headroom,
             )
+            if asked is not policy:
+                graph_plan = dataclasses.replace(
+                    graph_plan, policy=policy.name, budget_bytes=None, frontier=()
+                )
             return dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
 
         def split(graph_plan: GraphPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -602,6 +618,9 @@ def make_backend(
             ):
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
+            at_least_peak = policy.name == "memory" and graph_share is None and not spent
+            if at_least_peak:
+                least_simulated.append(graph_plan.predicted_peak_bytes)
             graph_plan, fw, bw = _fit_schedule(
                 jg,
                 graph_plan,
@@ -611,6 +630,7 @@ def make_backend(
                 limit_bytes,
                 current_primals[0],
                 strict=graph_share is None and not spent,
+                at_least_peak=at_least_peak,
             )
             on_plan(graph_plan)
             fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan

@@ -1,0 +1,117 @@
+"""Which plan to keep when each one tried is compiled and measured: a search over headroom.
+
+Why: under ``executor="inductor"`` the simulator's peak is only an estimate of what runs (it
+replays eager's kernels and their scratch; Inductor fuses, lays out and orders kernels itself), so
+the planner's choice is checked by compiling the plan and measuring it once
+(``execution.backend``). The estimate errs both ways: a transformer's compiled plans peaked up to
+1.3x their simulation, a U-Net's least-peak plan 0.85x. Erring high, a plan is over its budget;
+erring low, a cheaper plan would have fitted. Both are corrected by the same knob: ``headroom``,
+bytes taken off (or, negative, added to) the budget the planner plans against.
+
+The search: the first plan is planned with no headroom. While nothing tried fits, the excess of
+the last plan's measured peak over its simulation is taken off (as before this search existed).
+While everything tried fits and the last plan's simulation overstated its measurement, the
+shortfall is given back, so a cheaper plan is tried. Once one headroom fitted and another did not,
+the next lies between them (bisection); so does a headroom no plan leaves, halfway back towards the
+last that did. It stops after ``tries`` compiles, when a plan repeats, or
+when nothing cheaper is likely (a plan that fits and recomputes nothing, or whose simulation did
+not overstate it). The cheapest plan that fitted is kept.
+
+It is pure: compiling and measuring is the caller's ``measured`` function, planning its ``plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from memfit.planning.budget import BudgetError
+from memfit.planning.plan import GraphPlan
+
+__all__ = ["Tried", "search_plans", "plan_cost"]
+
+T = TypeVar("T")
+
+
+class Tried(Generic[T]):
+    """One plan compiled: the plan with its measured peaks, and what compiling it made."""
+
+    def __init__(self, plan: GraphPlan, made: T) -> None:
+        self.plan = plan
+        self.made = made
+
+
+def plan_cost(plan: GraphPlan) -> float:
+    """What a plan adds to a step, in the planner's estimate: recomputation and link stalls."""
+    return plan.recompute_seconds + plan.stall_seconds
+
+
+def search_plans(
+    first: GraphPlan,
+    measured: Callable[[GraphPlan], Tried[T]],
+    plan: Callable[[int], GraphPlan],
+    limit_bytes: int | None,
+    *,
+    tries: int,
+    at_least_peak: bool = False,
+    resolution_bytes: int = 0,
+) -> tuple[list[Tried[T]], int | None]:
+    """The plans tried, in order, and the limit they were held to.
+
+    ``first`` is the plan at no headroom; ``measured(p)`` compiles and measures ``p`` (its
+    ``predicted_peak_bytes`` then the measured peak); ``plan(h)`` plans again with ``h`` bytes of
+    headroom (BudgetError: nothing there). ``limit_bytes`` is what a plan's measured peak must not
+    exceed (None: no limit, one try). With ``at_least_peak`` it is the first plan's measured
+    peak: a cheaper plan that peaks no higher is searched. Bisection stops once the headroom that
+    fitted and the one that did not are within ``resolution_bytes``.
+    """
+    done: list[Tried[T]] = []
+    seen = []
+    fit_h: int | None = None  # the least headroom whose plan fitted
+    over_h: int | None = None  # the most headroom whose plan did not
+    headroom = 0
+    current = first
+    while True:
+        tried = measured(current)
+        done.append(tried)
+        seen.append(current.decisions)
+        peak = tried.plan.predicted_peak_bytes
+        if at_least_peak and limit_bytes is None:
+            limit_bytes = peak
+        if limit_bytes is None or len(done) >= tries:
+            break
+        gap = peak - current.predicted_peak_bytes  # measured over simulated
+        if peak > limit_bytes:
+            over_h = headroom if over_h is None else max(over_h, headroom)
+        else:
+            fit_h = headroom if fit_h is None else min(fit_h, headroom)
+        if fit_h is None:  # nothing fits yet: take the excess off
+            headroom = max(headroom, gap) + 1
+        elif over_h is None:  # everything fits so far
+            if gap >= 0 or plan_cost(tried.plan) == 0:
+                break  # nothing cheaper is likely to fit
+            headroom = fit_h + gap  # give the shortfall back: a cheaper plan may fit
+        else:
+            if fit_h - over_h <= max(resolution_bytes, 1):
+                break
+            headroom = (fit_h + over_h) // 2
+        again = _replan(plan, headroom, over_h if fit_h is None else None, resolution_bytes)
+        if again is None or again.decisions in seen:
+            break
+        current = again
+    return done, limit_bytes
+
+
+def _replan(
+    plan: Callable[[int], GraphPlan], headroom: int, over_h: int | None, resolution_bytes: int
+) -> GraphPlan | None:
+    """``plan(headroom)``; where no plan leaves that much headroom and only a smaller one was
+    tried (``over_h``, over the limit), the headroom halfway back, until one plans or the two
+    are within ``resolution_bytes``. None: no plan to try."""
+    while True:
+        try:
+            return plan(headroom)
+        except BudgetError:
+            if over_h is None or headroom - over_h <= max(resolution_bytes, 1):
+                return None
+            headroom = (over_h + headroom) // 2

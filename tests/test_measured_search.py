@@ -1,0 +1,131 @@
+"""The search over headroom among compiled, measured plans (``planning.measured_search``),
+on a literal frontier whose "measurement" is its simulation scaled: checked against brute force."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memfit.planning.budget import BudgetError
+from memfit.planning.decision import Decision
+from memfit.planning.measured_search import Tried, plan_cost, search_plans
+from memfit.planning.plan import GraphPlan
+
+#: simulated peaks 100, 110, ..., 200; the cost falls as the peak rises
+FRONTIER = [(100 + 10 * i, float(10 - i)) for i in range(11)]
+
+
+def _plan(peak: int, cost: float) -> GraphPlan:
+    return GraphPlan(
+        policy="budget",
+        decisions={f"kept_{peak}": Decision.SAVE},
+        kept=(),
+        recomputed=(),
+        kept_bytes=0,
+        predicted_peak_bytes=peak,
+        baseline_peak_bytes=200,
+        baseline_kept_bytes=0,
+        recompute_flops=0,
+        forward_flops=0,
+        num_nodes=0,
+        recompute_seconds=cost,
+    )
+
+
+def _planner(budget: int):
+    def plan(headroom: int) -> GraphPlan:
+        fits = [(p, c) for p, c in FRONTIER if p <= budget - headroom]
+        if not fits:
+            raise BudgetError("nothing fits", budget_bytes=budget, smallest_bytes=100)
+        return _plan(*min(fits, key=lambda pc: pc[1]))
+
+    return plan
+
+
+def _measured(ratio: float, calls: list[int]):
+    def measured(plan: GraphPlan) -> Tried[None]:
+        calls.append(plan.predicted_peak_bytes)
+        peak = int(plan.predicted_peak_bytes * ratio)
+        return Tried(dataclasses.replace(plan, predicted_peak_bytes=peak), None)
+
+    return measured
+
+
+def _search(ratio: float, budget: int, tries: int, **kw):
+    calls: list[int] = []
+    plan = _planner(budget)
+    done, limit = search_plans(plan(0), _measured(ratio, calls), plan, budget, tries=tries, **kw)
+    return done, limit, calls
+
+
+def _chosen(done, limit):
+    fits = [t.plan for t in done if t.plan.predicted_peak_bytes <= limit]
+    return min(fits, key=plan_cost) if fits else None
+
+
+@pytest.mark.parametrize("ratio", [0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3])
+@pytest.mark.parametrize("budget", [120, 150, 175])
+def test_never_more_than_tries_never_a_plan_twice_and_never_worse_than_the_first(
+    ratio: float, budget: int
+) -> None:
+    done, limit, calls = _search(ratio, budget, tries=4)
+    assert 1 <= len(done) <= 4
+    assert len(set(calls)) == len(calls)
+    first = done[0].plan
+    chosen = _chosen(done, limit)
+    if first.predicted_peak_bytes <= budget:
+        assert chosen is not None and plan_cost(chosen) <= plan_cost(first)
+
+
+@pytest.mark.parametrize("ratio", [0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3])
+@pytest.mark.parametrize("budget", [120, 150, 175])
+def test_given_enough_tries_the_cheapest_plan_that_fits_measured_is_found(
+    ratio: float, budget: int
+) -> None:
+    done, limit, _ = _search(ratio, budget, tries=len(FRONTIER))
+    best = [(p, c) for p, c in FRONTIER if int(p * ratio) <= budget]
+    chosen = _chosen(done, limit)
+    if not best:
+        assert chosen is None
+    else:
+        assert chosen is not None and plan_cost(chosen) == min(c for _, c in best)
+
+
+def test_an_exact_simulation_compiles_once() -> None:
+    done, _, calls = _search(1.0, 150, tries=4)
+    assert calls == [150]
+
+
+def test_an_overstating_simulation_gives_the_shortfall_back_then_bisects() -> None:
+    # 150 measures 120 (fits, 30 short) -> 180 measures 144 (fits, 36 short) -> 200 measures
+    # 160 (over) -> between the two headrooms: 190 measures 152 (over)
+    _, _, calls = _search(0.8, 150, tries=4)
+    assert calls == [150, 180, 200, 190]
+
+
+def test_an_understating_simulation_takes_the_excess_off_then_bisects() -> None:
+    # 150 measures 180 (over by 30) -> 110 measures 132 (fits) -> 130 measures 156 (over) ->
+    # 120 measures 144 (fits): the cheapest that fits
+    done, limit, calls = _search(1.2, 150, tries=4)
+    assert calls == [150, 110, 130, 120]
+    assert _chosen(done, limit).predicted_peak_bytes == 144
+
+
+def test_at_least_peak_holds_cheaper_plans_to_the_first_measured_peak() -> None:
+    calls: list[int] = []
+    plan = _planner(100)  # "memory": the least simulated peak, 100
+    (
+        done,
+        limit,
+    ) = search_plans(plan(0), _measured(0.9, calls), plan, None, tries=4, at_least_peak=True)
+    assert limit == 90
+    assert all(t.plan.predicted_peak_bytes >= 90 for t in done)
+    assert _chosen(done, limit).predicted_peak_bytes == 90
+
+
+def test_no_limit_compiles_once() -> None:
+    calls: list[int] = []
+    plan = _planner(150)
+    done, limit = search_plans(plan(0), _measured(0.5, calls), plan, None, tries=4)
+    assert limit is None and calls == [150]
