@@ -26,8 +26,8 @@ def _plan(peak: int, cost: float) -> GraphPlan:
         predicted_peak_bytes=peak,
         baseline_peak_bytes=200,
         baseline_kept_bytes=0,
-        recompute_flops=0,
-        forward_flops=0,
+        recompute_flops=int(100 * cost),
+        forward_flops=1000,
         num_nodes=0,
         recompute_seconds=cost,
     )
@@ -129,3 +129,14 @@ def test_no_limit_compiles_once() -> None:
     plan = _planner(150)
     done, limit = search_plans(plan(0), _measured(0.5, calls), plan, None, tries=4)
     assert limit is None and calls == [150]
+
+
+def test_a_plan_recomputing_little_is_not_worth_another_compile() -> None:
+    calls: list[int] = []
+    plan = _planner(190)  # 190 recomputes 1.0 of a 1000-FLOP forward: 10%
+    search_plans(plan(0), _measured(0.5, calls), plan, 190, tries=4)
+    assert calls[:2] == [190, 200]
+    little = dataclasses.replace(plan(0), recompute_flops=20)  # 2%
+    calls.clear()
+    search_plans(little, _measured(0.5, calls), plan, 190, tries=4)
+    assert calls == [190]

@@ -13,9 +13,10 @@ the last plan's measured peak over its simulation is taken off (as before this s
 While everything tried fits and the last plan's simulation overstated its measurement, the
 shortfall is given back, so a cheaper plan is tried. Once one headroom fitted and another did not,
 the next lies between them (bisection); so does a headroom no plan leaves, halfway back towards the
-last that did. It stops after ``tries`` compiles, when a plan repeats, or
-when nothing cheaper is likely (a plan that fits and recomputes nothing, or whose simulation did
-not overstate it). The cheapest plan that fitted is kept.
+last that did. It stops after ``tries`` compiles, when a plan repeats, or when nothing cheaper
+is likely (a plan that fits and whose simulation did not overstate it) or worth another compile
+(a plan that fits and recomputes at most 2% of its forward). The cheapest plan that fitted is
+kept.
 
 It is pure: compiling and measuring is the caller's ``measured`` function, planning its ``plan``.
 """
@@ -88,8 +89,8 @@ def search_plans(
         if fit_h is None:  # nothing fits yet: take the excess off
             headroom = max(headroom, gap) + 1
         elif over_h is None:  # everything fits so far
-            if gap >= 0 or plan_cost(tried.plan) == 0:
-                break  # nothing cheaper is likely to fit
+            if gap >= 0 or not _worth_a_compile(tried.plan):
+                break  # nothing cheaper is likely to fit, or to be worth compiling
             headroom = fit_h + gap  # give the shortfall back: a cheaper plan may fit
         else:
             if fit_h - over_h <= max(resolution_bytes, 1):
@@ -100,6 +101,15 @@ def search_plans(
             break
         current = again
     return done, limit_bytes
+
+
+#: A plan that fits and recomputes at most this share of its forward's FLOPs is kept without
+#: looking for a cheaper one: one more compile (seconds to minutes) would save too little.
+WORTH_A_COMPILE = 0.02
+
+
+def _worth_a_compile(plan: GraphPlan) -> bool:
+    return plan_cost(plan) > 0 and plan.recompute_flops > WORTH_A_COMPILE * plan.forward_flops
 
 
 def _replan(
