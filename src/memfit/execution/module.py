@@ -252,10 +252,14 @@ def checkpoint(
     the ATen kernels eager PyTorch calls: losses and gradients equal plain PyTorch's bit for bit.
     ``executor="inductor"`` compiles the same plan with Inductor, ``torch.compile``'s compiler:
     fused kernels, ``torch.compile``'s speed, results equal to floating-point tolerance (dropout
-    still draws eager's masks). The prediction stays the op-by-op simulation of the graphs
-    Inductor compiles, and Inductor allocates and schedules its own buffers: measured peaks were
-    0.66-1.30x the prediction on the benchmarks' models, so a budget is planned, not guaranteed
-    (memfit warns).
+    still draws eager's masks). Its plans may also recompute what Inductor fuses into the
+    backward's kernels, and ``torch.compile``'s own plans are among the candidates
+    (``planning.fusion``). Inductor allocates and schedules its own buffers, so each plan is
+    compiled and its forward and backward measured once as it is planned: that measurement is
+    the prediction, and a budget is searched among compiled plans, a cheaper one tried where the
+    simulation overstated (``planning.measured_search``). Where that cannot run (a CPU profiler
+    open around the first call, sizes captured as symbols, offload) the prediction is an
+    estimate and memfit warns that a budget is not guaranteed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
