@@ -54,26 +54,6 @@ def test_choose_is_cheapest_within_budget_and_monotonic(graph) -> None:
         previous = chosen
 
 
-def test_choose_within_a_tolerance_takes_the_least_peak_and_stays_monotonic(graph) -> None:
-    points = pareto_frontier(graph)
-    lo, hi = points[0].peak_bytes, points[-1].peak_bytes
-    tolerance = 0.25 * max(p.recompute_seconds for p in points)
-    previous = None
-    moved = False
-    for budget in torch.linspace(hi, lo, 25).tolist():
-        chosen = choose(points, int(budget), tolerance)
-        fits = [p for p in points if p.peak_bytes <= int(budget)]
-        cheapest = min(p.recompute_seconds for p in fits)
-        assert chosen.recompute_seconds <= cheapest + tolerance
-        ties = [p for p in fits if p.recompute_seconds <= cheapest + tolerance]
-        assert chosen.peak_bytes == min(p.peak_bytes for p in ties)
-        moved |= chosen is not choose(points, int(budget))
-        if previous is not None:
-            assert chosen.peak_bytes <= previous.peak_bytes
-        previous = chosen
-    assert moved or len(points) < 3
-
-
 def test_too_small_budget_names_the_smallest(graph) -> None:
     points = pareto_frontier(graph)
     with pytest.raises(BudgetError) as info:

@@ -206,15 +206,8 @@ def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
     return sorted(kept, key=lambda p: p.peak_bytes)
 
 
-def choose(
-    frontier: list[FrontierPoint], budget_bytes: int, tolerance_seconds: float = 0.0
-) -> FrontierPoint:
-    """The cheapest point whose predicted peak is within ``budget_bytes``; BudgetError if none.
-
-    With ``tolerance_seconds``, costs within that of the cheapest are taken as equal and the
-    least peak among them is chosen (still monotonic: a smaller budget moves the window to
-    costlier, lower points).
-    """
+def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
+    """The cheapest point whose predicted peak is within ``budget_bytes``; BudgetError if none."""
     fits = [p for p in frontier if p.peak_bytes <= budget_bytes]
     if not fits:
         smallest = min(p.peak_bytes for p in frontier)
@@ -224,6 +217,4 @@ def choose(
             budget_bytes=budget_bytes,
             smallest_bytes=smallest,
         )
-    cheapest = min(p.cost_seconds for p in fits)
-    ties = [p for p in fits if p.cost_seconds <= cheapest + tolerance_seconds]
-    return min(ties, key=lambda p: (p.peak_bytes, p.cost_seconds))
+    return min(fits, key=lambda p: (p.cost_seconds, p.peak_bytes))

@@ -132,7 +132,7 @@ def plan_graph(
         allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
         allowed -= headroom_bytes
         try:
-            chosen = choose(allowed_points or points, allowed, _tie_seconds(jg))
+            chosen = choose(allowed_points or points, allowed)
         except BudgetError as err:
             if share is not None or (first_plan and (fraction is not None or spent_bytes)):
                 chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
@@ -220,24 +220,6 @@ def plan_graph(
         schedule=schedule,
         offload_to=offload_to,
         step_budget_bytes=share.step_budget_bytes if share else None,
-    )
-
-
-#: Under Inductor, recomputation costs within this share of the forward's estimated time are
-#: taken as equal, and the plan keeping less is chosen: Inductor fuses an elementwise op
-#: recomputed into a kernel that runs anyway, at a cost below what a step's time can resolve
-#: (torch.compile's ResNet steps at budgets 0.9 and 1.0, which keep 33.7 and 63.4 MiB: 92 and
-#: 91 ms), so the cheapest plan by the estimate is no faster than one keeping far less.
-FUSED_TIE_SHARE = 0.02
-
-
-def _tie_seconds(jg: JointGraph) -> float:
-    """Recompute seconds ``choose`` takes as equal: none with the eager executor, whose every
-    recomputed op is a kernel of its own."""
-    if not jg.fused_elementwise:
-        return 0.0
-    return FUSED_TIE_SHARE * sum(
-        node_seconds(n, jg.sizes, jg.fused_elementwise) for n in jg.forward_computed
     )
 
 
