@@ -557,6 +557,8 @@ def make_backend(
         #: "memory"'s first plan's simulated peak: under Inductor a cheaper plan that peaks no
         #: higher once compiled is searched as a budget at that peak less ``headroom``
         least_simulated: list[int] = []
+        #: a budget the simulation refused: "memory"'s plan is searched, then held to it
+        refused: list[int] = []
 
         def plan(headroom: int = 0) -> GraphPlan:
             asked = policy
@@ -576,7 +578,10 @@ def make_backend(
             )
             if asked is not policy:
                 graph_plan = dataclasses.replace(
-                    graph_plan, policy=policy.name, budget_bytes=None, frontier=()
+                    graph_plan,
+                    policy=policy.name,
+                    budget_bytes=refused[0] if refused else None,
+                    frontier=(),
                 )
             return dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
 
@@ -590,7 +595,6 @@ def make_backend(
             )
 
         measured_fit = executor == INDUCTOR and not jg.symbols and not policy.offload
-        limit_bytes: int | None = None
         try:
             graph_plan = plan()
         except BudgetError as err:
@@ -598,6 +602,7 @@ def make_backend(
             # U-Net: 0.84x), so a budget the simulation refuses may still fit: measure it.
             if not measured_fit or graph_share is not None or spent or err.budget_bytes is None:
                 raise
+            # The plan "memory" would take, searched the same way; then held to the budget.
             least = plan_graph(jg, Policy("memory"))
             graph_plan = dataclasses.replace(
                 least,
@@ -606,19 +611,18 @@ def make_backend(
                 attention=tuple(sites),
                 key=key,
             )
-            limit_bytes = err.budget_bytes
+            refused.append(err.budget_bytes)
         if executor == INDUCTOR and jg.symbols and policy.name == BUDGET:
             warn_user(SYMBOLIC_BUDGET_WARNING)
         if measured_fit:
             byte_budget = policy.budget is not None and policy.budget.fraction is None
-            if (
-                limit_bytes is None
-                and policy.name == BUDGET
-                and graph_plan.budget_bytes is not None
-            ):
+            limit_bytes: int | None = None
+            if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
-            at_least_peak = policy.name == "memory" and graph_share is None and not spent
+            at_least_peak = (policy.name == "memory" or bool(refused)) and (
+                graph_share is None and not spent
+            )
             if at_least_peak:
                 least_simulated.append(graph_plan.predicted_peak_bytes)
             graph_plan, fw, bw = _fit_schedule(
@@ -632,6 +636,16 @@ def make_backend(
                 strict=graph_share is None and not spent,
                 at_least_peak=at_least_peak,
             )
+            if refused and graph_plan.predicted_peak_bytes > refused[0]:
+                least_peak = graph_plan.predicted_peak_bytes
+                raise BudgetError(
+                    f"no plan fits: compiled by Inductor, the least peak memfit reaches "
+                    f'(its "memory" plan) is {format_bytes(least_peak)}, above the budget of '
+                    f"{format_bytes(refused[0])} (measured once compiled); use a larger "
+                    f"budget, or executor='eager', whose peaks are the simulation's",
+                    budget_bytes=refused[0],
+                    smallest_bytes=least_peak,
+                )
             on_plan(graph_plan)
             fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
             fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]
