@@ -620,6 +620,15 @@ def make_backend(
             if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
+                if (
+                    graph_plan.predicted_peak_bytes > limit_bytes
+                    and graph_share is None
+                    and not spent
+                ):
+                    # refused by the simulation after all (a fraction's first plan is its least
+                    # peak then): as above
+                    refused.append(limit_bytes)
+                    limit_bytes = None
             at_least_peak = (policy.name == "memory" or bool(refused)) and (
                 graph_share is None and not spent
             )
