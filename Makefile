@@ -36,8 +36,10 @@ format: venv
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
+# The suite runs in two worker processes (pytest-xdist; tests/conftest.py gives each its share of
+# the cores): most tests spend their time in Python (capture, tracing, planning), one core each.
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
