@@ -53,7 +53,7 @@ EXECUTORS = (EAGER, INDUCTOR)
 #: it off the predictions were exact on the ResNet but memfit's steps 1.32x (ResNet) and 1.57x
 #: (U-Net) torch.compile's at equal peak and the U-Net's peaks higher; with it on, 1.10x and
 #: 1.15x, predictions within -3% (ResNet, measured above) to +50% (U-Net, measured below)
-#: (benchmarks/results/budget_frontier_inductor.md).
+#: (benchmarks/results/before_fusion/budget_frontier_inductor.md).
 LAYOUT_OPTIMIZATION: bool | None = None
 
 #: The kinds of graph AOTAutograd hands a compiler.

@@ -6,7 +6,7 @@ the backward kernels that need them costs almost nothing, while keeping their ou
 tensor each. ``torch.compile``'s min-cut partitioner is built on exactly that: with no
 convolution recomputed, it keeps a CIFAR ResNet's step at 33.7 MiB where memfit's ``"none"``,
 keeping what eager autograd keeps, held 62.8 MiB, at the same step time
-(``benchmarks/results/budget_frontier_inductor.md``, before this pass). memfit's own planners
+(``benchmarks/results/before_fusion/budget_frontier_inductor.md``). memfit's own planners
 decide which values to keep op by op, pricing each recomputation, but they do not know which
 ops Inductor fuses; a plan's memory there came from recomputing convolutions instead.
 
