@@ -38,9 +38,8 @@ format: venv
 
 # The suite runs in two worker processes (pytest-xdist; tests/conftest.py gives each its share of
 # the cores): most tests spend their time in Python (capture, tracing, planning), one core each.
-# The DDP/FSDP2 tests run alone afterwards: their measured peaks depend on timing (two ranks
-# planning and communicating on two cores), which a second worker beside them makes worse. Even
-# alone, the FSDP2 peak comparison fails now and then (1 of 9 runs on the previous main).
+# The DDP/FSDP2 tests run alone afterwards: two ranks planning and communicating on two cores
+# are sensitive to timing, which a second worker beside them makes worse.
 SERIAL_TESTS := tests/test_ddp.py
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests $(addprefix --ignore=,$(SERIAL_TESTS))
