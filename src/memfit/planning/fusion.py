@@ -39,28 +39,31 @@ COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 def with_fused_recomputation(jg: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
     """``kept`` less what Inductor can recompute inside the backward's fused kernels: the
     values min-cut keeps when everything ``kept`` recomputes must be recomputed."""
-    recomputed = jg.recomputed_for(kept)
-    must_save = {n for n in jg.forward if jg.never_recompute(n)}
-    saved = min_cut_saved_values(
-        jg.module,
-        num_fwd_outputs=jg.num_fwd_outputs,
-        static_lifetime_input_indices=sorted(jg.static_inputs),
-        must_recompute=recomputed,
-        must_save=must_save,
-    )
-    if not saved:
-        return set(kept)
-    return jg.saved_needed(set(saved) | always_kept(jg))
+    fused = _min_cut_kept(jg, must_recompute=jg.recomputed_for(kept))
+    return set(kept) if fused is None else fused
 
 
 def torch_compile_kept(jg: JointGraph, memory_budget: float) -> set[fx.Node]:
     """What ``torch.compile`` keeps of ``jg`` under ``activation_memory_budget=memory_budget``,
     with random and impure ops kept as memfit keeps them."""
+    kept = _min_cut_kept(jg, memory_budget=memory_budget)
+    return jg.saved_needed(always_kept(jg)) if kept is None else kept
+
+
+def _min_cut_kept(
+    jg: JointGraph,
+    *,
+    must_recompute: set[fx.Node] | None = None,
+    memory_budget: float | None = None,
+) -> set[fx.Node] | None:
+    """The kept set of torch's min-cut on ``jg``, random and impure values never recomputed,
+    with what every plan keeps (None: the graph has no backward to partition for)."""
     saved = min_cut_saved_values(
         jg.module,
         num_fwd_outputs=jg.num_fwd_outputs,
         static_lifetime_input_indices=sorted(jg.static_inputs),
+        must_recompute=must_recompute or (),
         must_save={n for n in jg.forward if jg.never_recompute(n)},
         memory_budget=memory_budget,
     )
-    return jg.saved_needed(set(saved) | always_kept(jg))
+    return jg.saved_needed(set(saved) | always_kept(jg)) if saved else None
