@@ -6,12 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfit._compat import min_cut_saved_values
 from memfit.analysis.cost import is_compute_heavy, node_seconds
 from memfit.analysis.simulate import simulate_step
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet, unet
 from memfit.planning.frontier import pareto_frontier
-from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_kept, with_fused_recomputation
+from memfit.planning.fusion import (
+    COMPILE_BUDGETS,
+    slow_masks,
+    torch_compile_kept,
+    with_fused_recomputation,
+)
 from memfit.planning.policies import keep_all, keep_heavy, keep_min_peak
 
 
@@ -37,9 +43,16 @@ def test_fused_recomputation_keeps_less_and_recomputes_no_new_heavy_op(graph) ->
         assert before <= after, "what the plan recomputes stays recomputed"
         assert _heavy(after) == _heavy(before), "only ops Inductor fuses are added"
         assert graph.bytes_of(fused) <= graph.bytes_of(kept)
-    # BatchNorm's normalisation and ReLU are recomputed instead of kept: a real saving
-    everything = keep_all(graph)
-    assert graph.bytes_of(with_fused_recomputation(graph, everything)) < graph.bytes_of(everything)
+
+
+def test_fused_recomputation_saves_what_the_resnet_keeps_for_batchnorm() -> None:
+    """Pre-activation blocks keep a convolution's output and BatchNorm's; the normalisation is
+    recomputed instead: a real saving (on the U-Net the only one was ReLU's masks, kept no more
+    on CPU: ``test_on_cpu_no_candidate_keeps_a_boolean_mask``)."""
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(cifar_resnet(2, width=8), torch.randn(4, 3, 16, 16), executor="inductor")
+    everything = keep_all(jg)
+    assert jg.bytes_of(with_fused_recomputation(jg, everything)) < jg.bytes_of(everything)
 
 
 def test_random_and_impure_values_stay_kept(graph) -> None:
@@ -85,3 +98,35 @@ def test_eager_frontier_has_no_inductor_candidates() -> None:
     assert not jg.fused_elementwise
     sources = {p.source for p in pareto_frontier(jg)}
     assert not any(s.startswith(("fused", "torch.compile")) for s in sources)
+
+
+def _min_cut_alone(jg):
+    """What torch's min-cut keeps of ``jg`` with nothing forced but random and impure values."""
+    return set(
+        min_cut_saved_values(
+            jg.module,
+            num_fwd_outputs=jg.num_fwd_outputs,
+            static_lifetime_input_indices=sorted(jg.static_inputs),
+            must_save={n for n in jg.forward if jg.never_recompute(n)},
+        )
+    )
+
+
+def test_on_cpu_no_candidate_keeps_a_boolean_mask(graph) -> None:
+    masks = slow_masks(graph)
+    assert masks, "ReLU's backward reads x <= 0: the graph has masks to keep or not"
+    assert all(n.meta["val"].dtype == torch.bool for n in masks)
+    for kept in (keep_all(graph), keep_heavy(graph), keep_min_peak(graph)):
+        assert not with_fused_recomputation(graph, kept) & masks
+    for b in COMPILE_BUDGETS:
+        assert not torch_compile_kept(graph, b) & masks, b
+    assert not any(p.kept & masks for p in pareto_frontier(graph))
+
+
+def test_torch_min_cut_alone_keeps_the_unet_relu_masks() -> None:
+    """Why the rule exists: where a ReLU's output reaches the backward only through a max-pool
+    and a concatenation (a U-Net's skips), torch's min-cut keeps its mask, a quarter of its bytes,
+    instead; the tests above would pass vacuously if it never did."""
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32), executor="inductor")
+    assert _min_cut_alone(jg) & slow_masks(jg)
