@@ -35,6 +35,8 @@ transformer encoder, keeping 4.2 M, took 157 ms where its plan at budget 0.9, ke
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 import torch.fx as fx
 
@@ -51,15 +53,14 @@ COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 def with_fused_recomputation(jg: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
     """``kept`` less what Inductor can recompute inside the backward's fused kernels: the
     values min-cut keeps when everything ``kept`` recomputes must be recomputed."""
-    must_recompute = jg.recomputed_for(kept) | (slow_masks(jg) - set(kept))
-    fused = _min_cut_kept(jg, must_recompute=must_recompute)
+    fused = _min_cut_kept(jg, must_recompute=jg.recomputed_for(kept), may_keep=kept)
     return set(kept) if fused is None else fused
 
 
 def torch_compile_kept(jg: JointGraph, memory_budget: float) -> set[fx.Node]:
     """What ``torch.compile`` keeps of ``jg`` under ``activation_memory_budget=memory_budget``,
     with random and impure ops kept as memfit keeps them."""
-    kept = _min_cut_kept(jg, must_recompute=slow_masks(jg), memory_budget=memory_budget)
+    kept = _min_cut_kept(jg, memory_budget=memory_budget)
     return jg.saved_needed(always_kept(jg)) if kept is None else kept
 
 
@@ -88,16 +89,18 @@ def slow_masks(jg: JointGraph) -> set[fx.Node]:
 def _min_cut_kept(
     jg: JointGraph,
     *,
-    must_recompute: set[fx.Node] | None = None,
+    must_recompute: AbstractSet[fx.Node] = frozenset(),
+    may_keep: AbstractSet[fx.Node] = frozenset(),
     memory_budget: float | None = None,
 ) -> set[fx.Node] | None:
     """The kept set of torch's min-cut on ``jg``, random and impure values never recomputed,
-    with what every plan keeps (None: the graph has no backward to partition for)."""
+    and no ``slow_masks`` kept but those in ``may_keep``, with what every plan keeps (None: the
+    graph has no backward to partition for)."""
     saved = min_cut_saved_values(
         jg.module,
         num_fwd_outputs=jg.num_fwd_outputs,
         static_lifetime_input_indices=sorted(jg.static_inputs),
-        must_recompute=must_recompute or (),
+        must_recompute=set(must_recompute) | (slow_masks(jg) - set(may_keep)),
         must_save={n for n in jg.forward if jg.never_recompute(n)},
         memory_budget=memory_budget,
     )
