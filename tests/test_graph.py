@@ -3,6 +3,7 @@
 import torch
 import torch.nn as nn
 
+from memfit.analysis.graph import CUDA_BLOCK_BYTES, allocated_bytes
 from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
@@ -46,3 +47,18 @@ def test_a_graph_with_symbolic_sizes_counts_at_any_size_what_a_capture_there_cou
     assert resized.op_scratch == {tanh: 3000}  # its input and output are 3x larger
     assert dynamic.storage_bytes != resized.storage_bytes  # the original is untouched
     assert not at_8.symbols and at_8.at(Sizes()).storage_bytes == at_8.storage_bytes
+
+
+def test_cuda_storages_take_whole_allocator_blocks() -> None:
+    """On CUDA the caching allocator rounds every block up to 512 bytes and
+    ``memory_allocated`` counts the rounded block, so the simulator must too; CPU is exact."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [allocated_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
+    assert [allocated_bytes(n, cuda) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
+    model = nn.Sequential(nn.Linear(16, 3), nn.Tanh(), nn.Linear(3, 4))
+    (jg,) = joint_graphs(model, torch.randn(8, 16))
+    assert jg.storage_bytes[jg.storages[jg.primals[1]][0]] == 3 * 4  # the first bias: 12 bytes
+    jg.storage_devices = dict.fromkeys(jg.storage_devices, cuda)
+    on_cuda = jg.at(jg.sizes).storage_bytes
+    for key, nbytes in jg.storage_bytes.items():
+        assert on_cuda[key] == -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES

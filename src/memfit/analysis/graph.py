@@ -34,7 +34,28 @@ from memfit._compat import StorageWeakRef, is_sym_node, is_tangent, size_symbols
 from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
 
-__all__ = ["JointGraph", "ancestors", "is_random", "node_tensors"]
+__all__ = [
+    "CUDA_BLOCK_BYTES",
+    "JointGraph",
+    "allocated_bytes",
+    "ancestors",
+    "is_random",
+    "node_tensors",
+]
+
+
+#: The CUDA caching allocator hands out blocks in multiples of 512 bytes (its smallest block), and
+#: ``torch.cuda.memory_allocated`` (what ``memfit.measure`` reads on CUDA) counts the rounded
+#: block: a graph of many small tensors keeps measurably more than their ``nbytes`` on CUDA.
+CUDA_BLOCK_BYTES = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes the allocator of ``device`` takes for a storage of ``nbytes``: exact on CPU, rounded
+    up to :data:`CUDA_BLOCK_BYTES` on CUDA (an empty storage takes no block)."""
+    if device.type != "cuda" or nbytes <= 0:
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
 def node_tensors(node: fx.Node) -> list[torch.Tensor]:
@@ -110,6 +131,8 @@ class JointGraph:
     storage_bytes: dict[Any, int] = field(init=False)
     #: each storage's size in bytes as captured: an int, or a SymInt where sizes are symbolic
     storage_sizes: dict[Any, Any] = field(init=False)
+    #: the device each storage lives on (its allocator rounds sizes: :func:`allocated_bytes`)
+    storage_devices: dict[Any, torch.device] = field(init=False)
     #: the shape symbols the graph's sizes depend on (empty: static shapes)
     symbols: frozenset[Any] = field(init=False)
     #: the values ``storage_bytes`` and ``op_scratch`` are read at
@@ -163,6 +186,7 @@ class JointGraph:
         # hashes far faster than a StorageWeakRef.
         self.storages = {}
         self.storage_sizes = {}
+        self.storage_devices = {}
         ids: dict[Any, int] = {}
         for n in self.nodes:
             keys: list[Any] = []
@@ -177,10 +201,11 @@ class JointGraph:
                 key = ids.setdefault(ref, len(ids))
                 if key not in self.storage_sizes:
                     self.storage_sizes[key] = nbytes
+                    self.storage_devices[key] = t.device
                 keys.append(key)
             self.storages[n] = keys
         self.sizes = HINTS
-        self.storage_bytes = {k: HINTS(v) for k, v in self.storage_sizes.items()}
+        self.storage_bytes = self._bytes_at(HINTS)
         symbols: set[Any] = set()
         for v in self.storage_sizes.values():
             if isinstance(v, torch.SymInt):
@@ -200,9 +225,16 @@ class JointGraph:
         by default the captured one scaled by ``scale_scratch``). Shares everything else."""
         other = copy.copy(self)
         other.sizes = sizes
-        other.storage_bytes = {k: sizes(v) for k, v in self.storage_sizes.items()}
+        other.storage_bytes = self._bytes_at(sizes)
         other.op_scratch = op_scratch if op_scratch is not None else self.scale_scratch(sizes)
         return other
+
+    def _bytes_at(self, sizes: Sizes) -> dict[Any, int]:
+        """Each storage's bytes at ``sizes``, as its device's allocator takes them."""
+        return {
+            k: allocated_bytes(sizes(v), self.storage_devices[k])
+            for k, v in self.storage_sizes.items()
+        }
 
     def scale_scratch(self, sizes: Sizes) -> dict[fx.Node, int]:
         """The measured op scratch (at the hints) scaled to ``sizes`` by the bytes each op reads
