@@ -5,7 +5,8 @@ step added), the smallest feasible
 one and the midpoint between the two ends: the measured peak is within 10% of
 ``predicted_peak_bytes`` and at most 5% above the budget; a lower budget never measures a higher
 peak; budgets below the smallest feasible raise ``BudgetError`` stating it. Peaks come from
-``memfit.measure`` (exact CPU allocator accounting).
+``memfit.measure`` (exact CPU allocator accounting; on CUDA, where available, the caching
+allocator's statistics).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import pytest
 import torch
 
 import memfit
-from memfit.bench.zoo import ZOO, ZooCase, measured_step_peak
+from memfit.bench.zoo import ZOO, ZooCase, measured_step_peak, tree_to
 
 FRACTIONS = (1.0, 0.5, 0.25)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("case", ZOO, ids=[c.name for c in ZOO])
-def test_budgets_are_met_predicted_and_monotonic(case: ZooCase) -> None:
-    args, kwargs = case.make_inputs()
-    model = case.make_model()
+def test_budgets_are_met_predicted_and_monotonic(case: ZooCase, device: str) -> None:
+    args, kwargs = tree_to(case.make_inputs(), device)
+    model = case.make_model().to(device)
     full = memfit.plan(model, *args, budget=1.0, **kwargs)
     smallest, baseline = full.pareto()[0].peak_bytes, full.baseline_peak_bytes
     # Small zoo models often cannot reach 0.5 or 0.25 (those must then raise); the midpoint
@@ -40,7 +43,7 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase) -> None:
         torch.compiler.reset()
         wrapped = memfit.checkpoint(model, budget=budget)
         try:
-            peak = measured_step_peak(case, wrapped, args, kwargs)
+            peak = measured_step_peak(case, wrapped, args, kwargs, device)
         except memfit.BudgetError as err:
             assert isinstance(budget, float), f"the smallest feasible budget {budget} was refused"
             assert err.smallest_bytes is not None and err.smallest_bytes > err.budget_bytes

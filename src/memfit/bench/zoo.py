@@ -575,8 +575,11 @@ def case(name: str) -> ZooCase:
         raise KeyError(f"no zoo case {name!r}; known: {sorted(_BY_NAME)}") from None
 
 
-def measured_step_peak(case: ZooCase, model: nn.Module, args: Any, kwargs: Any) -> int:
-    """Peak bytes of one training step of ``model`` (measured after a first, capturing step).
+def measured_step_peak(
+    case: ZooCase, model: nn.Module, args: Any, kwargs: Any, device: str = "cpu"
+) -> int:
+    """Peak bytes of one training step of ``model`` on ``device`` (measured after a first,
+    capturing step).
 
     Gradients are cleared before and after, so the peak is that of a step on a fresh model.
     """
@@ -586,7 +589,7 @@ def measured_step_peak(case: ZooCase, model: nn.Module, args: Any, kwargs: Any) 
     def step() -> None:
         case.loss(model(*args, **kwargs)).backward()
 
-    peak = memfit.measure(step).peak_bytes
+    peak = memfit.measure(step, device=device).peak_bytes
     model.zero_grad(set_to_none=True)
     assert peak is not None  # memory is measured (profile_memory=True)
     return peak
