@@ -73,6 +73,10 @@ Outputs (``_quick`` suffix for ``--quick``) in ``benchmarks/results/``:
 
 Run with the Python of the environment memfit is installed in (``pip install -e .``; the
 Makefile's ``.venv``): ``python benchmarks/budget_frontier.py [--quick] [--models resnet unet]``.
+``--device cuda`` runs every point on the GPU (peaks from the caching allocator's statistics,
+steps synchronised around each timing; outputs get ``_cuda``); ``--batch-scale N`` multiplies
+every model's batch (the CPU sizes leave a GPU step bound by kernel launches), and
+``--compile-budgets`` / ``--memfit-budgets`` pick fewer points where time on the device is short.
 The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
 ``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
 """
@@ -153,19 +157,20 @@ class ModelSpec:
 
     name: str
     description: str
-    build: Callable[[], nn.Module]  # seeded: every call gives identical weights
+    build: Callable[[], nn.Module]  # seeded: every call gives identical weights, on ``device``
     inputs: tuple[torch.Tensor, ...]
     loss: Callable[[Any], torch.Tensor]
     config: dict[str, Any]
     sequence_length: int | None  # len(model.blocks); None: checkpoint_sequential does not apply
     not_sequential_reason: str | None = None
+    device: torch.device = CPU
 
 
 def _zoo_loss(name: str) -> Callable[[Any], torch.Tensor]:
     return next(c for c in zoo.ZOO if c.name == name).loss
 
 
-def model_specs(quick: bool) -> list[ModelSpec]:
+def model_specs(quick: bool, device: torch.device = CPU, batch_scale: int = 1) -> list[ModelSpec]:
     if quick:
         r = dict(blocks_per_stage=1, width=8, batch=8)
         t = dict(d_model=32, nhead=4, num_layers=3, batch=4, seq=32)
@@ -174,7 +179,13 @@ def model_specs(quick: bool) -> list[ModelSpec]:
         r = dict(blocks_per_stage=4, width=16, batch=32)
         t = dict(d_model=128, nhead=4, num_layers=8, batch=8, seq=128)
         u = dict(depth=3, width=8, batch=8, size=128)
-    return [
+    for config in (r, t, u):
+        config["batch"] *= batch_scale
+
+    def on_device(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        return lambda: build().to(device)
+
+    specs = [
         ModelSpec(
             name="resnet",
             description=(
@@ -182,8 +193,10 @@ def model_specs(quick: bool) -> list[ModelSpec]:
                 f"{3 * r['blocks_per_stage']} pre-activation residual blocks with "
                 f"BatchNorm, batch {r['batch']}x3x32x32, cross-entropy"
             ),
-            build=zoo.seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"])),
-            inputs=(zoo.randn(r["batch"], 3, 32, 32),),
+            build=on_device(
+                zoo.seeded(lambda: zoo.cifar_resnet(r["blocks_per_stage"], r["width"]))
+            ),
+            inputs=(zoo.randn(r["batch"], 3, 32, 32).to(device),),
             loss=_zoo_loss("resnet"),
             config=r,
             sequence_length=3 * r["blocks_per_stage"],
@@ -195,10 +208,14 @@ def model_specs(quick: bool) -> list[ModelSpec]:
                 f"num_layers={t['num_layers']}) as SequentialEncoder, batch "
                 f"{t['batch']}x{t['seq']} tokens, loss mean(out^2)"
             ),
-            build=zoo.seeded(
-                lambda: SequentialEncoder(zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"]))
+            build=on_device(
+                zoo.seeded(
+                    lambda: SequentialEncoder(
+                        zoo.Encoder(t["d_model"], t["nhead"], t["num_layers"])
+                    )
+                )
             ),
-            inputs=(zoo.randn(t["batch"], t["seq"], t["d_model"]),),
+            inputs=(zoo.randn(t["batch"], t["seq"], t["d_model"]).to(device),),
             loss=_zoo_loss("transformer"),
             config=t,
             sequence_length=t["num_layers"],
@@ -209,8 +226,8 @@ def model_specs(quick: bool) -> list[ModelSpec]:
                 f"zoo.unet(depth={u['depth']}, width={u['width']}), 2 convs per level, "
                 f"batch {u['batch']}x1x{u['size']}x{u['size']}, loss mean(out^2)"
             ),
-            build=zoo.seeded(lambda: zoo.unet(u["depth"], u["width"])),
-            inputs=(zoo.randn(u["batch"], 1, u["size"], u["size"]),),
+            build=on_device(zoo.seeded(lambda: zoo.unet(u["depth"], u["width"]))),
+            inputs=(zoo.randn(u["batch"], 1, u["size"], u["size"]).to(device),),
             loss=_zoo_loss("unet"),
             config=u,
             sequence_length=None,
@@ -220,6 +237,9 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             ),
         ),
     ]
+    for spec in specs:
+        spec.device = device
+    return specs
 
 
 MODELS = ("resnet", "transformer", "unet")
@@ -405,7 +425,7 @@ def build_and_first_step(p: Point) -> None:
                 p.module = memfit.checkpoint(entry, p.record["mode"], executor=executor)
             else:
                 p.module = memfit.checkpoint(entry, budget=p.record["budget"], executor=executor)
-        first_step(p, CPU)
+        first_step(p, p.spec.device)
     p.record["graphs_compiled"] = unique_graph_count() - graphs_before
     if p.peer == "torch.compile":
         p.record["compiled_graph_flops"] = counter.total
@@ -438,8 +458,7 @@ def count_eager_flops(p: Point) -> None:
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     t_model = time.perf_counter()
     torch.compiler.reset()  # once per model; every point then compiles its own code object
-    compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
-    memfit_budgets = QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS
+    compile_budgets, memfit_budgets = args.compile_budgets, args.memfit_budgets
     points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers), args.executor)
 
     print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
@@ -476,7 +495,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
 
     print(f"  {spec.name}: measuring peaks and FLOPs", flush=True)
     t_phase = time.perf_counter()
-    measure_peaks(points, CPU)
+    measure_peaks(points, spec.device)
     eager = points[0]
     for p in points:
         if p.ok() and p.peer in ("eager", "checkpoint_sequential"):
@@ -504,7 +523,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     print(f"  {spec.name}: timing {args.rounds} interleaved rounds", flush=True)
     t_phase = time.perf_counter()
     load_timing = [load_average()]
-    time_interleaved(points, args.rounds, CPU)
+    time_interleaved(points, args.rounds, spec.device)
     phases["timing"] = time.perf_counter() - t_phase
     load_timing.append(load_average())
     graphs_during = before.graphs_compiled()
@@ -870,10 +889,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="how memfit runs its plans; outputs get '_inductor' for inductor",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--batch-scale",
+        type=int,
+        default=1,
+        metavar="N",
+        help="multiply every model's batch by N (default 1: the CPU sizes)",
+    )
+    p.add_argument(
+        "--compile-budgets",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="torch.compile activation_memory_budget values (default "
+        f"{' '.join(map(str, COMPILE_BUDGETS))})",
+    )
+    p.add_argument(
+        "--memfit-budgets",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="F",
+        help=f"memfit budget fractions (default {' '.join(map(str, MEMFIT_BUDGETS))})",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 3 if args.quick else 15
+    if args.batch_scale < 1:
+        p.error("--batch-scale must be at least 1")
+    for name, values in (("compile", args.compile_budgets), ("memfit", args.memfit_budgets)):
+        if values is not None and not all(0 < v <= 1 for v in values):
+            p.error(f"--{name}-budgets must be fractions in (0, 1]")
+    if args.compile_budgets is None:
+        args.compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
+    if args.memfit_budgets is None:
+        args.memfit_budgets = QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS
+    args.compile_budgets = tuple(args.compile_budgets)
+    args.memfit_budgets = tuple(args.memfit_budgets)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        p.error(f"--device must be cpu or cuda, not {args.device!r}")
+    args.device = device
     return args
 
 
@@ -882,17 +946,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    device: torch.device = args.device
     stem = args.out_dir / (
         "budget_frontier"
         + ("" if args.executor == "eager" else f"_{args.executor}")
+        + ("" if device.type == "cpu" else f"_{device.type}")
         + ("_quick" if args.quick else "")
     )
-    specs = [s for s in model_specs(args.quick) if s.name in args.models]
+    specs = [s for s in model_specs(args.quick, device, args.batch_scale) if s.name in args.models]
 
     started = time.perf_counter()
     load_start = load_average()
     print(
-        f"budget frontier on cpu: {[s.name for s in specs]}, {args.rounds} timed rounds, "
+        f"budget frontier on {device}: {[s.name for s in specs]}, {args.rounds} timed rounds, "
         f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}",
         flush=True,
@@ -904,27 +970,32 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "budget_frontier",
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine_info(device),
         "software": software_info(ROOT),
         "parameters": {
             "quick": args.quick,
-            "device": "cpu",
+            "device": str(device),
+            "batch_scale": args.batch_scale,
             "dtype": "float32",
             "rounds": args.rounds,
             "step": "loss(module(*inputs)).backward(), loss from the zoo case; grads set to None "
             "before each step",
-            "peak": "memfit.measure of one step after two warm-up steps (exact CPU allocator "
-            "accounting, deterministic)",
+            "peak": "memfit.measure of one step after two warm-up steps ("
+            + (
+                "exact CPU allocator accounting, deterministic)"
+                if device.type == "cpu"
+                else "CUDA caching allocator statistics)"
+            ),
             "time": "median of `rounds` steps timed by memfit.measure(profile_memory=False) "
             "(no profiler), round-robin over all of a model's points, start rotated "
             "each round; gc.collect() before each step, gc disabled during a round",
             "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
             "around compilation and the whole first step; each point its own "
             "code object (no dynamo reset between points)",
-            "torch_compile_budgets": list(QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS),
+            "torch_compile_budgets": list(args.compile_budgets),
             "checkpoint_sequential": "eager, model.blocks, every segment count, "
             "use_reentrant=False (the last segment is not checkpointed)",
-            "memfit_budgets": list(QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS),
+            "memfit_budgets": list(args.memfit_budgets),
             "memfit_budget_meaning": "fraction of plain autograd's predicted activation peak; "
             "an int is bytes (the smallest feasible)",
             "memfit_modes": list(MEMFIT_MODES),
@@ -971,7 +1042,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     md = (
         f"# Budget frontier ({report['date_utc']})\n\n"
-        f"CPU ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        + (
+            f"CPU ({cpu})"
+            if device.type == "cpu"
+            else f"{report['machine']['gpu']} ({device}; peaks from the caching allocator's "
+            f"statistics; batch x{args.batch_scale}), host CPU {cpu}"
+        )
+        + f", torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average "
         f"{load_start} at start and {report['load_average']['end']} at end. Peak is the "
         f"measured tensor memory of one training step (exact allocator accounting); step time "
