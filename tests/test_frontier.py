@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from memfit.analysis.simulate import simulate_step
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet, tanh_chain, unet
+from memfit.planning import frontier
 from memfit.planning.budget import BudgetError
 from memfit.planning.frontier import choose, pareto_frontier
 from memfit.planning.policies import keep_all, keep_min_peak
@@ -62,9 +65,11 @@ def test_too_small_budget_names_the_smallest(graph) -> None:
     assert str(points[0].peak_bytes) in str(info.value)
 
 
-def test_time_limit_keeps_the_anchors(graph) -> None:
-    """With no time to solve, the fallback still has plain autograd and "memory"."""
-    points = pareto_frontier(graph, time_limit_s=0.0)
+def test_time_limit_keeps_the_anchors_and_warns(graph) -> None:
+    """With no time to solve, the fallback still has plain autograd and "memory", and the user
+    is told the plan depended on the machine's speed."""
+    with pytest.warns(UserWarning, match="depends on this machine's speed"):
+        points = pareto_frontier(graph, time_limit_s=0.0)
     assert points[-1].peak_bytes == simulate_step(graph, keep_all(graph)).peak_bytes
     assert points[0].peak_bytes <= simulate_step(graph, keep_min_peak(graph)).peak_bytes
 
@@ -81,3 +86,45 @@ def test_budget_at_memory_modes_peak_is_memory_mode_or_cheaper(graph) -> None:
     memory_cost = sum(node_seconds(n) for n in memory.backward if n in forward)
     assert chosen.peak_bytes <= memory.peak_bytes
     assert chosen.recompute_seconds <= memory_cost + 1e-12
+
+
+class _SlowClock:
+    """``time.perf_counter`` of a machine on which every step of the search takes ``step``
+    seconds: deterministic, however busy the machine running the test is."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step, self.readings = 0.0, step, 0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        self.readings += 1
+        return self.now
+
+
+def test_inductor_plans_do_not_depend_on_the_machines_speed(monkeypatch) -> None:
+    """The Inductor candidates are counted work: on a machine where they take 30-60 s (the old
+    20 s cut-off dropped them all) the frontier is the one an idle machine finds, and nothing
+    warns."""
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32), executor="inductor")
+    fast = pareto_frontier(jg)
+    counter = _SlowClock(0.0)  # counts the clock's readings in one search
+    monkeypatch.setattr(frontier.time, "perf_counter", counter)
+    pareto_frontier(jg, time_limit_s=1e9)
+    clock = _SlowClock(60.0 / counter.readings)  # a search that takes 60 s
+    monkeypatch.setattr(frontier.time, "perf_counter", clock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slow = pareto_frontier(jg, time_limit_s=1e9)
+    assert 20.0 < clock.now < frontier.FUSED_SAFETY_LIMIT_S, clock.now
+    assert [p.kept for p in slow] == [p.kept for p in fast]
+    assert any(p.source.startswith(("fused", "torch.compile")) for p in slow)
+
+
+def test_inductor_candidates_stop_at_the_safety_limit_and_warn(monkeypatch) -> None:
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32), executor="inductor")
+    monkeypatch.setattr(frontier.time, "perf_counter", _SlowClock(10.0))
+    with pytest.warns(UserWarning, match="safety limit for Inductor candidates"):
+        points = pareto_frontier(jg, time_limit_s=1e9)
+    assert points[-1].peak_bytes == simulate_step(jg, keep_all(jg)).peak_bytes

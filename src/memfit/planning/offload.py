@@ -34,7 +34,7 @@ from memfit.analysis.transfers import (
     schedule_transfers,
     value_bytes,
 )
-from memfit.planning.frontier import FrontierPoint, pareto
+from memfit.planning.frontier import FrontierPoint, pareto, warn_cut
 
 __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCandidate", "offload_variants", "swap", "with_offload"]
 
@@ -186,5 +186,7 @@ def with_offload(
                     schedule=c.schedule,
                 )
             )
+    if time.perf_counter() > deadline:  # a safety net: the variants are counted work
+        warn_cut(jg, f"its {time_limit_s:g} s limit for offload plans")
     baseline = max(p.peak_bytes for p in points)
     return pareto(extended, min_gap * baseline)
