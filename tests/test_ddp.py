@@ -47,10 +47,13 @@ def test_ddp_optimizer_splits_and_the_prediction_holds(ranks: list[dict]) -> Non
 
 def test_fsdp2_around_memfit_blocks_equals_plain_fsdp2(ranks: list[dict]) -> None:
     """``fully_shard`` around ``memfit.checkpoint`` blocks: FSDP2 gathers each block's
-    parameters before memfit's graph runs and reduce-scatters after its backward."""
+    parameters before memfit's graph runs and reduce-scatters after its backward, and the
+    forward leaves less for the backward than plain FSDP2's. (Not the step's peak: on two gloo
+    ranks it varies by 1 MiB between runs, plain FSDP2's and memfit's alike, which made this
+    test fail on its peak 1 time in 2 after the whole suite.)"""
     for rank in ranks:
         plain, got = rank["fsdp2"]["plain"], rank["fsdp2"]["memfit"]
         for g, h in zip(got["grads"], plain["grads"], strict=True):
             torch.testing.assert_close(g, h, rtol=0, atol=0)
         assert got["recomputed"] > 0
-        assert got["peak"] < plain["peak"]
+        assert got["kept"] < plain["kept"]
