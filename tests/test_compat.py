@@ -146,6 +146,23 @@ def test_recompile_limit_is_raised_only_inside_the_context() -> None:
     assert dynamo_config.recompile_limit == before
 
 
+def test_recompile_limit_never_lowers_a_users_limit_and_restores_after_an_error() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(recompile_limit=5000, accumulated_recompile_limit=6000):
+        with _compat.recompile_limit(1000):
+            assert dynamo_config.recompile_limit == 5000
+            assert dynamo_config.accumulated_recompile_limit == 6000
+        try:
+            with _compat.recompile_limit(9000):
+                assert dynamo_config.recompile_limit == 9000
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert dynamo_config.recompile_limit == 5000
+        assert dynamo_config.accumulated_recompile_limit == 6000
+
+
 def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
     """The forward and the backward of an AOTAutograd graph find the same ctx, and inside a
     backward the engine says which leaves it accumulates into."""
