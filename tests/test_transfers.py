@@ -7,7 +7,7 @@ import torch
 
 from memfit.analysis.cost import node_seconds
 from memfit.analysis.simulate import simulate_step
-from memfit.analysis.transfers import Link, offloadable, schedule_transfers
+from memfit.analysis.transfers import Link, offloadable, schedule_transfers, value_bytes
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet
 from memfit.planning.policies import keep_all
@@ -117,3 +117,19 @@ def test_copies_that_cannot_overlap_cost_their_time_and_start_late(setup) -> Non
     for slow_t, fast_t in zip(schedule.transfers, fast.transfers):
         # nothing to gain from a head start: prefetched as late as with an instant link
         assert bpos[slow_t.prefetch_before] >= bpos[fast_t.prefetch_before]
+
+
+def test_cuda_block_rounding_neither_hides_values_nor_changes_bytes_moved() -> None:
+    """On CUDA the simulator counts whole 512-byte blocks (``allocated_bytes``); which values can
+    be offloaded, and the bytes a copy moves, stay the tensors' own."""
+    torch.compiler.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(30, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3))
+    (jg,) = joint_graphs(model, torch.randn(5, 30))  # 5x30 fp32 values: 600 bytes each
+    saved = jg.saved_needed(keep_all(jg))
+    on_cpu = offloadable(jg, saved)
+    assert on_cpu and any(value_bytes(jg, v) % 512 for v in on_cpu)
+    jg.storage_devices = dict.fromkeys(jg.storage_devices, torch.device("cuda", 0))
+    cuda = jg.at(jg.sizes)
+    assert cuda.storage_bytes != jg.storage_bytes  # rounded up
+    assert offloadable(cuda, saved) == on_cpu
+    assert [value_bytes(cuda, v) for v in on_cpu] == [value_bytes(jg, v) for v in on_cpu]

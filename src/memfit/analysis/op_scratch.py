@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from memfit._compat import OpOverload, disable_current_modes, size_hint, tree_flatten, tree_map
-from memfit.analysis.graph import is_random, node_tensors
+from memfit.analysis.graph import allocated_bytes, is_random, node_tensors
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 
@@ -228,8 +228,10 @@ def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> 
 
 
 def _nbytes(result: Any) -> int:
+    """What the allocator holds for an op's outputs: on CUDA whole 512-byte blocks, as the
+    simulator counts them (``allocated_bytes``), so the rounding is not counted as scratch too."""
     outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-    return sum(t.untyped_storage().nbytes() for t in outputs)
+    return sum(allocated_bytes(t.untyped_storage().nbytes(), t.device) for t in outputs)
 
 
 def _run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -118,8 +118,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def value_bytes(jg: JointGraph, value: fx.Node) -> int:
-    """Bytes an offload of ``value`` moves: its one storage (``offloadable`` values have one)."""
-    return jg.storage_bytes[jg.storages[value][0]]
+    """Bytes an offload of ``value`` moves: its one storage (``offloadable`` values have one),
+    as the tensor holds them (``storage_bytes`` is what the allocator frees: on CUDA rounded up
+    to whole 512-byte blocks, ``analysis.graph.allocated_bytes``)."""
+    return jg.sizes(jg.storage_sizes[jg.storages[value][0]])
 
 
 def offloadable(jg: JointGraph, saved: Iterable[fx.Node], *, min_bytes: int = 0) -> list[fx.Node]:
@@ -144,7 +146,7 @@ def offloadable(jg: JointGraph, saved: Iterable[fx.Node], *, min_bytes: int = 0)
         if len(keys) != 1 or not isinstance(val, torch.Tensor) or n in jg.fwd_outputs:
             continue
         (key,) = keys
-        nbytes = jg.storage_bytes[key]
+        nbytes = jg.sizes(jg.storage_sizes[key])  # the tensor's bytes, not the allocator's block
         if key in blocked or holders[key] != 1 or nbytes < max(min_bytes, 1):
             continue
         if val.numel() * val.element_size() != nbytes or val.storage_offset() != 0:
