@@ -28,10 +28,10 @@ frontier plan and one per ``COMPILE_BUDGETS`` value) are fixed amounts, so the p
 is the same on a busy machine as on an idle one. (It was not: the Inductor candidates once
 stopped at 20 s, which they take 10 s to reach on an idle 2-core machine for a 1,700-node ResNet,
 so a loaded machine got other plans.) Time limits remain as safety nets only: ``time_limit_s``
-for the search, ``FUSED_SAFETY_LIMIT_S`` for the Inductor candidates. If one is reached the
-frontier holds the points found so far, which always include plain autograd, ``"speed"`` and the
-cut heuristic, so every budget is still answered within its bytes or refused, and memfit warns
-that this plan depends on the machine's speed.
+(``SEARCH_SAFETY_LIMIT_S``) for the search, ``FUSED_SAFETY_LIMIT_S`` for the Inductor
+candidates. If one is reached the frontier holds the points found so far, which always include
+plain autograd, ``"speed"`` and the cut heuristic, so every budget is still answered within its
+bytes or refused, and memfit warns that this plan depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ from memfit.units import format_bytes
 from memfit.warn import warn_user
 
 __all__ = ["FrontierPoint", "pareto_frontier", "pareto", "choose", "warn_cut"]
+
+#: Safety net: seconds after which the counted search stops, with a warning. The largest graphs
+#: measured take 5-6 s on one idle core (a 60-layer GPT-2, a 10,000-node MLP: README, "Planning
+#: time"), so a busy machine stays well inside it.
+SEARCH_SAFETY_LIMIT_S = 60.0
 
 #: Safety net: seconds from the start of ``pareto_frontier`` after which no more Inductor
 #: candidates (``_fused_points``) are solved, with a warning. Their number is fixed; this is never
@@ -103,7 +108,11 @@ def _point(
 
 
 def pareto_frontier(
-    jg: JointGraph, *, grid: int = 20, time_limit_s: float = 10.0, min_gap: float = 0.01
+    jg: JointGraph,
+    *,
+    grid: int = 20,
+    time_limit_s: float = SEARCH_SAFETY_LIMIT_S,
+    min_gap: float = 0.01,
 ) -> list[FrontierPoint]:
     """Simulated Pareto-optimal plans of ``jg``, sorted by increasing peak (decreasing cost).
 
@@ -130,9 +139,12 @@ def pareto_frontier(
     # The grid runs from the least modelled peak any segment plan reaches (found by bisection on
     # feasibility: the model's error differs between plans, so the simulated "memory" point says
     # little about where the model's own minimum lies) up to keeping everything.
+    deadline = started + time_limit_s
+    cut = False  # whether the safety net stopped counted work
     lo, hi = 0.0, max(store_all, 1.0)
     for _ in range(10):
-        if time.perf_counter() - started > time_limit_s:
+        if time.perf_counter() > deadline:
+            cut = True
             break
         mid = (lo + hi) / 2
         if model.solve(mid) is None:
@@ -141,7 +153,8 @@ def pareto_frontier(
             hi = mid
     lo, hi = hi, max(store_all, hi * 1.01)
     for budget in np.geomspace(lo, hi, grid):
-        if time.perf_counter() - started > time_limit_s:
+        if time.perf_counter() > deadline:
+            cut = True
             break
         segments = model.solve(float(budget))
         if segments is None:
@@ -162,12 +175,13 @@ def pareto_frontier(
         jg,
         set(lowest.kept),
         max_simulations=max(64, 250_000 // max(len(jg.nodes), 1)),
-        deadline=started + time_limit_s,
+        deadline=deadline,
     )
+    cut = cut or time.perf_counter() > deadline  # the local search stops at the deadline
     if frozenset(refined) not in seen:
         seen.add(frozenset(refined))
         points.append(_point(jg, refined, "refined", costs))
-    if time.perf_counter() - started > time_limit_s:
+    if cut:
         warn_cut(jg, f"its {time_limit_s:g} s limit for the search")
     if jg.fused_elementwise:
         points += _fused_points(jg, pareto(points, min_gap * base.peak_bytes), costs, seen, started)

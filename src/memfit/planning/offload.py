@@ -34,7 +34,7 @@ from memfit.analysis.transfers import (
     schedule_transfers,
     value_bytes,
 )
-from memfit.planning.frontier import FrontierPoint, pareto, warn_cut
+from memfit.planning.frontier import SEARCH_SAFETY_LIMIT_S, FrontierPoint, pareto, warn_cut
 
 __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCandidate", "offload_variants", "swap", "with_offload"]
 
@@ -154,15 +154,17 @@ def with_offload(
     seconds: dict[fx.Node, float],
     *,
     min_gap: float = 0.01,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = SEARCH_SAFETY_LIMIT_S,
     min_bytes: int = MIN_OFFLOAD_BYTES,
     limit_bytes: int | None = None,
 ) -> list[FrontierPoint]:
     """The frontier ``points`` extended with offload plans of each of them, Pareto-filtered."""
     deadline = time.perf_counter() + time_limit_s
     extended = list(points)
+    cut = False  # whether the safety net stopped counted work
     for p in points:
         if time.perf_counter() > deadline:
+            cut = True
             break
         variants = offload_variants(
             jg,
@@ -174,6 +176,7 @@ def with_offload(
             min_bytes=min_bytes,
             limit_bytes=limit_bytes,
         )
+        cut = cut or time.perf_counter() > deadline  # the variants stop at the deadline
         for c in variants:
             extended.append(
                 FrontierPoint(
@@ -186,7 +189,7 @@ def with_offload(
                     schedule=c.schedule,
                 )
             )
-    if time.perf_counter() > deadline:  # a safety net: the variants are counted work
+    if cut:  # a safety net: the variants are counted work
         warn_cut(jg, f"its {time_limit_s:g} s limit for offload plans")
     baseline = max(p.peak_bytes for p in points)
     return pareto(extended, min_gap * baseline)
