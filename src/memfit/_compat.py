@@ -323,7 +323,22 @@ def unique_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class recompile_limit:  # noqa: N801 - used as a function: ``with recompile_limit(n):``
+def recompile_limit(limit: int) -> AbstractContextManager[Any]:
+    """Dynamo's per-code-object recompile limits raised to at least ``limit`` while the context
+    is open, and restored on exit (``_RaisedRecompileLimit``).
+
+    Traced by an outer ``torch.compile`` (a compiled function calling a memfit wrapper), it is
+    ``config.patch`` as before, which Dynamo knows how to trace; Dynamo inlining the class below
+    made such a call run without memfit's graphs.
+    """
+    if torch.compiler.is_compiling():
+        import torch._dynamo.config as dynamo_config
+
+        return dynamo_config.patch(recompile_limit=limit, accumulated_recompile_limit=limit)
+    return _RaisedRecompileLimit(limit)
+
+
+class _RaisedRecompileLimit:
     """Dynamo's per-code-object recompile limits raised to at least ``limit`` while the context
     is open, and restored on exit.
 
@@ -345,6 +360,8 @@ class recompile_limit:  # noqa: N801 - used as a function: ``with recompile_limi
     def __enter__(self) -> None:
         import torch._dynamo.config as dynamo_config
 
+        if self.saved is not None:
+            raise RuntimeError("recompile_limit is not reentrant: open a new one")
         self.saved = (dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit)
         if self.saved[0] < self.limit:
             dynamo_config.recompile_limit = self.limit
@@ -356,6 +373,7 @@ class recompile_limit:  # noqa: N801 - used as a function: ``with recompile_limi
 
         assert self.saved is not None
         dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit = self.saved
+        self.saved = None
 
 
 # ---- symbolic sizes (checked 2.13.0) -------------------------------------------------------------
