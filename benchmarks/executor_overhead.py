@@ -19,7 +19,7 @@ count or time differ most from eager's.
 
 ``--models tiny`` adds a two-layer MLP on a 4x16 batch, whose step is almost all per-call cost
 (Dynamo's guards, the wrappers' Python, the autograd engine): each timed sample there is the mean
-of ``TINY_REPEAT`` steps, so microseconds are resolved.
+of ``TINY_REPEAT`` steps, each from gradients set to None, so microseconds are resolved.
 
 Writes ``benchmarks/results/executor_overhead.{json,md}`` (``--out`` elsewhere).
 Run: ``python benchmarks/executor_overhead.py [--rounds 15] [--models resnet transformer unet]``.
@@ -157,10 +157,14 @@ def run_model(name: str, rounds: int) -> dict[str, Any]:
         try:
             for i in range(len(VARIANTS)):
                 variant = VARIANTS[(r + i) % len(VARIANTS)]
-                models[variant].zero_grad(set_to_none=True)
+                model = models[variant]
+                model.zero_grad(set_to_none=True)
                 gc.collect()
                 t = time.perf_counter()
                 for _ in range(repeat):
+                    # every step from no gradients, as after optimizer.zero_grad(): no step
+                    # accumulates (the same Python call in every variant)
+                    model.zero_grad(set_to_none=True)
                     steps[variant]()
                 times[variant].append((time.perf_counter() - t) / repeat)
         finally:
