@@ -76,7 +76,8 @@ Makefile's ``.venv``): ``python benchmarks/budget_frontier.py [--quick] [--model
 ``--device cuda`` runs every point on the GPU (peaks from the caching allocator's statistics,
 steps synchronised around each timing; outputs get ``_cuda``); ``--batch-scale N`` multiplies
 every model's batch (the CPU sizes leave a GPU step bound by kernel launches), and
-``--compile-budgets`` / ``--memfit-budgets`` pick fewer points where time on the device is short.
+``--compile-budgets`` / ``--memfit-budgets`` pick fewer points where time on the device is short
+(outputs then get ``_batch<N>x`` and ``_points``, so the full results are never overwritten).
 The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
 ``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
 """
@@ -944,6 +945,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--device cuda: CUDA is not available")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA devices")
     elif device.type != "cpu":
         p.error(f"--device must be cpu or cuda, not {args.device!r}")
     args.device = device
@@ -956,10 +959,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device: torch.device = args.device
-    stem = args.out_dir / (
+    default_points = args.compile_budgets == (
+        QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
+    ) and args.memfit_budgets == (QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS)
+    stem = args.out_dir / (  # a run of other sizes or points never overwrites the full results
         "budget_frontier"
         + ("" if args.executor == "eager" else f"_{args.executor}")
         + ("" if device.type == "cpu" else f"_{device.type}")
+        + ("" if args.batch_scale == 1 else f"_batch{args.batch_scale}x")
+        + ("" if default_points else "_points")
         + ("_quick" if args.quick else "")
     )
     specs = [s for s in model_specs(args.quick, device, args.batch_scale) if s.name in args.models]
@@ -1060,7 +1068,9 @@ def main(argv: list[str] | None = None) -> int:
         + f", torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average "
         f"{load_start} at start and {report['load_average']['end']} at end. Peak is the "
-        f"measured tensor memory of one training step (exact allocator accounting); step time "
+        f"measured tensor memory of one training step ("
+        + ("exact allocator accounting" if device.type == "cpu" else "the allocator's counters")
+        + f"); step time "
         f"is the median of {args.rounds} steps interleaved across all points of a model "
         f'(interquartile range in brackets); ratios are to plain eager; "own baseline" is the '
         f'same peer recomputing nothing (memfit "none", torch.compile at budget 1.0, eager), '
