@@ -36,8 +36,9 @@ def accumulate(rank: int, policies: tuple[str | None, ...]) -> dict[str | None, 
 
 
 def _fsdp2(rank: int, mesh: Any, mode: str) -> dict[str, Any]:
-    """FSDP2 (``fully_shard``, CPU mesh) around memfit-wrapped blocks, or plain blocks: the
-    full gradients after two steps and the peak of the second."""
+    """FSDP2 (``fully_shard``, CPU mesh) around memfit-wrapped blocks, or plain blocks, after a
+    first step: what the forward keeps, then the full gradients and the peak of one step from
+    zeroed gradients."""
     from torch.distributed.fsdp import fully_shard
 
     torch.compiler.reset()
