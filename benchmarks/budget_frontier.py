@@ -933,6 +933,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, values in (("compile", args.compile_budgets), ("memfit", args.memfit_budgets)):
         if values is not None and not all(0 < v <= 1 for v in values):
             p.error(f"--{name}-budgets must be fractions in (0, 1]")
+    # a run of other sizes or points never overwrites the full results (see main's file names)
+    args.default_points = args.compile_budgets is None and args.memfit_budgets is None
     if args.compile_budgets is None:
         args.compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
     if args.memfit_budgets is None:
@@ -959,15 +961,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device: torch.device = args.device
-    default_points = args.compile_budgets == (
-        QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
-    ) and args.memfit_budgets == (QUICK_MEMFIT_BUDGETS if args.quick else MEMFIT_BUDGETS)
     stem = args.out_dir / (  # a run of other sizes or points never overwrites the full results
         "budget_frontier"
         + ("" if args.executor == "eager" else f"_{args.executor}")
         + ("" if device.type == "cpu" else f"_{device.type}")
         + ("" if args.batch_scale == 1 else f"_batch{args.batch_scale}x")
-        + ("" if default_points else "_points")
+        + ("" if args.default_points else "_points")
         + ("_quick" if args.quick else "")
     )
     specs = [s for s in model_specs(args.quick, device, args.batch_scale) if s.name in args.models]

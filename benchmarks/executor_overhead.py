@@ -158,7 +158,6 @@ def run_model(name: str, rounds: int) -> dict[str, Any]:
             for i in range(len(VARIANTS)):
                 variant = VARIANTS[(r + i) % len(VARIANTS)]
                 model = models[variant]
-                model.zero_grad(set_to_none=True)
                 gc.collect()
                 t = time.perf_counter()
                 for _ in range(repeat):

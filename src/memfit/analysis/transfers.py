@@ -146,7 +146,7 @@ def offloadable(jg: JointGraph, saved: Iterable[fx.Node], *, min_bytes: int = 0)
         if len(keys) != 1 or not isinstance(val, torch.Tensor) or n in jg.fwd_outputs:
             continue
         (key,) = keys
-        nbytes = jg.sizes(jg.storage_sizes[key])  # the tensor's bytes, not the allocator's block
+        nbytes = value_bytes(jg, n)  # the tensor's bytes, not the allocator's block
         if key in blocked or holders[key] != 1 or nbytes < max(min_bytes, 1):
             continue
         if val.numel() * val.element_size() != nbytes or val.storage_offset() != 0:
