@@ -53,7 +53,7 @@ from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
 from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.measured_search import Tried, plan_cost, search_plans
 from memfit.planning.plan import GraphPlan, sized_key
-from memfit.planning.planner import plan_graph, with_executor_peaks
+from memfit.planning.planner import FrontierCache, plan_graph, with_executor_peaks
 from memfit.planning.policy import BUDGET, Policy
 from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
@@ -557,6 +557,7 @@ def make_backend(
         #: "memory"'s first plan's simulated peak: under Inductor a cheaper plan that peaks no
         #: higher once compiled is searched as a budget at that peak less ``headroom``
         least_simulated: list[int] = []
+        frontier = FrontierCache(jg)  # every plan of this graph below reads one frontier
         #: a budget the simulation refused: "memory"'s plan is searched, then held to it
         refused: list[int] = []
 
@@ -575,6 +576,7 @@ def make_backend(
                 offload_min_bytes=offloader.options.min_bytes if offloader else 1,
                 offload_limit_bytes=limit,
                 headroom_bytes=headroom,
+                cache=frontier,
             )
             if asked is not policy:
                 graph_plan = dataclasses.replace(
@@ -603,7 +605,7 @@ def make_backend(
             if not measured_fit or graph_share is not None or spent or err.budget_bytes is None:
                 raise
             # The plan "memory" would take, searched the same way; then held to the budget.
-            least = plan_graph(jg, Policy("memory"))
+            least = plan_graph(jg, Policy("memory"), cache=frontier)
             graph_plan = dataclasses.replace(
                 least,
                 policy=BUDGET,

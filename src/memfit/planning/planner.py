@@ -36,7 +36,7 @@ from memfit.planning.policy import BUDGET, Policy
 from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
 
-__all__ = ["plan_graph", "with_executor_peaks"]
+__all__ = ["FrontierCache", "plan_graph", "with_executor_peaks"]
 
 #: The named policies the planner answers with one keep-set rule ("memory" and budgets use the
 #: frontier instead).
@@ -45,6 +45,23 @@ _KEEP_RULES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
     "speed": keep_heavy,
     "collection": keep_marked,
 }
+
+
+class FrontierCache:
+    """One graph's frontier, computed by its first plan and read by the later ones.
+
+    Why: under ``executor="inductor"`` the measured search (``planning.measured_search``) plans
+    one graph up to ``SCHEDULE_TRIES`` times, with different headroom, and the frontier does not
+    depend on the headroom, only which of its points is chosen does. Computing it once per plan
+    was most of a ResNet's first step: four frontiers of 24 min-cut solves each, 107 of 225 s
+    (profiled, CPU, 2 threads). A cache belongs to one graph and one set of offload options
+    (link, limits); frontiers with and without offload plans are kept apart.
+    """
+
+    def __init__(self, jg: JointGraph) -> None:
+        self.jg = jg
+        #: the frontier by whether it includes offload plans
+        self.points: dict[bool, list[FrontierPoint]] = {}
 
 
 def plan_graph(
@@ -59,6 +76,7 @@ def plan_graph(
     share: GraphShare | None = None,
     first_plan: bool = False,
     headroom_bytes: int = 0,
+    cache: FrontierCache | None = None,
 ) -> GraphPlan:
     """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
@@ -74,8 +92,11 @@ def plan_graph(
     for the plan); ``offload_limit_bytes`` caps what one graph may offload (the host budget, or
     the free space of the offload disk). ``headroom_bytes`` is taken off a budget for what the
     executor holds beyond the simulation (Inductor's schedule, measured on a plan compiled before:
-    ``execution.backend``).
+    ``execution.backend``). With a ``cache`` of ``jg``, the frontier is computed once for all the
+    plans asked of it.
     """
+    if cache is not None and cache.jg is not jg:
+        raise ValueError("plan_graph: the frontier cache belongs to another graph")
     if policy.offload and link is None:
         raise ValueError(f"policy {policy.label!r} offloads: plan_graph needs the link's bandwidth")
     baseline = keep_all(jg)
@@ -88,18 +109,22 @@ def plan_graph(
 
     def frontier_points() -> list[FrontierPoint]:
         """The graph's frontier, with offload plans added when the policy offloads."""
+        if cache is not None and policy.offload in cache.points:
+            return cache.points[policy.offload]
         points = pareto_frontier(jg)
-        if not policy.offload:
-            return points
-        assert link is not None
-        return with_offload(
-            jg,
-            points,
-            link,
-            seconds,
-            min_bytes=offload_min_bytes,
-            limit_bytes=offload_limit_bytes,
-        )
+        if policy.offload:
+            assert link is not None
+            points = with_offload(
+                jg,
+                points,
+                link,
+                seconds,
+                min_bytes=offload_min_bytes,
+                limit_bytes=offload_limit_bytes,
+            )
+        if cache is not None:
+            cache.points[policy.offload] = points
+        return points
 
     if policy.name == BUDGET:
         assert policy.budget is not None

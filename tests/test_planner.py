@@ -1,0 +1,70 @@
+"""The planner: a policy into a GraphPlan, and the frontier shared by the plans of one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.analysis.transfers import Link
+from memfit.bench.graphs import joint_graphs
+from memfit.bench.zoo import cifar_resnet
+from memfit.planning import planner
+from memfit.planning.budget import Budget
+from memfit.planning.planner import FrontierCache, plan_graph
+from memfit.planning.policy import BUDGET, Policy
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    torch.compiler.reset()
+    first = joint_graphs(cifar_resnet(2, width=8), torch.randn(8, 3, 32, 32))[0]
+    second = joint_graphs(cifar_resnet(1, width=8), torch.randn(8, 3, 32, 32))[0]
+    return first, second
+
+
+def _asked(jg) -> list[tuple[Policy, int]]:
+    """What the measured search asks of one graph: "memory", then budgets at headrooms."""
+    least = plan_graph(jg, Policy("memory")).predicted_peak_bytes
+    at = Policy(BUDGET, budget=Budget(bytes=least))
+    return [(Policy("memory"), 0), (at, -(1 << 20)), (at, -(1 << 19)), (Policy("memory"), 0)]
+
+
+def test_a_cache_computes_the_frontier_once_for_every_plan_of_its_graph(
+    graphs, monkeypatch
+) -> None:
+    jg, _ = graphs
+    asked = _asked(jg)
+    uncached = [plan_graph(jg, p, headroom_bytes=h) for p, h in asked]
+    calls = []
+    real = planner.pareto_frontier
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "pareto_frontier", counted)
+    cache = FrontierCache(jg)
+    cached = [plan_graph(jg, p, headroom_bytes=h, cache=cache) for p, h in asked]
+    assert len(calls) == 1
+    assert [p.decisions for p in cached] == [p.decisions for p in uncached]
+    assert [p.predicted_peak_bytes for p in cached] == [p.predicted_peak_bytes for p in uncached]
+    plan_graph(jg, Policy("memory"))  # without one, every plan computes its own
+    assert len(calls) == 2
+
+
+def test_offload_plans_are_cached_apart_from_recompute_only_ones(graphs) -> None:
+    jg, _ = graphs
+    cache = FrontierCache(jg)
+    plain = plan_graph(jg, Policy("memory"), cache=cache)
+    link = Link(1e18, 1e18)
+    offloading = plan_graph(jg, Policy("memory", offload=True), link=link, cache=cache)
+    assert set(cache.points) == {False, True}
+    assert not plain.transfers and offloading.transfers
+    assert plan_graph(jg, Policy("memory"), cache=cache).decisions == plain.decisions
+
+
+def test_a_cache_refuses_another_graph(graphs) -> None:
+    first, second = graphs
+    cache = FrontierCache(first)
+    with pytest.raises(ValueError, match="another graph"):
+        plan_graph(second, Policy("memory"), cache=cache)
