@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet, tanh_chain, unet
 from memfit.planning import frontier
 from memfit.planning.budget import BudgetError
-from memfit.planning.frontier import choose, pareto_frontier
+from memfit.planning.frontier import choose, least_peak_point, pareto_frontier
 from memfit.planning.policies import keep_all, keep_min_peak
 
 
@@ -128,3 +129,24 @@ def test_inductor_candidates_stop_at_the_safety_limit_and_warn(monkeypatch) -> N
     with pytest.warns(UserWarning, match="safety limit for Inductor candidates"):
         points = pareto_frontier(jg, time_limit_s=1e9)
     assert points[-1].peak_bytes == simulate_step(jg, keep_all(jg)).peak_bytes
+
+
+def test_memory_point_under_inductor_is_the_cheapest_near_the_least_peak(graph) -> None:
+    """Eager "memory" is the least simulated peak; where peaks are estimates (Inductor) it is the
+    cheapest point within MIN_GAP of it, never one beyond."""
+    points = pareto_frontier(graph)
+    base = simulate_step(graph, keep_all(graph)).peak_bytes
+    gap = int(frontier.MIN_GAP * base)
+    lowest = points[0]
+    assert least_peak_point(points, base, estimate=False) is lowest
+    assert least_peak_point([lowest], base, estimate=True) is lowest
+    least = dataclasses.replace(lowest, recompute_seconds=1.0)
+    near = dataclasses.replace(least, peak_bytes=least.peak_bytes + gap // 2, recompute_seconds=0.5)
+    beyond = dataclasses.replace(least, peak_bytes=least.peak_bytes + gap + 1, recompute_seconds=0)
+    candidates = [least, near, beyond]
+    assert least_peak_point(candidates, base, estimate=True) is near
+    assert least_peak_point(candidates, base, estimate=False) is least
+    # a budget at the chosen point's peak returns it: "memory" and budgets stay one family
+    chosen = least_peak_point(points, base, estimate=True)
+    assert choose(points, chosen.peak_bytes) is chosen
+    assert chosen.peak_bytes <= lowest.peak_bytes + gap

@@ -34,7 +34,13 @@ from memfit.analysis.transfers import (
     schedule_transfers,
     value_bytes,
 )
-from memfit.planning.frontier import SEARCH_SAFETY_LIMIT_S, FrontierPoint, pareto, warn_cut
+from memfit.planning.frontier import (
+    MIN_GAP,
+    SEARCH_SAFETY_LIMIT_S,
+    FrontierPoint,
+    pareto,
+    warn_cut,
+)
 
 __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCandidate", "offload_variants", "swap", "with_offload"]
 
@@ -153,7 +159,7 @@ def with_offload(
     link: Link,
     seconds: dict[fx.Node, float],
     *,
-    min_gap: float = 0.01,
+    min_gap: float = MIN_GAP,
     time_limit_s: float = SEARCH_SAFETY_LIMIT_S,
     min_bytes: int = MIN_OFFLOAD_BYTES,
     limit_bytes: int | None = None,

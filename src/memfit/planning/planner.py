@@ -27,7 +27,7 @@ from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
-from memfit.planning.frontier import FrontierPoint, choose, pareto_frontier
+from memfit.planning.frontier import FrontierPoint, choose, least_peak_point, pareto_frontier
 from memfit.planning.fusion import with_fused_recomputation
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
@@ -202,8 +202,9 @@ def plan_graph(
     elif policy.name == "memory":
         # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
         # candidates, and the segment programme often finds a lower peak for less recompute.
+        # Under Inductor, the cheapest within the frontier's gap of it.
         points = frontier_points()
-        lowest = points[0]
+        lowest = least_peak_point(points, base_sim.peak_bytes, estimate=jg.fused_elementwise)
         kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
     elif policy.name == "swap":
         assert link is not None
