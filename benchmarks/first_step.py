@@ -4,7 +4,9 @@ Why: memfit plans inside the user's first step (capture, op-scratch measurement,
 simulation, splitting, compiling), so planning is only affordable while that step stays close to
 what any ``torch.compile`` first step costs. Issue 11's target: the first step of ``"memory"`` and
 of ``budget=`` at most 1.3x that of ``"none"`` (which captures and splits but has nothing to
-decide), on a 400-layer MLP (~6,400 joint-graph nodes) and a 60-layer GPT-2.
+decide), on a 400-layer MLP (~6,400 joint-graph nodes) and a 60-layer GPT-2; and the frontier
+benchmark's ResNet (12 blocks with BatchNorm), where the Inductor executor's measured search tries
+the most plans.
 
 Each configuration runs in a fresh Python process (imports, Dynamo's and Inductor's caches in
 memory all cold, as for a user's first step; Inductor's on-disk cache is pointed at a fresh
@@ -17,7 +19,9 @@ end of ``backward()`` and, for memfit, each phase by wrapping the functions that
   plans at every budget of the grid, each simulated) and ``simulate`` (the other simulations:
   the baseline and the chosen plan);
 * ``split``: ``split_joint_graph`` (forward and backward graphs from the plan);
-* ``compile``: ``compile_graph`` (FX code for the eager executor, Inductor for ``"inductor"``);
+* ``compile``: ``compile_graph`` (FX code for the eager executor, Inductor for ``"inductor"``)
+  and, for ``"inductor"``, ``compile_pair``: each plan the measured search tries is compiled
+  while planning (``plans_compiled`` counts them);
 * ``rest``: the step less all of these: Dynamo's capture, AOTAutograd's tracing, running.
 
 Configurations: memfit ``"none"``, ``"memory"``, ``budget=1.0`` with the eager executor (the
@@ -57,8 +61,8 @@ CONFIGS = (
     "torch.compile aot_eager",
     "torch.compile inductor",
 )
-MODELS = ("mlp-400", "gpt2-60")
-QUICK_MODELS = ("mlp-40", "gpt2-6")
+MODELS = ("mlp-400", "gpt2-60", "resnet-4")
+QUICK_MODELS = ("mlp-40", "gpt2-6", "resnet-1")
 PHASES = ("op_scratch", "plan", "frontier", "simulate", "split", "compile")
 
 
@@ -69,6 +73,16 @@ def _build(name: str) -> tuple[Any, tuple[Any, ...], Callable[[Any], Any]]:
 
     torch.manual_seed(0)
     kind, size = name.rsplit("-", 1)
+    if kind == "resnet":  # the frontier benchmark's ResNet: BatchNorm, convolutions
+        from memfit.bench.zoo import cifar_resnet
+
+        x = torch.randn(32, 3, 32, 32)
+        y = torch.randint(0, 10, (32,))
+        return (
+            cifar_resnet(int(size), width=16),
+            (x,),
+            lambda out: nn.functional.cross_entropy(out, y),
+        )
     if kind == "mlp":
         layers: list[nn.Module] = []
         for _ in range(int(size)):
@@ -113,6 +127,15 @@ def child(model_name: str, config: str) -> dict[str, Any]:
     timed(planner, "simulate_step", "simulate")
     timed(backend, "split_joint_graph", "split")
     timed(backend, "compile_graph", "compile")
+    timed(backend, "compile_pair", "compile")
+    plans_compiled = [0]
+    counted_pair = backend.compile_pair
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        plans_compiled[0] += 1
+        return counted_pair(*args, **kwargs)
+
+    backend.compile_pair = counting
 
     peer, setting = config.split(" ", 1)
     if peer == "torch.compile":
@@ -131,6 +154,7 @@ def child(model_name: str, config: str) -> dict[str, Any]:
         record["phases_s"] = dict(spent)
         named = spent["op_scratch"] + spent["plan"] + spent["split"] + spent["compile"]
         record["phases_s"]["rest"] = total - named
+        record["plans_compiled"] = plans_compiled[0]
         plan = wrapped.plan
         record["joint_nodes"] = sum(g.num_nodes for g in plan.graphs)
         record["predicted_peak_bytes"] = plan.predicted_peak_bytes
@@ -170,13 +194,13 @@ def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| model | configuration | first step (s) | / memfit none | / aot_eager | capture etc. "
-        "| op scratch | plan (frontier, simulate) | split | compile |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| op scratch | plan (frontier, simulate) | split | compile | plans compiled |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     out = [header]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['config']} | error | | | | | | | |")
+            out.append(f"| {r['model']} | {r['config']} | error | | | | | | | | |")
             continue
         base = next(
             (q for q in rows if q["model"] == r["model"] and q["config"] == "memfit none"), None
@@ -203,9 +227,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 f"{p['plan']:.1f} ({p['frontier']:.1f}, {p['simulate']:.1f})",
                 f"{p['split']:.1f}",
                 f"{p['compile']:.1f}",
+                str(r.get("plans_compiled", "-"))
+                if r["config"].startswith("memfit-inductor")
+                else "-",
             ]
             if p
-            else ["-"] * 5
+            else ["-"] * 6
         )
         out.append(
             f"| {r['model']} | {r['config']} | {r['first_step_s']:.1f} | {ratio(base)} "
