@@ -16,6 +16,7 @@ from memfit.planning.fusion import (
     COMPILE_BUDGETS,
     slow_masks,
     torch_compile_kept,
+    torch_compile_plans,
     with_fused_recomputation,
 )
 from memfit.planning.policies import keep_all, keep_heavy, keep_min_peak
@@ -130,3 +131,24 @@ def test_torch_min_cut_alone_keeps_the_unet_relu_masks() -> None:
     torch.manual_seed(0)
     (jg,) = joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32), executor="inductor")
     assert _min_cut_alone(jg) & slow_masks(jg)
+
+
+def test_torch_compile_plans_solved_together_are_each_budgets_own(graph, monkeypatch) -> None:
+    """Solved together, the budgets share their min-cuts (fewer solves) and each gets the plan it
+    gets alone."""
+    from memfit import _compat
+
+    solves = []
+    real = _compat._partitioners.solve_min_cut
+
+    def counted(*args, **kwargs):
+        solves.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_compat._partitioners, "solve_min_cut", counted)
+    alone = [torch_compile_kept(graph, b) for b in COMPILE_BUDGETS]
+    one_by_one = len(solves)
+    together = torch_compile_plans(graph, COMPILE_BUDGETS)
+    assert together == alone
+    assert len(solves) - one_by_one < one_by_one / 2
+    assert _compat._partitioners.solve_min_cut is counted  # put back as it was

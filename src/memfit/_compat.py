@@ -17,9 +17,10 @@ directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any
@@ -172,6 +173,36 @@ def min_cut_saved_values(
     builds them; the ``recompute`` tags are set only while it solves, and the graph is otherwise
     left as it was.
     """
+    (saved,) = min_cut_saved_values_at(
+        joint,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+        must_recompute=must_recompute,
+        must_save=must_save,
+        memory_budgets=[memory_budget],
+    )
+    return saved
+
+
+def min_cut_saved_values_at(
+    joint: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: Iterable[int] | None,
+    memory_budgets: Sequence[float | None],
+    must_recompute: Iterable[fx.Node] = (),
+    must_save: Iterable[fx.Node] = (),
+) -> list[list[fx.Node]]:
+    """``min_cut_saved_values`` at each of ``memory_budgets``, solved together.
+
+    Why together: ``choose_saved_values_set`` solves the same three min-cuts for every budget
+    (its default, "more aggressive" and "aggressive" options) and estimates the runtime of the
+    same banned nodes before its knapsack; only the knapsack and the last min-cut depend on the
+    budget. Ten budgets solved one by one took 38 min-cuts, 12.6 of a 100-layer MLP's 14.2 s
+    frontier. Here the graph is classified once, and while the budgets are solved each min-cut
+    (by its options and the nodes it may not ban) and each node's runtime estimate is computed
+    once: the answers are the ones each budget gets on its own.
+    """
     import torch._functorch.config as functorch_config
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -179,7 +210,7 @@ def min_cut_saved_values(
     static = list(static_lifetime_input_indices or ())
     node_info = _partitioners.classify_nodes(joint, static, num_fwd_outputs)
     if len(node_info.required_bw_nodes) == 0:  # nothing to partition (networkx would fail)
-        return []
+        return [[] for _ in memory_budgets]
     # How far each forward node is from the backward, as min_cut_rematerialization_partition
     # computes it (an attribute the solver reads off every node).
     distance: dict[fx.Node, int] = {}
@@ -202,20 +233,44 @@ def min_cut_saved_values(
         ban_if_not_in_allowlist=functorch_config.ban_recompute_not_in_allowlist,
         ban_if_reduction=functorch_config.ban_recompute_reductions,
     )
+    solve, estimate = _partitioners.solve_min_cut, _partitioners.estimate_runtime
+    cuts: dict[tuple[Any, ...], tuple[list[fx.Node], Any]] = {}
+    runtimes: dict[fx.Node, float] = {}
+
+    def solve_once(
+        graph: fx.Graph, info: Any, cut_options: Any, dont_ban: Any = None
+    ) -> tuple[list[fx.Node], Any]:
+        key = (dataclasses.astuple(cut_options), frozenset(dont_ban or ()))
+        if key not in cuts:
+            cuts[key] = solve(graph, info, cut_options, dont_ban)
+        saved, banned = cuts[key]
+        return list(saved), type(banned)(banned)  # callers get their own lists
+
+    def estimate_once(node: fx.Node) -> float:
+        if node not in runtimes:
+            runtimes[node] = estimate(node)
+        return runtimes[node]
+
+    answers: list[list[fx.Node]] = []
     try:
         for n, tag in tags.items():
             n.meta["recompute"] = tag
-        if memory_budget is None:
-            saved, _ = _partitioners.solve_min_cut(graph, node_info, options)
-        else:
-            saved = _partitioners.choose_saved_values_set(graph, node_info, memory_budget)
+        _partitioners.solve_min_cut = solve_once  # type: ignore[assignment]
+        _partitioners.estimate_runtime = estimate_once
+        for budget in memory_budgets:
+            if budget is None:
+                saved, _ = solve_once(graph, node_info, options)
+            else:
+                saved = _partitioners.choose_saved_values_set(graph, node_info, budget)
+            answers.append(list(saved))
     finally:
+        _partitioners.solve_min_cut, _partitioners.estimate_runtime = solve, estimate
         for n, old in previous.items():
             if old is _MISSING:
                 n.meta.pop("recompute", None)
             else:
                 n.meta["recompute"] = old
-    return list(saved)
+    return answers
 
 
 _MISSING = object()

@@ -51,7 +51,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
-from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_kept, with_fused_recomputation
+from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_plans, with_fused_recomputation
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
@@ -221,15 +221,22 @@ def _fused_points(
 ) -> list[FrontierPoint]:
     """Under Inductor: each frontier plan with fusible recomputation added, and the plans
     ``torch.compile`` makes at ``COMPILE_BUDGETS`` (``planning.fusion``), those not seen yet.
-    Each is one min-cut solve; all are solved unless ``FUSED_SAFETY_LIMIT_S`` is reached."""
+    Each frontier plan is one min-cut solve, ``torch.compile``'s plans one more (they share
+    their min-cuts); all are solved unless ``FUSED_SAFETY_LIMIT_S`` is reached."""
     found: list[FrontierPoint] = []
-    candidates: list[tuple[str, Callable[[], set[fx.Node]]]] = [
-        (f"fused {p.source}", partial(with_fused_recomputation, jg, set(p.kept))) for p in frontier
+    # (the sources of the plans one solve makes, the solve)
+    candidates: list[tuple[list[str], Callable[[], list[set[fx.Node]]]]] = [
+        ([f"fused {p.source}"], partial(_one, with_fused_recomputation, jg, set(p.kept)))
+        for p in frontier
     ]
-    candidates += [
-        (f"torch.compile {b:g}", partial(torch_compile_kept, jg, b)) for b in COMPILE_BUDGETS
-    ]
-    for i, (source, make) in enumerate(candidates):
+    # torch.compile's plans share their min-cuts, so they are solved together
+    candidates.append(
+        (
+            [f"torch.compile {b:g}" for b in COMPILE_BUDGETS],
+            partial(torch_compile_plans, jg, COMPILE_BUDGETS),
+        )
+    )
+    for i, (sources, make) in enumerate(candidates):
         if time.perf_counter() - started > FUSED_SAFETY_LIMIT_S:
             warn_cut(
                 jg,
@@ -237,13 +244,19 @@ def _fused_points(
                 f"({i} of {len(candidates)} solved)",
             )
             break
-        kept = make()
-        key = frozenset(kept)
-        if key in seen:
-            continue
-        seen.add(key)
-        found.append(_point(jg, kept, source, costs))
+        for kept, source in zip(make(), sources, strict=True):
+            key = frozenset(kept)
+            if key in seen:
+                continue
+            seen.add(key)
+            found.append(_point(jg, kept, source, costs))
     return found
+
+
+def _one(
+    make: Callable[[JointGraph, set[fx.Node]], set[fx.Node]], jg: JointGraph, kept: set[fx.Node]
+) -> list[set[fx.Node]]:
+    return [make(jg, kept)]
 
 
 def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:

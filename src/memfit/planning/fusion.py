@@ -35,16 +35,23 @@ transformer encoder, keeping 4.2 M, took 157 ms where its plan at budget 0.9, ke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 import torch
 import torch.fx as fx
 
-from memfit._compat import min_cut_saved_values
+from memfit._compat import min_cut_saved_values_at
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.planning.policies import always_kept
 
-__all__ = ["COMPILE_BUDGETS", "slow_masks", "torch_compile_kept", "with_fused_recomputation"]
+__all__ = [
+    "COMPILE_BUDGETS",
+    "slow_masks",
+    "torch_compile_kept",
+    "torch_compile_plans",
+    "with_fused_recomputation",
+]
 
 #: The ``activation_memory_budget`` values whose ``torch.compile`` plans join the frontier.
 COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
@@ -53,15 +60,22 @@ COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 def with_fused_recomputation(jg: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
     """``kept`` less what Inductor can recompute inside the backward's fused kernels: the
     values min-cut keeps when everything ``kept`` recomputes must be recomputed."""
-    fused = _min_cut_kept(jg, must_recompute=jg.recomputed_for(kept), may_keep=kept)
+    (fused,) = _min_cut_kept(jg, [None], must_recompute=jg.recomputed_for(kept), may_keep=kept)
     return set(kept) if fused is None else fused
 
 
 def torch_compile_kept(jg: JointGraph, memory_budget: float) -> set[fx.Node]:
     """What ``torch.compile`` keeps of ``jg`` under ``activation_memory_budget=memory_budget``,
     with random and impure ops kept as memfit keeps them."""
-    kept = _min_cut_kept(jg, memory_budget=memory_budget)
-    return jg.saved_needed(always_kept(jg)) if kept is None else kept
+    (kept,) = torch_compile_plans(jg, [memory_budget])
+    return kept
+
+
+def torch_compile_plans(jg: JointGraph, memory_budgets: Sequence[float]) -> list[set[fx.Node]]:
+    """``torch_compile_kept`` at each of ``memory_budgets``, solved together: the min-cuts every
+    budget shares are solved once (``_compat.min_cut_saved_values_at``)."""
+    plans = _min_cut_kept(jg, list(memory_budgets))
+    return [jg.saved_needed(always_kept(jg)) if kept is None else kept for kept in plans]
 
 
 def slow_masks(jg: JointGraph) -> set[fx.Node]:
@@ -88,20 +102,22 @@ def slow_masks(jg: JointGraph) -> set[fx.Node]:
 
 def _min_cut_kept(
     jg: JointGraph,
+    memory_budgets: list[float | None],
     *,
     must_recompute: AbstractSet[fx.Node] = frozenset(),
     may_keep: AbstractSet[fx.Node] = frozenset(),
-    memory_budget: float | None = None,
-) -> set[fx.Node] | None:
-    """The kept set of torch's min-cut on ``jg``, random and impure values never recomputed,
-    and no ``slow_masks`` kept but those in ``may_keep``, with what every plan keeps (None: the
-    graph has no backward to partition for)."""
-    saved = min_cut_saved_values(
+) -> list[set[fx.Node] | None]:
+    """The kept set of torch's min-cut on ``jg`` at each of ``memory_budgets`` (None: the plain
+    min-cut), random and impure values never recomputed, and no ``slow_masks`` kept but those in
+    ``may_keep``, with what every plan keeps (None: the graph has no backward to partition
+    for)."""
+    solved = min_cut_saved_values_at(
         jg.module,
         num_fwd_outputs=jg.num_fwd_outputs,
         static_lifetime_input_indices=sorted(jg.static_inputs),
         must_recompute=set(must_recompute) | (slow_masks(jg) - set(may_keep)),
         must_save={n for n in jg.forward if jg.never_recompute(n)},
-        memory_budget=memory_budget,
+        memory_budgets=memory_budgets,
     )
-    return jg.saved_needed(set(saved) | always_kept(jg)) if saved else None
+    always = always_kept(jg)
+    return [jg.saved_needed(set(saved) | always) if saved else None for saved in solved]
