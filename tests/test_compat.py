@@ -315,7 +315,8 @@ def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error(
     monkeypatch,
 ) -> None:
     """While budgets are solved together torch's solver and runtime estimate are memoised in
-    place; afterwards (also after an error) they are torch's own again."""
+    place and networkx's min-cut uses another max-flow; afterwards (also after an error) they
+    are torch's and networkx's own again."""
     import pytest
 
     from memfit.bench.graphs import joint_graphs
@@ -323,12 +324,24 @@ def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error(
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     (jg,) = joint_graphs(net, torch.randn(4, 8), executor="inductor")
+    import networkx
+
     solve, estimate = _compat._partitioners.solve_min_cut, _compat._partitioners.estimate_runtime
+    minimum_cut = networkx.minimum_cut
     kwargs = dict(num_fwd_outputs=jg.num_fwd_outputs, static_lifetime_input_indices=())
     answers = _compat.min_cut_saved_values_at(jg.module, memory_budgets=[None, 0.5], **kwargs)
     assert answers[0] == _compat.min_cut_saved_values(jg.module, **kwargs)
     assert answers[1] == _compat.min_cut_saved_values(jg.module, memory_budget=0.5, **kwargs)
+    info = _compat.min_cut_node_info(jg.module, **kwargs)  # classified once, for both budgets
+    assert info.required_fw_nodes and info.required_bw_nodes
+    assert (
+        _compat.min_cut_saved_values_at(
+            jg.module, memory_budgets=[None, 0.5], node_info=info, **kwargs
+        )
+        == answers
+    )
     with pytest.raises(RuntimeError, match="memory budget"):
         _compat.min_cut_saved_values_at(jg.module, memory_budgets=[2.0], **kwargs)
     assert _compat._partitioners.solve_min_cut is solve
     assert _compat._partitioners.estimate_runtime is estimate
+    assert networkx.minimum_cut is minimum_cut  # its max-flow is networkx's default again

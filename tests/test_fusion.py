@@ -19,7 +19,7 @@ from memfit.planning.fusion import (
     torch_compile_plans,
     with_fused_recomputation,
 )
-from memfit.planning.policies import keep_all, keep_heavy, keep_min_peak
+from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 
 
 @pytest.fixture(scope="module", params=["resnet", "unet"])
@@ -152,3 +152,54 @@ def test_torch_compile_plans_solved_together_are_each_budgets_own(graph, monkeyp
     assert together == alone
     assert len(solves) - one_by_one < one_by_one / 2
     assert _compat._partitioners.solve_min_cut is counted  # put back as it was
+
+
+def test_candidates_are_the_same_with_torchs_default_max_flow(graph, monkeypatch) -> None:
+    """memfit solves torch's min-cuts with Boykov-Kolmogorov (``_compat.MIN_CUT_MAX_FLOW``);
+    networkx's cut is the same for every maximum flow, so each candidate is the one torch's own
+    preflow-push gives, and networkx is left as it was."""
+    import networkx
+
+    from memfit import _compat
+
+    plans = [keep_all(graph), keep_heavy(graph), keep_min_peak(graph)]
+
+    def candidates():
+        return [with_fused_recomputation(graph, kept) for kept in plans] + torch_compile_plans(
+            graph, COMPILE_BUDGETS
+        )
+
+    solved = candidates()
+    assert networkx.minimum_cut.__name__ == "minimum_cut"  # networkx's own again
+    monkeypatch.setattr(_compat, "MIN_CUT_MAX_FLOW", "preflow_push")
+    assert candidates() == solved
+    assert len({frozenset(s) for s in solved}) > 3  # the cuts differ: the check has teeth
+
+
+def test_a_graph_is_classified_once_for_all_its_candidates(monkeypatch) -> None:
+    """torch's node classification depends on the graph alone: one per graph, shared by every
+    candidate, with the plans of a classification made for each solve."""
+    from memfit import _compat
+
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(cifar_resnet(1, width=8), torch.randn(2, 3, 16, 16), executor="inductor")
+    calls = []
+    real = _compat._partitioners.classify_nodes
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_compat._partitioners, "classify_nodes", counted)
+    fused = [with_fused_recomputation(jg, keep_all(jg)), *torch_compile_plans(jg, (0.5, 0.2))]
+    assert len(calls) == 1
+    assert fused[0] == with_fused_recomputation(jg, keep_all(jg)) and len(calls) == 1
+    kwargs = dict(
+        num_fwd_outputs=jg.num_fwd_outputs,
+        static_lifetime_input_indices=sorted(jg.static_inputs),
+        must_recompute=slow_masks(jg),
+        must_save={n for n in jg.forward if jg.never_recompute(n)},
+    )
+    fresh = _compat.min_cut_saved_values_at(jg.module, memory_budgets=[0.5, 0.2], **kwargs)
+    assert len(calls) == 2  # classified again without a node_info
+    assert [jg.saved_needed(set(s) | always_kept(jg)) for s in fresh] == fused[1:]

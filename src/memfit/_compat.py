@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any
@@ -184,6 +184,37 @@ def min_cut_saved_values(
     return saved
 
 
+#: The networkx maximum-flow algorithm (``networkx.algorithms.flow``) torch's min-cut solves run
+#: with inside ``min_cut_saved_values_at`` (torch calls ``networkx.minimum_cut`` with its
+#: default, ``preflow_push``; checked 2.13.0, networkx 3.x). Why another: Boykov-Kolmogorov took
+#: 7.9 s where preflow-push took 15.2 s for the 22 solves of a 14,212-node GPT-2's frontier, 0.53
+#: against 0.89 s for a ResNet's 23 (CPU, 2 threads). The answer is the same: networkx cuts where
+#: the residual network can no longer reach the sink, which is the same set of nodes for every
+#: maximum flow (compared on all 58 solves of those and a 400-layer MLP; tests/test_compat.py).
+MIN_CUT_MAX_FLOW = "boykov_kolmogorov"
+
+
+def min_cut_node_info(
+    joint: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices: Iterable[int] | None,
+) -> Any:
+    """torch's classification of ``joint``'s nodes for its min-cut
+    (``torch._functorch.partitioners.classify_nodes``, checked 2.13.0): which nodes the forward
+    and the backward need, and the forward's order.
+
+    Why apart: it reads only the graph's structure and AOTAutograd's partitioner tags, never the
+    ``recompute`` tags a solve sets, yet it copies the forward graph (an FX graph, cyclic
+    garbage afterwards) each time: 0.24 s for a 14,212-node GPT-2, whose Inductor frontier
+    classified it 14 times. A caller solving one graph many times classifies it once; the answer
+    holds while ``joint``'s graph is not changed.
+    """
+    return _partitioners.classify_nodes(
+        joint, list(static_lifetime_input_indices or ()), num_fwd_outputs
+    )
+
+
 def min_cut_saved_values_at(
     joint: fx.GraphModule,
     *,
@@ -192,6 +223,8 @@ def min_cut_saved_values_at(
     memory_budgets: Sequence[float | None],
     must_recompute: Iterable[fx.Node] = (),
     must_save: Iterable[fx.Node] = (),
+    node_info: Any = None,
+    each_solve: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[list[fx.Node]]:
     """``min_cut_saved_values`` at each of ``memory_budgets``, solved together.
 
@@ -201,14 +234,22 @@ def min_cut_saved_values_at(
     budget. Ten budgets solved one by one took 38 min-cuts, 12.6 of a 100-layer MLP's 14.2 s
     frontier. Here the graph is classified once, and while the budgets are solved each min-cut
     (by its options and the nodes it may not ban) and each node's runtime estimate is computed
-    once: the answers are the ones each budget gets on its own.
+    once: the answers are the ones each budget gets on its own. Each min-cut's maximum flow is
+    found by ``MIN_CUT_MAX_FLOW`` instead of networkx's default (see there). ``node_info``: what
+    ``min_cut_node_info`` returned for ``joint`` (computed here if None); ``each_solve``: a
+    context each min-cut solve runs in (``planning.paused_gc``'s, which collects the solve's
+    networkx graph as it ends).
     """
     import torch._functorch.config as functorch_config
     from torch.utils.checkpoint import CheckpointPolicy
 
     graph = joint.graph
-    static = list(static_lifetime_input_indices or ())
-    node_info = _partitioners.classify_nodes(joint, static, num_fwd_outputs)
+    if node_info is None:
+        node_info = min_cut_node_info(
+            joint,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
     if len(node_info.required_bw_nodes) == 0:  # nothing to partition (networkx would fail)
         return [[] for _ in memory_budgets]
     # How far each forward node is from the backward, as min_cut_rematerialization_partition
@@ -234,6 +275,16 @@ def min_cut_saved_values_at(
         ban_if_reduction=functorch_config.ban_recompute_reductions,
     )
     solve, estimate = _partitioners.solve_min_cut, _partitioners.estimate_runtime
+    import networkx
+    from networkx.algorithms import flow
+
+    minimum_cut = networkx.minimum_cut
+    max_flow = getattr(flow, MIN_CUT_MAX_FLOW)
+
+    def minimum_cut_with(graph: Any, source: Any, sink: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("flow_func", max_flow)
+        return minimum_cut(graph, source, sink, **kwargs)
+
     cuts: dict[tuple[Any, ...], tuple[list[fx.Node], Any]] = {}
     runtimes: dict[fx.Node, float] = {}
 
@@ -242,7 +293,8 @@ def min_cut_saved_values_at(
     ) -> tuple[list[fx.Node], Any]:
         key = (dataclasses.astuple(cut_options), frozenset(dont_ban or ()))
         if key not in cuts:
-            cuts[key] = solve(graph, info, cut_options, dont_ban)
+            with each_solve():
+                cuts[key] = solve(graph, info, cut_options, dont_ban)
         saved, banned = cuts[key]
         return list(saved), type(banned)(banned)  # callers get their own lists
 
@@ -257,6 +309,7 @@ def min_cut_saved_values_at(
             n.meta["recompute"] = tag
         _partitioners.solve_min_cut = solve_once  # type: ignore[assignment]
         _partitioners.estimate_runtime = estimate_once
+        networkx.minimum_cut = minimum_cut_with
         for budget in memory_budgets:
             if budget is None:
                 saved, _ = solve_once(graph, node_info, options)
@@ -265,6 +318,7 @@ def min_cut_saved_values_at(
             answers.append(list(saved))
     finally:
         _partitioners.solve_min_cut, _partitioners.estimate_runtime = solve, estimate
+        networkx.minimum_cut = minimum_cut
         for n, old in previous.items():
             if old is _MISSING:
                 n.meta.pop("recompute", None)
@@ -524,7 +578,6 @@ def profiler_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, i
 # What the benchmarks and the test zoo's graph capture (``memfit.bench``, ``benchmarks/``) need
 # beyond the package itself: AOTAutograd's own default partition, to record joint graphs without
 # changing them, and the knobs of ``torch.compile``, the peer memfit's budget is compared with.
-from collections.abc import Callable  # noqa: E402
 
 # make_boxed_func: a forward compiler's result in AOTAutograd's boxed calling convention.
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402

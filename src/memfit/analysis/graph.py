@@ -116,6 +116,9 @@ class JointGraph:
     #: the executor fuses elementwise ops and reductions into generated kernels (Inductor), so
     #: recomputing one costs its arithmetic, not its memory traffic (``analysis.cost``)
     fused_elementwise: bool = False
+    #: what planners derive from the graph's structure alone, computed at first use and shared
+    #: by every view ``at`` makes (torch's min-cut classification: ``planning.fusion``)
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     nodes: list[fx.Node] = field(init=False)
     index: dict[fx.Node, int] = field(init=False)
     primals: list[fx.Node] = field(init=False)

@@ -41,8 +41,9 @@ from collections.abc import Set as AbstractSet
 import torch
 import torch.fx as fx
 
-from memfit._compat import min_cut_saved_values_at
+from memfit._compat import min_cut_node_info, min_cut_saved_values_at
 from memfit.analysis.graph import JointGraph, node_tensors
+from memfit.planning.paused_gc import paused_gc
 from memfit.planning.policies import always_kept
 
 __all__ = [
@@ -55,6 +56,12 @@ __all__ = [
 
 #: The ``activation_memory_budget`` values whose ``torch.compile`` plans join the frontier.
 COMPILE_BUDGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+#: ``JointGraph.derived``'s key for torch's min-cut classification of the graph
+#: (``_compat.min_cut_node_info``): every candidate of a graph is solved on one
+_NODE_INFO = "min_cut_node_info"
+#: ``JointGraph.derived``'s key for ``slow_masks``
+_SLOW_MASKS = "slow_masks"
 
 
 def with_fused_recomputation(jg: JointGraph, kept: set[fx.Node]) -> set[fx.Node]:
@@ -82,6 +89,12 @@ def slow_masks(jg: JointGraph) -> set[fx.Node]:
     """The boolean values computed before ``jg``'s backward that no candidate keeps: on CPU,
     every one a plan could recompute (random and impure ops' are kept anyway, forward outputs
     are alive anyway); elsewhere none (see the module's docstring)."""
+    if _SLOW_MASKS not in jg.derived:
+        jg.derived[_SLOW_MASKS] = frozenset(_slow_masks(jg))
+    return set(jg.derived[_SLOW_MASKS])
+
+
+def _slow_masks(jg: JointGraph) -> set[fx.Node]:
     # not only ``jg.forward``: a mask the forward's outputs do not need (ReLU's, read only by
     # its backward) is a value the backward reads that a plan may keep all the same
     values = [
@@ -111,6 +124,12 @@ def _min_cut_kept(
     min-cut), random and impure values never recomputed, and no ``slow_masks`` kept but those in
     ``may_keep``, with what every plan keeps (None: the graph has no backward to partition
     for)."""
+    if _NODE_INFO not in jg.derived:
+        jg.derived[_NODE_INFO] = min_cut_node_info(
+            jg.module,
+            num_fwd_outputs=jg.num_fwd_outputs,
+            static_lifetime_input_indices=sorted(jg.static_inputs),
+        )
     solved = min_cut_saved_values_at(
         jg.module,
         num_fwd_outputs=jg.num_fwd_outputs,
@@ -118,6 +137,8 @@ def _min_cut_kept(
         must_recompute=set(must_recompute) | (slow_masks(jg) - set(may_keep)),
         must_save={n for n in jg.forward if jg.never_recompute(n)},
         memory_budgets=memory_budgets,
+        node_info=jg.derived[_NODE_INFO],
+        each_solve=paused_gc,  # each solve's networkx graph is cyclic garbage: collected there
     )
     always = always_kept(jg)
     return [jg.saved_needed(set(saved) | always) if saved else None for saved in solved]

@@ -30,6 +30,7 @@ from memfit.planning.decision import Decision
 from memfit.planning.frontier import FrontierPoint, choose, least_peak_point, pareto_frontier
 from memfit.planning.fusion import with_fused_recomputation
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
+from memfit.planning.paused_gc import paused_gc
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
 from memfit.planning.policy import BUDGET, Policy
@@ -64,6 +65,7 @@ class FrontierCache:
         self.points: dict[bool, list[FrontierPoint]] = {}
 
 
+@paused_gc()  # planning's garbage collected once, as it ends (planning.paused_gc)
 def plan_graph(
     jg: JointGraph,
     policy: Policy,
