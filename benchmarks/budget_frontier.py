@@ -285,15 +285,16 @@ class GraphFlops:
         self.total = 0
         self.graphs = 0
         self.uncounted: set[str] = set()
-        self._digest = hashlib.sha256()
+        #: each graph's digest (strings: Inductor pickles its config, this pass included)
+        self.digests: list[str] = []
 
     @property
     def program(self) -> str:
-        return self._digest.hexdigest()[:16]
+        return hashlib.sha256(" ".join(self.digests).encode()).hexdigest()[:16]
 
     def __call__(self, graph: fx.Graph) -> None:
         self.graphs += 1
-        self._digest.update(str(graph).encode())
+        self.digests.append(hashlib.sha256(str(graph).encode()).hexdigest())
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
