@@ -190,7 +190,7 @@ def min_cut_saved_values(
 #: 7.9 s where preflow-push took 15.2 s for the 22 solves of a 14,212-node GPT-2's frontier, 0.53
 #: against 0.89 s for a ResNet's 23 (CPU, 2 threads). The answer is the same: networkx cuts where
 #: the residual network can no longer reach the sink, which is the same set of nodes for every
-#: maximum flow (compared on all 58 solves of those and a 400-layer MLP; tests/test_compat.py).
+#: maximum flow (compared on all 58 solves of those and a 400-layer MLP; tests/test_fusion.py).
 MIN_CUT_MAX_FLOW = "boykov_kolmogorov"
 
 
