@@ -311,12 +311,11 @@ def test_inductor_compile_reports_its_schedule() -> None:
         assert strides is None
 
 
-def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error(
-    monkeypatch,
-) -> None:
+def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error() -> None:
     """While budgets are solved together torch's solver and runtime estimate are memoised in
     place and networkx's min-cut uses another max-flow; afterwards (also after an error) they
     are torch's and networkx's own again."""
+    import networkx
     import pytest
 
     from memfit.bench.graphs import joint_graphs
@@ -324,8 +323,6 @@ def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error(
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     (jg,) = joint_graphs(net, torch.randn(4, 8), executor="inductor")
-    import networkx
-
     solve, estimate = _compat._partitioners.solve_min_cut, _compat._partitioners.estimate_runtime
     minimum_cut = networkx.minimum_cut
     kwargs = dict(num_fwd_outputs=jg.num_fwd_outputs, static_lifetime_input_indices=())

@@ -138,14 +138,8 @@ def test_torch_compile_plans_solved_together_are_each_budgets_own(graph, monkeyp
     gets alone."""
     from memfit import _compat
 
-    solves = []
-    real = _compat._partitioners.solve_min_cut
-
-    def counted(*args, **kwargs):
-        solves.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_compat._partitioners, "solve_min_cut", counted)
+    solves = _count_calls(monkeypatch, _compat._partitioners, "solve_min_cut")
+    counted = _compat._partitioners.solve_min_cut
     alone = [torch_compile_kept(graph, b) for b in COMPILE_BUDGETS]
     one_by_one = len(solves)
     together = torch_compile_plans(graph, COMPILE_BUDGETS)
@@ -183,14 +177,7 @@ def test_a_graph_is_classified_once_for_all_its_candidates(monkeypatch) -> None:
 
     torch.manual_seed(0)
     (jg,) = joint_graphs(cifar_resnet(1, width=8), torch.randn(2, 3, 16, 16), executor="inductor")
-    calls = []
-    real = _compat._partitioners.classify_nodes
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_compat._partitioners, "classify_nodes", counted)
+    calls = _count_calls(monkeypatch, _compat._partitioners, "classify_nodes")
     fused = [with_fused_recomputation(jg, keep_all(jg)), *torch_compile_plans(jg, (0.5, 0.2))]
     assert len(calls) == 1
     assert fused[0] == with_fused_recomputation(jg, keep_all(jg)) and len(calls) == 1
@@ -203,3 +190,16 @@ def test_a_graph_is_classified_once_for_all_its_candidates(monkeypatch) -> None:
     fresh = _compat.min_cut_saved_values_at(jg.module, memory_budgets=[0.5, 0.2], **kwargs)
     assert len(calls) == 2  # classified again without a node_info
     assert [jg.saved_needed(set(s) | always_kept(jg)) for s in fresh] == fused[1:]
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` for the test; the list it returns grows by each call's arguments."""
+    calls: list = []
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls

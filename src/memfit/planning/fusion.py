@@ -35,8 +35,9 @@ transformer encoder, keeping 4.2 M, took 157 ms where its plan at budget 0.9, ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -89,9 +90,7 @@ def slow_masks(jg: JointGraph) -> set[fx.Node]:
     """The boolean values computed before ``jg``'s backward that no candidate keeps: on CPU,
     every one a plan could recompute (random and impure ops' are kept anyway, forward outputs
     are alive anyway); elsewhere none (see the module's docstring)."""
-    if _SLOW_MASKS not in jg.derived:
-        jg.derived[_SLOW_MASKS] = frozenset(_slow_masks(jg))
-    return set(jg.derived[_SLOW_MASKS])
+    return set(_derived(jg, _SLOW_MASKS, lambda: frozenset(_slow_masks(jg))))
 
 
 def _slow_masks(jg: JointGraph) -> set[fx.Node]:
@@ -124,12 +123,15 @@ def _min_cut_kept(
     min-cut), random and impure values never recomputed, and no ``slow_masks`` kept but those in
     ``may_keep``, with what every plan keeps (None: the graph has no backward to partition
     for)."""
-    if _NODE_INFO not in jg.derived:
-        jg.derived[_NODE_INFO] = min_cut_node_info(
+    node_info = _derived(
+        jg,
+        _NODE_INFO,
+        lambda: min_cut_node_info(
             jg.module,
             num_fwd_outputs=jg.num_fwd_outputs,
             static_lifetime_input_indices=sorted(jg.static_inputs),
-        )
+        ),
+    )
     solved = min_cut_saved_values_at(
         jg.module,
         num_fwd_outputs=jg.num_fwd_outputs,
@@ -137,8 +139,15 @@ def _min_cut_kept(
         must_recompute=set(must_recompute) | (slow_masks(jg) - set(may_keep)),
         must_save={n for n in jg.forward if jg.never_recompute(n)},
         memory_budgets=memory_budgets,
-        node_info=jg.derived[_NODE_INFO],
+        node_info=node_info,
         each_solve=paused_gc,  # each solve's networkx graph is cyclic garbage: collected there
     )
     always = always_kept(jg)
     return [jg.saved_needed(set(saved) | always) if saved else None for saved in solved]
+
+
+def _derived(jg: JointGraph, key: str, compute: Callable[[], Any]) -> Any:
+    """``jg.derived[key]``, computed by ``compute`` the first time it is asked for."""
+    if key not in jg.derived:
+        jg.derived[key] = compute()
+    return jg.derived[key]
