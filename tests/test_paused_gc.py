@@ -19,10 +19,15 @@ def _cycle() -> weakref.ref:
 
 @pytest.fixture(autouse=True)
 def _collector_enabled():
+    """Each test starts with the collector on and leaves it as it found it, whatever the test
+    did to it: a collector left off would pause collection for every later test in the same
+    worker (``test_runner`` checks that timing restores it)."""
     was = gc.isenabled()
     gc.enable()
     yield
-    if not was:
+    if was:
+        gc.enable()
+    else:
         gc.disable()
 
 
