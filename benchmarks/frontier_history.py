@@ -1,0 +1,102 @@
+"""Every recorded run of the Inductor budget frontier, summarised the same way.
+
+Why: on a shared 2-core CPU one run of ``budget_frontier.py --executor inductor`` moves memfit's
+time ratio against ``torch.compile`` by several percent between runs of the very same plans, so
+a single run says little about "never slower at equal peak". This script reads every
+``budget_frontier_inductor.json`` under ``benchmarks/results/`` (each run its own folder) and
+recomputes, with the benchmark's own ``equal_peak_comparison`` (today's rules, whatever the run's
+code printed then), per run and model: how many memfit points have a ``torch.compile`` point at
+<= 1.05x their measured peak, and the median and worst memfit / ``torch.compile`` ratio three
+ways: setting by setting (medians), on each point's fastest step, and with the settings that ran
+one program pooled (``budget_frontier._pooled_medians``; a run that recorded no programs
+pools nothing). It writes ``benchmarks/results/frontier_history.md``, the README's
+source for the table of runs.
+
+Reads JSON only: no model runs, a second or two. ``python benchmarks/frontier_history.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from budget_frontier import RESULTS, equal_peak_comparison
+
+PEER = "torch.compile"
+
+
+def summarise(model: dict[str, Any]) -> dict[str, Any] | None:
+    """One model of one run: the comparison with ``torch.compile`` at equal peak, or None if
+    no memfit point had a ``torch.compile`` point at its peak."""
+    rows = [r["peers"][PEER] for r in equal_peak_comparison(model["points"]) if r["peers"][PEER]]
+    if not rows:
+        return None
+    out: dict[str, Any] = {"compared": len(rows)}
+    for key, label in (
+        ("time_ratio", "medians"),
+        ("min_time_ratio", "fastest"),
+        ("pooled_time_ratio", "pooled"),
+    ):
+        ratios = [r[key] for r in rows]
+        out[label] = (statistics.median(ratios), max(ratios))
+    return out
+
+
+def runs(root: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every Inductor frontier run under ``root`` (not the quick ones), oldest first."""
+    found = []
+    for path in root.rglob("budget_frontier_inductor.json"):
+        run = json.loads(path.read_text())
+        found.append((str(path.parent.relative_to(root)) or ".", run))
+    return sorted(found, key=lambda item: item[1]["date_utc"])
+
+
+def table(root: Path) -> str:
+    lines = [
+        "| run (folder) | date (UTC) | model | timed steps per point | memfit points compared "
+        "| medians: median, worst | fastest steps: median, worst | one program pooled: median, "
+        "worst |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for folder, run in runs(root):
+        for model in run["models"]:
+            s = summarise(model)
+            if s is None:
+                continue
+            cells = [f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled")]
+            link = f"[{folder}]({folder}/budget_frontier_inductor.md)"
+            lines.append(
+                f"| {link} | {run['date_utc'][:16]} | {model['name']} | "
+                f"{run['parameters']['rounds']} | {s['compared']} | " + " | ".join(cells) + " |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    text = (
+        "# Inductor budget frontier: every run\n\n"
+        'memfit (`executor="inductor"`) against the fastest `torch.compile('
+        "activation_memory_budget=b)` point at <= 1.05x memfit's measured peak, recomputed from "
+        "each run's JSON by `benchmarks/frontier_history.py` with today's comparison. A ratio "
+        "above 1 means memfit was slower. Runs differ in the code they ran (see each run's "
+        "table and the README). Pooling needs each point's program: runs from before programs "
+        "were recorded pool nothing (their pooled columns repeat their medians), and "
+        "program_pooled recorded them for torch.compile's points only.\n\n"
+        + table(args.results)
+        + "\n"
+    )
+    out = args.results / "frontier_history.md"
+    out.write_text(text)
+    print(text)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""``benchmarks/budget_frontier.py``'s comparison at equal peak and
+``benchmarks/frontier_history.py``'s table of runs: the numbers the README's "never slower than
+torch.compile" rests on, checked on literal points.
+
+The scripts are not part of the package: ``budget_frontier`` is loaded from its file (``runpy``),
+``frontier_history`` imported with ``benchmarks/`` on the path, as it imports its sibling.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import runpy
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from clitools import ROOT
+
+_FRONTIER = runpy.run_path(str(ROOT / "benchmarks" / "budget_frontier.py"))
+equal_peak_comparison = _FRONTIER["equal_peak_comparison"]
+pooled_medians = _FRONTIER["_pooled_medians"]
+
+
+def point(peer: str, setting: str, peak: int, times: list[float], program: str | None) -> dict:
+    """A measured point as ``budget_frontier.py`` records it."""
+    rec: dict[str, Any] = {
+        "peer": peer,
+        "setting": setting,
+        "status": "ok",
+        "peak_bytes": peak,
+        "times_s": times,
+        "time_s": sorted(times)[len(times) // 2],  # odd counts here: the median
+        "time_min_s": min(times),
+    }
+    if program is not None:
+        rec["program"] = program
+    return rec
+
+
+# Two torch.compile settings compile one program "p" (medians 10 and 12, pooled 11); memfit's
+# two settings pick one plan "m" (medians 9 and 13, pooled 11); a faster torch.compile point
+# peaks just above the 1.05x tolerance and must not count.
+POINTS = [
+    point("torch.compile", "budget 0.8", 100, [10.0, 10.0, 12.0], "p"),
+    point("torch.compile", "budget 0.9", 100, [8.0, 12.0, 12.0], "p"),
+    point("torch.compile", "budget 1", 106, [1.0, 1.0, 1.0], "q"),
+    point("memfit", "budget 0.6", 100, [9.0, 9.0, 9.0], "m"),
+    point("memfit", "budget 0.5", 100, [13.0, 13.0, 13.0], "m"),
+    point("eager", "plain", 200, [5.0, 5.0, 5.0], None),
+]
+
+
+def test_pooled_medians_pool_the_steps_of_one_program() -> None:
+    assert pooled_medians(POINTS[:2]) == [11.0, 11.0]
+    # a point without a program is its own
+    assert pooled_medians([POINTS[0], POINTS[5]]) == [10.0, 5.0]
+
+
+def test_equal_peak_comparison_takes_the_fastest_peer_within_the_tolerance() -> None:
+    rows = {r["memfit"]: r for r in equal_peak_comparison(POINTS)}
+    fast = rows["budget 0.6"]["peers"]["torch.compile"]
+    assert fast["setting"] == "budget 0.8"  # fastest median at <= 1.05x; "budget 1" peaks 1.06x
+    assert fast["time_ratio"] == pytest.approx(9 / 10)
+    assert fast["min_time_ratio"] == pytest.approx(9 / 8)
+    assert fast["pooled_time_ratio"] == pytest.approx(11 / 11)
+    slow = rows["budget 0.5"]["peers"]["torch.compile"]
+    assert slow["time_ratio"] == pytest.approx(13 / 10)
+    assert slow["pooled_time_ratio"] == pytest.approx(1.0)  # one plan, one pooled median
+    assert rows["budget 0.6"]["peers"]["eager/checkpoint_sequential"] is None  # eager: 2x peak
+
+
+@pytest.fixture
+def history(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("frontier_history")
+
+
+def write_run(path: Path, date: str, models: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date_utc": date, "parameters": {"rounds": 3}, "models": models}))
+
+
+def test_history_lists_every_run_oldest_first_with_the_three_statistics(
+    history: ModuleType, tmp_path: Path
+) -> None:
+    alone = [point("memfit", "mode memory", 50, [1.0, 1.0, 1.0], "z")]  # no peer at its peak
+    write_run(
+        tmp_path / "later" / "budget_frontier_inductor.json",
+        "2026-11-25T10:00:00+00:00",
+        [{"name": "toy", "points": POINTS}, {"name": "lonely", "points": alone}],
+    )
+    write_run(
+        tmp_path / "earlier" / "budget_frontier_inductor.json",
+        "2026-11-24T10:00:00+00:00",
+        [{"name": "toy", "points": POINTS[:4]}],
+    )
+    write_run(  # a quick run is not a run of record
+        tmp_path / "later" / "budget_frontier_inductor_quick.json",
+        "2026-11-26T10:00:00+00:00",
+        [{"name": "toy", "points": POINTS}],
+    )
+    rows = [line for line in history.table(tmp_path).splitlines() if line.startswith("| [")]
+    assert len(rows) == 2  # the model with no torch.compile point at its peak has no row
+    assert rows[0].startswith("| [earlier](earlier/budget_frontier_inductor.md) | 2026-11-24T10:00")
+    # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p")
+    assert rows[0].endswith("| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 |")
+    # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled both 1.00
+    assert rows[1].endswith("| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 |")
