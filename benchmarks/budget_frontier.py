@@ -797,6 +797,30 @@ def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
     return "\n".join(lines), losses
 
 
+def ratio_summary(rows: list[dict[str, Any]], family: str) -> dict[str, Any] | None:
+    """Over the rows of ``equal_peak_comparison`` that have a ``family`` point at their peak:
+    how many, how many memfit points were slower (by more than 5%), and the median and worst
+    memfit / peer ratio setting by setting (``medians``), on fastest steps (``fastest``) and
+    with one program's settings pooled (``pooled``); None if no row has such a point."""
+    peers = [r["peers"][family] for r in rows if r["peers"][family]]
+    if not peers:
+        return None
+    ratios = [p["time_ratio"] for p in peers]
+    out: dict[str, Any] = {
+        "compared": len(peers),
+        "slower": sum(x > 1 for x in ratios),
+        "slower_by_5pct": sum(x > 1.05 for x in ratios),
+    }
+    for label, key in (
+        ("medians", "time_ratio"),
+        ("fastest", "min_time_ratio"),
+        ("pooled", "pooled_time_ratio"),
+    ):
+        values = [p[key] for p in peers]
+        out[label] = (statistics.median(values), max(values))
+    return out
+
+
 def summary_table(results: list[dict[str, Any]]) -> str:
     """Per model and peer family: how memfit's points fare against the fastest peer point at
     equal measured peak."""
@@ -809,25 +833,17 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     for res in results:
         rows = equal_peak_comparison(res["points"])
         for family in ("torch.compile", "eager/checkpoint_sequential"):
-            ratios = [r["peers"][family]["time_ratio"] for r in rows if r["peers"][family]]
-            if not ratios:
+            s = ratio_summary(rows, family)
+            if s is None:
                 lines.append(
                     f"| {res['name']} | {family} | 0 of {len(rows)} | - | - | - | - | - | - "
                     "| - | - |"
                 )
                 continue
-            minima = [r["peers"][family]["min_time_ratio"] for r in rows if r["peers"][family]]
-            pooled = [
-                r["peers"][family].get("pooled_time_ratio", math.nan)
-                for r in rows
-                if r["peers"][family]
-            ]
+            cells = [f"{s[k][0]:.2f} | {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled")]
             lines.append(
-                f"| {res['name']} | {family} | {len(ratios)} of {len(rows)} | "
-                f"{sum(x > 1 for x in ratios)} | {sum(x > 1.05 for x in ratios)} | "
-                f"{statistics.median(ratios):.2f} | {max(ratios):.2f} | "
-                f"{statistics.median(minima):.2f} | {max(minima):.2f} | "
-                f"{statistics.median(pooled):.2f} | {max(pooled):.2f} |"
+                f"| {res['name']} | {family} | {s['compared']} of {len(rows)} | "
+                f"{s['slower']} | {s['slower_by_5pct']} | " + " | ".join(cells) + " |"
             )
     return "\n".join(lines)
 

@@ -19,30 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
-from budget_frontier import RESULTS, equal_peak_comparison
+from budget_frontier import RESULTS, equal_peak_comparison, ratio_summary
 
 PEER = "torch.compile"
-
-
-def summarise(model: dict[str, Any]) -> dict[str, Any] | None:
-    """One model of one run: the comparison with ``torch.compile`` at equal peak, or None if
-    no memfit point had a ``torch.compile`` point at its peak."""
-    rows = [r["peers"][PEER] for r in equal_peak_comparison(model["points"]) if r["peers"][PEER]]
-    if not rows:
-        return None
-    out: dict[str, Any] = {"compared": len(rows)}
-    for key, label in (
-        ("time_ratio", "medians"),
-        ("min_time_ratio", "fastest"),
-        ("pooled_time_ratio", "pooled"),
-    ):
-        ratios = [r[key] for r in rows]
-        out[label] = (statistics.median(ratios), max(ratios))
-    return out
 
 
 def runs(root: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -63,7 +45,7 @@ def table(root: Path) -> str:
     ]
     for folder, run in runs(root):
         for model in run["models"]:
-            s = summarise(model)
+            s = ratio_summary(equal_peak_comparison(model["points"]), PEER)
             if s is None:
                 continue
             cells = [f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled")]
