@@ -74,6 +74,43 @@ def test_gradients_and_batchnorm_match_plain_pytorch(policy: str) -> None:
         assert wrapped.plan.recomputed, f"{policy} recomputed nothing on a conv/BN/activation net"
 
 
+def test_batchnorm_statistics_are_updated_inside_the_compiled_forward() -> None:
+    """As under ``torch.compile``, the forward graph Inductor compiles writes BatchNorm's running
+    statistics into the buffers itself (no extra outputs for AOTAutograd to copy back after the
+    graph), and the run that measures the compiled graphs while they are planned does not
+    update them: after two steps they are plain PyTorch's after two steps."""
+    from memfit.execution import backend
+
+    graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
+    original = backend.split_joint_graph
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fw, bw = original(*args, **kwargs)
+        graphs.append((fw, bw))
+        return fw, bw
+
+    ref = _net()
+    model = copy.deepcopy(ref)
+    backend.split_joint_graph = spy
+    try:
+        wrapped = memfit.checkpoint(model, "memory", executor="inductor")
+        for _ in range(2):
+            x, y = _batch()
+            F.cross_entropy(wrapped(x), y).backward()
+            F.cross_entropy(ref(x), y).backward()
+    finally:
+        backend.split_joint_graph = original
+    batchnorm_buffers = 3 * 3  # three BatchNorm layers: mean, variance, batches tracked
+    for fw, bw in graphs:
+        copies = [n for n in fw.graph.nodes if n.target is torch.ops.aten.copy_.default]
+        assert len(copies) == batchnorm_buffers
+        assert all(c.args[0].op == "placeholder" for c in copies)
+        assert torch.ops.aten.copy_.default not in [n.target for n in bw.graph.nodes]
+    assert graphs
+    _assert_same_training(model, ref)
+    assert int(model[1].num_batches_tracked) == 2
+
+
 def test_peak_within_prediction_and_budget_held() -> None:
     """The compiled graphs are measured once while planned: the step's measured peak is within
     10% of the prediction, and within the budget."""

@@ -366,6 +366,14 @@ def _calibrate(
     if primals is None:
         return None
     fw_placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    # Inputs the forward writes into (BatchNorm's running statistics, updated inside the
+    # compiled graph as torch.compile does): the measuring run gets copies, so the user's buffers
+    # are updated once per step, by the step.
+    mutated = {
+        n.args[0]
+        for n in fw.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+    }
     inputs: list[Any] = []
     for p in fw_placeholders:
         index = _primal_index(p.name)
@@ -376,6 +384,9 @@ def _calibrate(
             not isinstance(value, torch.Tensor) or value.shape != fake.shape
         ):
             return None
+        if p in mutated:
+            with disable_current_modes():
+                value = value.clone()
         inputs.append(value)
     output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     names = [o.name if isinstance(o, fx.Node) else None for o in output.args[0]]
@@ -723,6 +734,12 @@ def make_backend(
         inference_compiler=compile_inference,
         partition_fn=partition,
         decompositions=decompositions(executor),
+        # Under Inductor, as torch.compile's own AOTAutograd call (compile_fx, checked 2.13.0):
+        # an input the forward writes (BatchNorm's running statistics) is written inside the
+        # compiled graph, fused into the kernel that computes it, instead of being returned and
+        # copied back by AOTAutograd's wrapper: on the frontier's ResNet, 75 fewer buffers and
+        # 75 fewer copy_ calls per step. The eager executor keeps eager's ops as they are.
+        keep_inference_input_mutations=executor == INDUCTOR,
     )
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
