@@ -6,12 +6,16 @@ a later test could silently run an earlier test's graphs or hit the recompile li
 
 Run by ``pytest -n N`` (pytest-xdist, as ``make test`` does), each of the N worker processes
 gets its share of the machine's cores for torch's threads, so the workers do not contend for them.
+
+``split_graphs`` records the forward and backward graphs memfit's backend makes of each plan.
 """
 
 import os
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.fx as fx
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _WORKERS > 1:
@@ -21,3 +25,31 @@ if _WORKERS > 1:
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> None:
     torch.compiler.reset()
+
+
+class Split(NamedTuple):
+    """One call of ``split_joint_graph`` made by memfit's backend: what went in, what came out."""
+
+    joint: fx.GraphModule
+    plan: Any
+    kwargs: dict[str, Any]
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+
+
+@pytest.fixture
+def split_graphs(monkeypatch: pytest.MonkeyPatch) -> list[Split]:
+    """Every forward and backward graph memfit's backend splits a joint graph into during the
+    test, in order, with the plan it followed."""
+    from memfit.execution import backend
+
+    seen: list[Split] = []
+    original = backend.split_joint_graph
+
+    def spy(joint: fx.GraphModule, plan: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        fw, bw = original(joint, plan, **kwargs)
+        seen.append(Split(joint, plan, kwargs, fw, bw))
+        return fw, bw
+
+    monkeypatch.setattr(backend, "split_joint_graph", spy)
+    return seen

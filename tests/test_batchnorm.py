@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 import memfit
+from conftest import Split
 from memfit.analysis.graph import JointGraph
 from memfit.bench.graphs import joint_graphs
 from memfit.capture.batchnorm import FORWARD_TWIN, add_batchnorm_twins, is_training_batchnorm
-from memfit.execution import backend
 
 FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
 NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
@@ -51,23 +51,14 @@ def test_every_training_batchnorm_gets_a_twin_sharing_its_storage() -> None:
         assert twin in jg.forward and twin not in jg.forward_computed
 
 
-def test_forward_runs_one_kernel_per_batchnorm_and_backward_recomputes_twins() -> None:
-    graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
-    original = backend.split_joint_graph
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        fw, bw = original(*args, **kwargs)
-        graphs.append((fw, bw))
-        return fw, bw
-
-    backend.split_joint_graph = spy
-    try:
-        for policy in ("none", "collection"):  # keep everything / recompute everything
-            model = _net()
-            wrapped = memfit.checkpoint(model, policy)
-            wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
-    finally:
-        backend.split_joint_graph = original
+def test_forward_runs_one_kernel_per_batchnorm_and_backward_recomputes_twins(
+    split_graphs: list[Split],
+) -> None:
+    for policy in ("none", "collection"):  # keep everything / recompute everything
+        model = _net()
+        wrapped = memfit.checkpoint(model, policy)
+        wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
+    graphs = [(split.fw, split.bw) for split in split_graphs]
     (fw_none, bw_none), (fw_all, bw_all) = graphs
     for fw in (fw_none, fw_all):
         targets = [n.target for n in fw.graph.nodes]

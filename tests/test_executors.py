@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memfit
+from conftest import Split
 from memfit.execution.executors import compile_graph
 
 RTOL = 1e-4
@@ -74,39 +75,27 @@ def test_gradients_and_batchnorm_match_plain_pytorch(policy: str) -> None:
         assert wrapped.plan.recomputed, f"{policy} recomputed nothing on a conv/BN/activation net"
 
 
-def test_batchnorm_statistics_are_updated_inside_the_compiled_forward() -> None:
+def test_batchnorm_statistics_are_updated_inside_the_compiled_forward(
+    split_graphs: list[Split],
+) -> None:
     """As under ``torch.compile``, the forward graph Inductor compiles writes BatchNorm's running
     statistics into the buffers itself (no extra outputs for AOTAutograd to copy back after the
     graph), and the run that measures the compiled graphs while they are planned does not
     update them: after two steps they are plain PyTorch's after two steps."""
-    from memfit.execution import backend
-
-    graphs: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = []
-    original = backend.split_joint_graph
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        fw, bw = original(*args, **kwargs)
-        graphs.append((fw, bw))
-        return fw, bw
-
     ref = _net()
     model = copy.deepcopy(ref)
-    backend.split_joint_graph = spy
-    try:
-        wrapped = memfit.checkpoint(model, "memory", executor="inductor")
-        for _ in range(2):
-            x, y = _batch()
-            F.cross_entropy(wrapped(x), y).backward()
-            F.cross_entropy(ref(x), y).backward()
-    finally:
-        backend.split_joint_graph = original
+    wrapped = memfit.checkpoint(model, "memory", executor="inductor")
+    for _ in range(2):
+        x, y = _batch()
+        F.cross_entropy(wrapped(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
     batchnorm_buffers = 3 * 3  # three BatchNorm layers: mean, variance, batches tracked
-    for fw, bw in graphs:
-        copies = [n for n in fw.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    for split in split_graphs:
+        copies = [n for n in split.fw.graph.nodes if n.target is torch.ops.aten.copy_.default]
         assert len(copies) == batchnorm_buffers
         assert all(c.args[0].op == "placeholder" for c in copies)
-        assert torch.ops.aten.copy_.default not in [n.target for n in bw.graph.nodes]
-    assert graphs
+        assert torch.ops.aten.copy_.default not in [n.target for n in split.bw.graph.nodes]
+    assert split_graphs
     _assert_same_training(model, ref)
     assert int(model[1].num_batches_tracked) == 2
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from conftest import Split
 from memfit.execution import partition
 
 _calls: Counter[str] = Counter()
@@ -99,27 +100,14 @@ def test_recomputation_is_interleaved_with_gradients() -> None:
     assert runs.count("f") >= 3, "".join(kinds)  # several recompute segments, between gradients
 
 
-def test_graphs_are_built_from_the_plan_decisions_alone() -> None:
+def test_graphs_are_built_from_the_plan_decisions_alone(split_graphs: list[Split]) -> None:
     """The forward graph hands the backward exactly the values the plan decides SAVE, and a plan
     applied to a graph it was not made for is refused."""
-    from memfit.execution import backend
     from memfit.planning.decision import Decision
 
-    seen = []
-    original = backend.split_joint_graph
-
-    def spy(joint, plan, **kwargs):  # type: ignore[no-untyped-def]
-        fw, bw = original(joint, plan, **kwargs)
-        seen.append((joint, plan, fw, bw, kwargs))
-        return fw, bw
-
-    backend.split_joint_graph = spy
-    try:
-        wrapped = memfit.checkpoint(TickChain(12), "memory")
-        wrapped(torch.randn(16, 16, requires_grad=True)).sum().backward()
-    finally:
-        backend.split_joint_graph = original
-    ((joint, plan, fw, bw, kwargs),) = seen
+    wrapped = memfit.checkpoint(TickChain(12), "memory")
+    wrapped(torch.randn(16, 16, requires_grad=True)).sum().backward()
+    ((joint, plan, kwargs, fw, bw),) = split_graphs
     assert set(plan.decisions.values()) == {Decision.SAVE, Decision.RECOMPUTE}
     outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
     assert len(outputs) - kwargs["num_fwd_outputs"] == len(plan.saved())
