@@ -37,7 +37,9 @@ Cost
 
 Limits
     * Memory allocated on threads you start yourself is not seen (the profiler state is
-      thread-local; autograd's threads inherit it).
+      thread-local; autograd's threads inherit it). Nor is a free there: a tensor made in the
+      recording whose last reference another thread drops (a gloo worker finishing a collective
+      after the caller has moved on) stays counted to the end, which can only raise the figures.
     * Resizing a pre-existing storage in place (``Tensor.resize_``, ``untyped_storage().resize_``)
       frees its old block without a report.
     * Only one profiler session can be active, so a recording cannot begin while another one
