@@ -14,9 +14,16 @@ from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import tanh_chain
 from memfit.planning.budget import Budget
 from memfit.planning.plan import GraphPlan
-from memfit.planning.planner import plan_graph
+from memfit.planning.planner import plan_graph, with_executor_peaks
 from memfit.planning.policy import BUDGET, Policy
-from memfit.planning.resize import MEMORY_SLACK, RANGE_FACTORS, holds, plan_at, size_range
+from memfit.planning.resize import (
+    MEMORY_SLACK,
+    RANGE_FACTORS,
+    CompiledOffset,
+    holds,
+    plan_at,
+    size_range,
+)
 
 
 def _chain():
@@ -118,3 +125,32 @@ def test_a_fraction_resolves_at_each_size(fraction: float) -> None:
     at = plan_at(jg, plan, policy, hints.scaled(2))
     assert at.budget_bytes is not None and at.budget_bytes >= at.predicted_peak_bytes
     assert holds(plan, at, policy)
+
+
+def test_a_compiled_plans_offset_scales_with_the_activations() -> None:
+    """A plan predicted from its compiled graphs (here: 30% below its simulation, as Inductor's
+    fused kernels often hold less) is predicted at other sizes as the simulation there moved by
+    that difference, grown as the simulated peak less gradients: every byte of the chain scales
+    with the product of its two sizes, so at twice both sizes the prediction is 4x too."""
+    jg, hints = _chain()
+    policy = Policy("memory")
+    simulated = plan_graph(jg, policy)
+    compiled = with_executor_peaks(
+        simulated,
+        int(0.7 * simulated.forward_peak_bytes),
+        int(0.7 * simulated.backward_peak_bytes),
+        forward_end=int(0.7 * simulated.forward_end_bytes),
+        source="a test",
+    )
+    offset = CompiledOffset.between(compiled, plan_at(jg, compiled, policy, hints))
+    assert offset.backward_peak_bytes < 0
+    same = plan_at(jg, compiled, policy, hints, offset=offset)
+    assert same.predicted_peak_bytes == compiled.predicted_peak_bytes
+    doubled = plan_at(jg, compiled, policy, hints.scaled(2), offset=offset)
+    assert doubled.predicted_peak_bytes == pytest.approx(
+        4 * compiled.predicted_peak_bytes, rel=1e-6
+    )
+    assert doubled.forward_end_bytes == pytest.approx(4 * compiled.forward_end_bytes, rel=1e-6)
+    plain = plan_at(jg, compiled, policy, hints.scaled(2))
+    assert doubled.predicted_peak_bytes < plain.predicted_peak_bytes  # the simulation's, unmoved
+    assert "scaled with the simulated peak less gradients" in doubled.note

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import aot_autograd, compiled_function_ctx, disable_current_modes
+from memfit._compat import (
+    aot_autograd,
+    compiled_function_ctx,
+    disable_current_modes,
+    size_hint,
+)
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.scheduled import scheduled_peak
@@ -211,6 +216,9 @@ def _boxed_backward(
     return run
 
 
+#: Where a plan's peak comes from when its compiled graphs were run once (said in its note).
+MEASURED_SOURCE = "the compiled graphs, measured once"
+
 #: How many plans of one graph Inductor compiles, at most, to find one within the budget.
 SCHEDULE_TRIES = 4
 
@@ -313,7 +321,7 @@ def _fit_schedule(
                 measured.forward_peak_bytes,
                 measured.backward_peak_bytes,
                 forward_end=measured.forward_end_bytes,
-                source="the compiled graphs, measured once",
+                source=MEASURED_SOURCE,
             )
         return with_executor_peaks(graph_plan, *peaks(fw, pair), source="Inductor's schedule")
 
@@ -380,8 +388,11 @@ def _calibrate(
         if index is None or index >= len(primals):
             return None
         value, fake = primals[index], p.meta.get("val")
+        if isinstance(value, torch.SymInt):  # a size captured as a symbol: its value now
+            value = size_hint(value)
         if isinstance(fake, torch.Tensor) and (
-            not isinstance(value, torch.Tensor) or value.shape != fake.shape
+            not isinstance(value, torch.Tensor)
+            or tuple(value.shape) != tuple(size_hint(d) for d in fake.shape)
         ):
             return None
         if p in mutated:
@@ -392,6 +403,7 @@ def _calibrate(
     names = [o.name if isinstance(o, fx.Node) else None for o in output.args[0]]
     position = {name: i for i, name in enumerate(names) if name is not None}
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
 
     def backward_inputs(outputs: Sequence[Any]) -> list[Any]:
         args: list[Any] = []
@@ -400,9 +412,10 @@ def _calibrate(
                 args.append(outputs[position[p.name]])
                 continue
             fake = p.meta.get("val")
-            if not isinstance(fake, torch.Tensor):
+            if not isinstance(fake, torch.Tensor) or device is None:
                 raise _CannotCalibrate(p.name)
-            args.append(torch.ones(fake.shape, dtype=fake.dtype, device=inputs[0].device))
+            shape = [size_hint(d) for d in fake.shape]  # the call's sizes where symbolic
+            args.append(torch.ones(shape, dtype=fake.dtype, device=device))
         return args
 
     try:
@@ -607,13 +620,19 @@ def make_backend(
                 store=offloader.store if offloader else None,
             )
 
-        measured_fit = executor == INDUCTOR and not jg.symbols and not policy.offload
+        measured_fit = executor == INDUCTOR and not policy.offload
         try:
             graph_plan = plan()
         except BudgetError as err:
             # Compiled by Inductor, the least-peak plan often peaks below its simulation (a
             # U-Net: 0.84x), so a budget the simulation refuses may still fit: measure it.
-            if not measured_fit or graph_share is not None or spent or err.budget_bytes is None:
+            if (
+                not measured_fit
+                or jg.symbols
+                or graph_share is not None
+                or spent
+                or err.budget_bytes is None
+            ):
                 raise
             # The plan "memory" would take, searched the same way; then held to the budget.
             least = plan_graph(jg, Policy("memory"), cache=frontier)
@@ -625,12 +644,21 @@ def make_backend(
                 key=key,
             )
             refused.append(err.budget_bytes)
-        if executor == INDUCTOR and jg.symbols and policy.name == BUDGET:
+        if executor == INDUCTOR and jg.symbols and policy.name == BUDGET and not measured_fit:
             warn_user(SYMBOLIC_BUDGET_WARNING)
         if measured_fit:
             byte_budget = policy.budget is not None and policy.budget.fraction is None
             limit_bytes: int | None = None
-            if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
+            # A graph captured for a range of sizes: the simulation's plan, compiled and measured
+            # once, no search (Inductor failed to compile other plans' symbolic graphs of a
+            # ResNet with a symbolic batch: "Cannot convert expression to float", 2.13.0)
+            searched = not jg.symbols
+            if (
+                searched
+                and not refused
+                and policy.name == BUDGET
+                and graph_plan.budget_bytes is not None
+            ):
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
                 if (
@@ -642,8 +670,10 @@ def make_backend(
                     # peak then): as above
                     refused.append(limit_bytes)
                     limit_bytes = None
-            at_least_peak = (policy.name == "memory" or bool(refused)) and (
-                graph_share is None and not spent
+            at_least_peak = (
+                searched
+                and (policy.name == "memory" or bool(refused))
+                and (graph_share is None and not spent)
             )
             if at_least_peak:
                 least_simulated.append(graph_plan.predicted_peak_bytes)
@@ -668,6 +698,42 @@ def make_backend(
                     budget_bytes=refused[0],
                     smallest_bytes=least_peak,
                 )
+            measured = MEASURED_SOURCE in graph_plan.note
+            if not searched and policy.name == BUDGET and not measured:
+                warn_user(UNMEASURED_BUDGET_WARNING)
+            if (
+                not searched
+                and measured
+                and policy.name == BUDGET
+                and graph_plan.budget_bytes is not None
+                and graph_share is None
+                and not spent
+                and graph_plan.predicted_peak_bytes > graph_plan.budget_bytes
+            ):
+                raise BudgetError(
+                    f"compiled by Inductor, the plan of this graph captured for a range of input "
+                    f"sizes peaks at {format_bytes(graph_plan.predicted_peak_bytes)} (measured "
+                    f"once, at the sizes captured), above the budget of "
+                    f"{format_bytes(graph_plan.budget_bytes)}; memfit tries no other plan of such "
+                    f"a graph under Inductor; use a larger budget, or executor='eager', whose "
+                    f"peaks are the simulation's",
+                    budget_bytes=graph_plan.budget_bytes,
+                )
+            if jg.symbols:
+                # measured at the captured sizes; other sizes move the simulation by the same
+                # difference, scaled (planning.resize). Not from Inductor's schedule, which can
+                # be low (on an MLP: 1.21x at 2.5 times the captured batch)
+                sized = PlansBySize(
+                    jg,
+                    graph_plan,
+                    policy,
+                    outside,
+                    spent_bytes=spent,
+                    shared=graph_share is not None,
+                    compiled=measured,
+                )
+                graph_plan = sized.planned
+                fw.meta[_SIZES_META] = sized
             on_plan(graph_plan)
             fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
             fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]

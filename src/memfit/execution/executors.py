@@ -28,6 +28,7 @@ from memfit._compat import (
     forward_output_strides,
     inductor_compile,
     inductor_decompositions,
+    size_hint,
 )
 from memfit.analysis.scheduled import Schedule
 from memfit.capture.mark import strip_marks
@@ -117,6 +118,14 @@ class CompiledPair:
     backward_examples: list[Any]
 
 
+def _same_layout(value: torch.Tensor, stride: Sequence[int]) -> bool:
+    """Whether ``value``'s symbolic strides are ``stride`` at the sizes captured (no guard)."""
+    own = value.stride()
+    if not any(isinstance(d, torch.SymInt) for d in own):
+        return False  # plain ints: compared as they are
+    return tuple(size_hint(d) for d in own) == tuple(stride)
+
+
 def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> CompiledPair:
     """``fw`` and ``bw`` compiled by Inductor while they are planned, before anything runs.
 
@@ -143,7 +152,14 @@ def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> C
             continue
         value = n.meta.get("val")
         stride = stride_of.get(n.name)
-        if isinstance(value, torch.Tensor) and stride is not None:
+        # Strides with size symbols in them, the layout Inductor gave them: comparing them with
+        # Inductor's (at the captured sizes) would guard on the symbols, and the capture would
+        # serve that one size only.
+        if (
+            isinstance(value, torch.Tensor)
+            and stride is not None
+            and not _same_layout(value, stride)
+        ):
             if tuple(value.stride()) != tuple(stride):
                 value = value.as_strided(value.size(), stride)
         bw_examples.append(value)

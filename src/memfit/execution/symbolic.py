@@ -24,7 +24,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.sizes import SizeKey, Sizes
 from memfit.planning.plan import GraphPlan
 from memfit.planning.policy import BUDGET, Policy
-from memfit.planning.resize import holds, plan_at, size_range
+from memfit.planning.resize import CompiledOffset, holds, plan_at, size_range
 
 __all__ = ["PlansBySize"]
 
@@ -65,7 +65,8 @@ class PlansBySize:
     shared with the step's other graphs (graph breaks: a byte budget less what earlier graphs
     keep, or the graph's share of the step's budget, ``planning.step``) depends on what those
     graphs keep at each size, which is not known here: such a graph is used at its captured
-    sizes only.
+    sizes only. With ``compiled``, ``plan`` was predicted from its compiled graphs (Inductor):
+    at other sizes the simulation is moved by what they held beyond it (``CompiledOffset``).
     """
 
     def __init__(
@@ -77,12 +78,17 @@ class PlansBySize:
         *,
         spent_bytes: int = 0,
         shared: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.jg = jg
         self.policy = policy
         self.outside = outside
         symbols = {s: v for s, (_, _, v) in _symbols_of(jg.module).items() if s in jg.symbols}
         hints = Sizes({s: size_hint(v) for s, v in symbols.items()})
+        self.offset: CompiledOffset | None = None
+        if compiled:
+            simulated = plan_at(jg, plan, policy, hints, outside=outside)
+            self.offset = CompiledOffset.between(plan, simulated)
         shared_budget = policy.name == BUDGET and (
             shared
             or (policy.budget is not None and policy.budget.fraction is None and spent_bytes > 0)
@@ -91,7 +97,7 @@ class PlansBySize:
             # Sizes this graph cannot read from its inputs, or a budget it shares: one size.
             bounds: dict[Any, tuple[int | None, int | None]] = {s: (v, v) for s, v in hints.items()}
         else:
-            bounds = size_range(jg, plan, policy, hints, outside=outside)
+            bounds = size_range(jg, plan, policy, hints, outside=outside, offset=self.offset)
         for symbol, (lo, hi) in bounds.items():
             value = symbols[symbol]
             # Evaluated on the symbol, each test becomes a guard of the capture (true here).
@@ -124,7 +130,9 @@ class PlansBySize:
         key = sizes.key
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_at(self.jg, self.planned, self.policy, sizes, outside=self.outside)
+            plan = plan_at(
+                self.jg, self.planned, self.policy, sizes, outside=self.outside, offset=self.offset
+            )
             self._plans[key] = plan
             if len(self._plans) > CACHED_SIZES:
                 self._plans.popitem(last=False)

@@ -35,6 +35,16 @@ NOTE [One capture for many sizes]
     the same factor, so with several symbols (batch and length) the range is a box whose
     diagonal was tried. Op scratch memory is measured at the captured sizes and scaled by the
     bytes each op touches (``JointGraph.scale_scratch``).
+
+    With ``executor="inductor"`` the plan at the captured sizes is predicted from its compiled
+    graphs, run once (``execution.backend``), and the simulation does not describe what Inductor
+    runs (its fused kernels hold fewer buffers: an MLP's simulation was 1.16-1.22x what it
+    measured at every size). What the compiled graphs held beyond the simulation at the captured
+    sizes (``CompiledOffset``) is carried to the other sizes in proportion to the simulated peak
+    less the parameters' gradients: the difference is in what grows with the sizes (fused or
+    dropped intermediates, kernels' scratch), while gradients are simulated exactly at every
+    size. Measured on an MLP and a ResNet with a symbolic batch: 1.00 of the measured step at
+    every size, against 1.16-1.26x from the simulation alone.
 """
 
 from __future__ import annotations
@@ -49,11 +59,19 @@ from memfit.analysis.simulate import simulate_step
 from memfit.analysis.sizes import Sizes
 from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
-from memfit.planning.planner import describe_plan, plan_graph
+from memfit.planning.planner import describe_plan, plan_graph, with_executor_peaks
 from memfit.planning.policies import keep_all
 from memfit.planning.policy import BUDGET, Policy
 
-__all__ = ["plan_at", "holds", "size_range", "RANGE_FACTORS", "BISECTIONS", "MEMORY_SLACK"]
+__all__ = [
+    "CompiledOffset",
+    "plan_at",
+    "holds",
+    "size_range",
+    "RANGE_FACTORS",
+    "BISECTIONS",
+    "MEMORY_SLACK",
+]
 
 #: Factors of the captured sizes a plan is tried at, upwards (and their inverses, downwards).
 RANGE_FACTORS = (2, 4, 8, 16, 32, 64)
@@ -69,6 +87,55 @@ MEMORY_SLACK = 0.05
 _PASSED = (Decision.SAVE, Decision.OFFLOAD)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledOffset:
+    """What a plan's compiled graphs held at the captured sizes beyond its simulation there
+    (negative: less), and the simulated peak less parameters' gradients there, which scales it
+    to other sizes."""
+
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    forward_end_bytes: int
+    varying_bytes: int
+
+    @classmethod
+    def between(cls, compiled: GraphPlan, simulated: GraphPlan) -> CompiledOffset:
+        """``compiled`` (predicted from the executor's peaks) less ``simulated`` (the same
+        decisions at the same sizes, simulated)."""
+        return cls(
+            compiled.forward_peak_bytes - simulated.forward_peak_bytes,
+            compiled.backward_peak_bytes - simulated.backward_peak_bytes,
+            compiled.forward_end_bytes - simulated.forward_end_bytes,
+            _varying_bytes(simulated),
+        )
+
+    def applied(self, simulated: GraphPlan) -> GraphPlan:
+        """``simulated`` (at other sizes) with the offset scaled as its peak less gradients."""
+        scale = _varying_bytes(simulated) / self.varying_bytes if self.varying_bytes else 1
+
+        def moved(simulated_bytes: int, offset: int) -> int:
+            return max(0, simulated_bytes + round(offset * scale))
+
+        predicted = with_executor_peaks(
+            simulated,
+            moved(simulated.forward_peak_bytes, self.forward_peak_bytes),
+            moved(simulated.backward_peak_bytes, self.backward_peak_bytes),
+            forward_end=moved(simulated.forward_end_bytes, self.forward_end_bytes),
+            source="",
+        )
+        how = (
+            "at these sizes: the simulation plus what the compiled graphs held beyond it at "
+            "the captured sizes, scaled with the simulated peak less gradients"
+        )
+        note = f"{simulated.note}; {how}" if simulated.note else how
+        return dataclasses.replace(predicted, note=note)
+
+
+def _varying_bytes(plan: GraphPlan) -> int:
+    """The part of ``plan``'s simulated peak that is not parameters' gradients."""
+    return max(0, plan.predicted_peak_bytes - plan.parameter_grad_bytes)
+
+
 def plan_at(
     jg: JointGraph,
     plan: GraphPlan,
@@ -76,9 +143,11 @@ def plan_at(
     sizes: Sizes,
     *,
     outside: Callable[[int], int] | None = None,
+    offset: CompiledOffset | None = None,
 ) -> GraphPlan:
     """``plan``'s decisions on ``jg`` (the graph they were chosen on) with its sizes at
-    ``sizes``: the same kept and recomputed values, every number simulated at these sizes.
+    ``sizes``: the same kept and recomputed values, every number simulated at these sizes, and
+    the peaks moved by ``offset`` where the graphs run compiled (``CompiledOffset``).
 
     ``outside(output_bytes)`` is what the step holds outside the graph between forward and
     backward when the graph's outputs take ``output_bytes`` (a loss computed from them). For a
@@ -113,6 +182,8 @@ def plan_at(
         planned_sizes=plan.planned_sizes,
         size_range=plan.size_range,
     )
+    if offset is not None:
+        described = offset.applied(described)
     if policy.name == BUDGET:
         described = dataclasses.replace(described, budget_bytes=_budget_at(described, policy))
     return described
@@ -169,14 +240,15 @@ def size_range(
     hints: Sizes,
     *,
     outside: Callable[[int], int] | None = None,
+    offset: CompiledOffset | None = None,
 ) -> dict[Any, tuple[int | None, int | None]]:
     """For each size symbol, the least and greatest value ``plan``'s decisions are used for
     (None: no bound), tried at ``RANGE_FACTORS`` of the captured sizes ``hints`` (``outside``
-    as for ``plan_at``)."""
+    and ``offset`` as for ``plan_at``)."""
 
     def ok(factor: float) -> bool:
         sizes = hints.scaled(factor)
-        at = plan_at(jg, plan, policy, sizes, outside=outside)
+        at = plan_at(jg, plan, policy, sizes, outside=outside, offset=offset)
         if holds(plan, at, policy):
             return True
         if policy.name != "memory" or at.predicted_peak_bytes > at.baseline_peak_bytes:
