@@ -117,7 +117,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Inductor executor, symbolic sizes: measured step against prediction "
         f"({result['date_utc']})",
         "",
-        f"{result['machine'].get('cpu_model', 'CPU')}, {result['machine'].get('cpu_count')} cores, torch {result['software'].get('torch')}; "
+        f"{result['machine'].get('cpu_model', 'CPU')}, "
+        f"{result['machine'].get('cpu_count')} cores, "
+        f"torch {result['software'].get('torch')}; "
         f"code: {result['code']}. Measured: the whole step's peak (loss outside the model, "
         "backward), exact CPU allocator accounting. A symbolic graph's row is at its planned "
         "sizes when `sizes` equals `planned`.",
