@@ -216,9 +216,6 @@ def _boxed_backward(
     return run
 
 
-#: Where a plan's peak comes from when its compiled graphs were run once (said in its note).
-MEASURED_SOURCE = "the compiled graphs, measured once"
-
 #: How many plans of one graph Inductor compiles, at most, to find one within the budget.
 SCHEDULE_TRIES = 4
 
@@ -249,7 +246,8 @@ def _fit_schedule(
     primals: Sequence[Any] | None,
     strict: bool = True,
     at_least_peak: bool = False,
-) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule]:
+    tries: int = SCHEDULE_TRIES,
+) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool]:
     """``graph_plan`` compiled by Inductor now, its peaks measured (or, where they cannot be,
     read from Inductor's schedule), and planned again with headroom while they exceed
     ``limit_bytes``.
@@ -265,12 +263,13 @@ def _fit_schedule(
     (the simulation replays eager's kernels and their scratch, which Inductor's fused,
     channels-last kernels often do not need: a U-Net's least-peak plan measured 0.85x its
     simulation), bisecting between a headroom that fitted and one that did not: at most
-    ``SCHEDULE_TRIES`` compiles in all. With ``at_least_peak`` (``"memory"``), the limit is the
+    ``tries`` compiles in all. With ``at_least_peak`` (``"memory"``), the limit is the
     first plan's measured peak: a cheaper plan that peaks no higher once compiled is taken
     instead. The cheapest plan that fits is kept; if none does, ``BudgetError`` naming the least
     peak (or, not ``strict``: a graph of a step with graph breaks, whose budget is settled for
     the whole step, that plan, and its note says so). The compiled graphs travel in the graphs'
-    metadata, so AOTAutograd's compilers reuse them.
+    metadata, so AOTAutograd's compilers reuse them. Last in the result: whether the kept plan's
+    peaks were measured (not read from the schedule).
     """
     by_name = {n.name: n for n in jg.nodes}
 
@@ -311,45 +310,48 @@ def _fit_schedule(
 
     def predicted(
         graph_plan: GraphPlan, fw: fx.GraphModule, bw: fx.GraphModule, pair: CompiledPair
-    ) -> GraphPlan:
+    ) -> tuple[GraphPlan, bool]:
         measured = _calibrate(fw, bw, pair, user_outputs, primals)
         if measured is None and limit_bytes is not None:
             warn_user(UNMEASURED_BUDGET_WARNING)
         if measured is not None:
-            return with_executor_peaks(
+            plan = with_executor_peaks(
                 graph_plan,
                 measured.forward_peak_bytes,
                 measured.backward_peak_bytes,
                 forward_end=measured.forward_end_bytes,
-                source=MEASURED_SOURCE,
+                source="the compiled graphs, measured once",
             )
-        return with_executor_peaks(graph_plan, *peaks(fw, pair), source="Inductor's schedule")
+            return plan, True
+        scheduled = peaks(fw, pair)
+        return with_executor_peaks(graph_plan, *scheduled, source="Inductor's schedule"), False
 
-    def measured(graph_plan: GraphPlan) -> Tried[tuple[fx.GraphModule, fx.GraphModule]]:
+    def measured(graph_plan: GraphPlan) -> Tried[tuple[fx.GraphModule, fx.GraphModule, bool]]:
         fw, bw = split(graph_plan)
         pair = compile_pair(fw, bw, user_outputs)
         fw.meta[_COMPILED_META] = pair.forward
         bw.meta[_COMPILED_META] = pair.backward
         bw.meta[_EXAMPLES_META] = _Shared(pair.backward_examples)
-        return Tried(predicted(graph_plan, fw, bw, pair), (fw, bw))
+        plan, was_measured = predicted(graph_plan, fw, bw, pair)
+        return Tried(plan, (fw, bw, was_measured))
 
     done, limit_bytes = search_plans(
         graph_plan,
         measured,
         plan,
         limit_bytes,
-        tries=SCHEDULE_TRIES,
+        tries=tries,
         at_least_peak=at_least_peak,
         resolution_bytes=_largest_value(jg) // 4,
     )
-    tries = [(t.plan, *t.made) for t in done]
-    fits = [t for t in tries if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
+    made = [(t.plan, *t.made) for t in done]
+    fits = [t for t in made if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
     if fits:
         return min(fits, key=lambda t: (plan_cost(t[0]), t[0].predicted_peak_bytes))
-    least = min(tries, key=lambda t: t[0].predicted_peak_bytes)
+    least = min(made, key=lambda t: t[0].predicted_peak_bytes)
     assert limit_bytes is not None
     note = (
-        f"compiled by Inductor, the least peak of the {len(tries)} plans tried is "
+        f"compiled by Inductor, the least peak of the {len(made)} plans tried is "
         f"{format_bytes(least[0].predicted_peak_bytes)}, above the budget of "
         f"{format_bytes(limit_bytes)}"
     )
@@ -646,19 +648,13 @@ def make_backend(
             refused.append(err.budget_bytes)
         if executor == INDUCTOR and jg.symbols and policy.name == BUDGET and not measured_fit:
             warn_user(SYMBOLIC_BUDGET_WARNING)
+        fw: fx.GraphModule | None = None
+        bw: fx.GraphModule | None = None
+        measured = False  # whether the plan's peaks were measured once compiled
         if measured_fit:
             byte_budget = policy.budget is not None and policy.budget.fraction is None
             limit_bytes: int | None = None
-            # A graph captured for a range of sizes: the simulation's plan, compiled and measured
-            # once, no search (Inductor failed to compile other plans' symbolic graphs of a
-            # ResNet with a symbolic batch: "Cannot convert expression to float", 2.13.0)
-            searched = not jg.symbols
-            if (
-                searched
-                and not refused
-                and policy.name == BUDGET
-                and graph_plan.budget_bytes is not None
-            ):
+            if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
                 if (
@@ -670,14 +666,12 @@ def make_backend(
                     # peak then): as above
                     refused.append(limit_bytes)
                     limit_bytes = None
-            at_least_peak = (
-                searched
-                and (policy.name == "memory" or bool(refused))
-                and (graph_share is None and not spent)
+            at_least_peak = (policy.name == "memory" or bool(refused)) and (
+                graph_share is None and not spent
             )
             if at_least_peak:
                 least_simulated.append(graph_plan.predicted_peak_bytes)
-            graph_plan, fw, bw = _fit_schedule(
+            graph_plan, fw, bw, measured = _fit_schedule(
                 jg,
                 graph_plan,
                 plan,
@@ -687,6 +681,10 @@ def make_backend(
                 current_primals[0],
                 strict=graph_share is None and not spent,
                 at_least_peak=at_least_peak,
+                # A graph captured for a range of sizes: its first plan only (Inductor failed to
+                # compile other plans' symbolic graphs of a ResNet with a symbolic batch:
+                # "Cannot convert expression to float", 2.13.0)
+                tries=1 if jg.symbols else SCHEDULE_TRIES,
             )
             if refused and graph_plan.predicted_peak_bytes > refused[0]:
                 least_peak = graph_plan.predicted_peak_bytes
@@ -698,56 +696,26 @@ def make_backend(
                     budget_bytes=refused[0],
                     smallest_bytes=least_peak,
                 )
-            measured = MEASURED_SOURCE in graph_plan.note
-            if not searched and policy.name == BUDGET and not measured:
-                warn_user(UNMEASURED_BUDGET_WARNING)
-            if (
-                not searched
-                and measured
-                and policy.name == BUDGET
-                and graph_plan.budget_bytes is not None
-                and graph_share is None
-                and not spent
-                and graph_plan.predicted_peak_bytes > graph_plan.budget_bytes
-            ):
-                raise BudgetError(
-                    f"compiled by Inductor, the plan of this graph captured for a range of input "
-                    f"sizes peaks at {format_bytes(graph_plan.predicted_peak_bytes)} (measured "
-                    f"once, at the sizes captured), above the budget of "
-                    f"{format_bytes(graph_plan.budget_bytes)}; memfit tries no other plan of such "
-                    f"a graph under Inductor; use a larger budget, or executor='eager', whose "
-                    f"peaks are the simulation's",
-                    budget_bytes=graph_plan.budget_bytes,
-                )
-            if jg.symbols:
-                # measured at the captured sizes; other sizes move the simulation by the same
-                # difference, scaled (planning.resize). Not from Inductor's schedule, which can
-                # be low (on an MLP: 1.21x at 2.5 times the captured batch)
-                sized = PlansBySize(
-                    jg,
-                    graph_plan,
-                    policy,
-                    outside,
-                    spent_bytes=spent,
-                    shared=graph_share is not None,
-                    compiled=measured,
-                )
-                graph_plan = sized.planned
-                fw.meta[_SIZES_META] = sized
-            on_plan(graph_plan)
-            fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
-            fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]
-            return fw, bw
         by_size: PlansBySize | None = None
         if jg.symbols:
+            # A measured plan's other sizes move the simulation by what its compiled graphs held
+            # beyond it (planning.resize); not from Inductor's schedule, which can be low (an
+            # MLP: 1.21x at 2.5 times the batch captured).
             by_size = PlansBySize(
-                jg, graph_plan, policy, outside, spent_bytes=spent, shared=graph_share is not None
+                jg,
+                graph_plan,
+                policy,
+                outside,
+                spent_bytes=spent,
+                shared=graph_share is not None,
+                compiled=measured,
             )
             graph_plan = by_size.planned
         on_plan(graph_plan)
-        if offloader is not None:
-            offloader.reserve(graph_plan)
-        fw, bw = split(graph_plan)
+        if fw is None or bw is None:
+            if offloader is not None:
+                offloader.reserve(graph_plan)
+            fw, bw = split(graph_plan)
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan

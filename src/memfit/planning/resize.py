@@ -116,19 +116,14 @@ class CompiledOffset:
         def moved(simulated_bytes: int, offset: int) -> int:
             return max(0, simulated_bytes + round(offset * scale))
 
-        predicted = with_executor_peaks(
+        return with_executor_peaks(
             simulated,
             moved(simulated.forward_peak_bytes, self.forward_peak_bytes),
             moved(simulated.backward_peak_bytes, self.backward_peak_bytes),
             forward_end=moved(simulated.forward_end_bytes, self.forward_end_bytes),
-            source="",
+            source="the simulation at these sizes plus what the compiled graphs held beyond it "
+            "at the captured sizes, scaled with the simulated peak less gradients",
         )
-        how = (
-            "at these sizes: the simulation plus what the compiled graphs held beyond it at "
-            "the captured sizes, scaled with the simulated peak less gradients"
-        )
-        note = f"{simulated.note}; {how}" if simulated.note else how
-        return dataclasses.replace(predicted, note=note)
 
 
 def _varying_bytes(plan: GraphPlan) -> int:
