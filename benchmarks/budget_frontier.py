@@ -43,11 +43,15 @@ recorded (0 expected). A ``torch.compile`` point is compiled inside
 Per point, measured by ``memfit.bench.runner`` as the depth sweep and the CLI measure theirs: two
 warm-up steps (the first timed as ``first_step_s``: compilation, capture and planning), then one
 step under ``memfit.measure`` for the peak (exact CPU allocator accounting, deterministic), then
-``--rounds`` rounds of steps timed by ``memfit.measure(..., profile_memory=False)`` (no
-profiler), round-robin over all the model's points with the starting point rotated each round, so
-machine noise hits every peer alike; garbage is collected before each step, outside the timed
-span, and automatic collection is off during a round, so no collection lands inside a timed step.
-The median is reported, with quartiles, min and max. Each step is
+``--rounds`` rounds of turns, round-robin over all the model's points with the starting point
+rotated each round, so machine noise hits every peer alike. A turn is ``--settle`` untimed steps
+(default 1) and then ``--steps-per-turn`` steps (default 2) timed by ``memfit.measure(...,
+profile_memory=False)`` (no profiler): a point's timed steps run as a training loop runs them,
+one after another of the same program, not on the memory another point's step left
+(``memfit.bench.runner`` says what that changed). Garbage is collected before each step, outside
+the timed span, and automatic collection is off during a round, so no collection lands inside a
+timed step. The median is reported, with quartiles, min and max, and the median of the minor page
+faults the process took during each timed step. Each step is
 ``loss(module(*inputs)).backward()`` with the zoo case's loss; gradients are set to ``None``
 before every step, as ``optimizer.zero_grad()`` does.
 
@@ -548,7 +552,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     print(f"  {spec.name}: timing {args.rounds} interleaved rounds", flush=True)
     t_phase = time.perf_counter()
     load_timing = [load_average()]
-    time_interleaved(points, args.rounds, spec.device)
+    time_interleaved(
+        points, args.rounds, spec.device, settle=args.settle, steps=args.steps_per_turn
+    )
     phases["timing"] = time.perf_counter() - t_phase
     load_timing.append(load_average())
     graphs_during = before.graphs_compiled()
@@ -565,6 +571,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             else:
                 q1 = q3 = rec["time_s"]
             rec["time_q1_s"], rec["time_q3_s"] = q1, q3
+            rec["faults_median"] = statistics.median(rec["faults"])
         rec["status"] = p.status
         out_points.append(rec)
     return {
@@ -711,30 +718,30 @@ def points_table(res: dict[str, Any]) -> str:
     front = {id(r) for r in pareto_front(res["points"])}
     lines = [
         "| peer | setting | peak MiB | peak / eager | predicted MiB | step ms (IQR) | "
-        "min ms | time / eager | time / own baseline | recomputed GFLOP | first step s | "
-        "Pareto |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
+        "min ms | page faults / step | time / eager | time / own baseline | recomputed GFLOP | "
+        "first step s | Pareto |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for peer in PEERS:
         recs = [r for r in res["points"] if r["peer"] == peer]
         if peer == "checkpoint_sequential" and not recs:
             lines.append(
                 f"| checkpoint_sequential | N/A | {res['checkpoint_sequential']} "
-                "| | | | | | | | | |"
+                "| | | | | | | | | | |"
             )
             continue
         for r in sorted(recs, key=lambda r: r.get("peak_bytes") or math.inf):
             if r["status"] == "infeasible":
                 lines.append(
                     f"| {peer} | {r['setting']} | BudgetError: smallest feasible "
-                    f"{_mib(r.get('smallest_bytes'))} MiB | | | | | | | | | |"
+                    f"{_mib(r.get('smallest_bytes'))} MiB | | | | | | | | | | |"
                 )
                 continue
             if r["status"] == "failed":
                 err = r["error"].splitlines()[0][:120].replace("|", "\\|")
                 lines.append(
                     f"| {peer} | {r['setting']} | failed while {r['error_phase']}: "
-                    f"`{err}` | | | | | | | | | |"
+                    f"`{err}` | | | | | | | | | | |"
                 )
                 continue
             setting = r["setting"]
@@ -753,6 +760,7 @@ def points_table(res: dict[str, Any]) -> str:
                 _mib(r.get("predicted_peak_bytes")),
                 spread,
                 _ms(r.get("time_min_s")),
+                f"{r['faults_median']:.0f}" if "faults_median" in r else "-",
                 f"{t / e_time:.2f}" if t and e_time else "-",
                 f"{t / base['time_s']:.2f}" if t and base else "-",
                 _gflops(r.get("recompute_flops")),
@@ -965,6 +973,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="timed rounds per point (median); default 15, --quick 3",
     )
     p.add_argument(
+        "--settle",
+        type=int,
+        default=1,
+        help="untimed steps at the start of each point's turn (default 1)",
+    )
+    p.add_argument(
+        "--steps-per-turn",
+        type=int,
+        default=2,
+        help="timed steps in each point's turn, after the untimed ones (default 2)",
+    )
+    p.add_argument(
         "--executor",
         choices=memfit.EXECUTORS,
         default="eager",
@@ -1002,6 +1022,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rounds = 3 if args.quick else 15
     if args.batch_scale < 1:
         p.error("--batch-scale must be at least 1")
+    if args.settle < 0 or args.steps_per_turn < 1:
+        p.error("--settle must be at least 0 and --steps-per-turn at least 1")
     for name, values in (("compile", args.compile_budgets), ("memfit", args.memfit_budgets)):
         if values is not None and not all(0 < v <= 1 for v in values):
             p.error(f"--{name}-budgets must be fractions in (0, 1]")
@@ -1046,7 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load_start = load_average()
     print(
-        f"budget frontier on {device}: {[s.name for s in specs]}, {args.rounds} timed rounds, "
+        f"budget frontier on {device}: {[s.name for s in specs]}, {args.rounds} rounds of "
+        f"{args.settle} untimed + {args.steps_per_turn} timed steps, "
         f"{torch.get_num_threads()} threads (OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY')}), load average {load_start}",
         flush=True,
@@ -1066,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch_scale": args.batch_scale,
             "dtype": "float32",
             "rounds": args.rounds,
+            "settle": args.settle,
+            "steps_per_turn": args.steps_per_turn,
             "step": "loss(module(*inputs)).backward(), loss from the zoo case; grads set to None "
             "before each step",
             "peak": "memfit.measure of one step after two warm-up steps ("
@@ -1074,9 +1099,11 @@ def main(argv: list[str] | None = None) -> int:
                 if device.type == "cpu"
                 else "CUDA caching allocator statistics)"
             ),
-            "time": "median of `rounds` steps timed by memfit.measure(profile_memory=False) "
-            "(no profiler), round-robin over all of a model's points, start rotated "
-            "each round; gc.collect() before each step, gc disabled during a round",
+            "time": "median of `rounds` x `steps_per_turn` steps timed by "
+            "memfit.measure(profile_memory=False) (no profiler), in turns of `settle` untimed "
+            "steps then `steps_per_turn` timed ones, round-robin over all of a model's points, "
+            "start rotated each round; gc.collect() before each step, gc disabled during a round; "
+            "faults: the process's minor page faults during each timed step",
             "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
             "around compilation and the whole first step; each point its own "
             "code object (no dynamo reset between points)",
@@ -1142,8 +1169,11 @@ def main(argv: list[str] | None = None) -> int:
         f"measured tensor memory of one training step ("
         + ("exact allocator accounting" if device.type == "cpu" else "the allocator's counters")
         + f"); step time "
-        f"is the median of {args.rounds} steps interleaved across all points of a model "
-        f'(interquartile range in brackets); ratios are to plain eager; "own baseline" is the '
+        f"is the median of {args.rounds * args.steps_per_turn} steps, {args.rounds} turns per "
+        f"point interleaved across all points of a model, each turn {args.settle} untimed "
+        f"step(s) then {args.steps_per_turn} timed "
+        f"(interquartile range in brackets; page faults: median minor page faults per timed "
+        f'step); ratios are to plain eager; "own baseline" is the '
         f'same peer recomputing nothing (memfit "none", torch.compile at budget 1.0, eager), '
         f"which separates the cost of recomputation from the speed of each executor. "
         f"Recomputed GFLOP: memfit from its plan "

@@ -52,9 +52,20 @@ def table(root: Path) -> str:
             link = f"[{folder}]({folder}/budget_frontier_inductor.md)"
             lines.append(
                 f"| {link} | {run['date_utc'][:16]} | {model['name']} | "
-                f"{run['parameters']['rounds']} | {s['compared']} | " + " | ".join(cells) + " |"
+                f"{_timed(run['parameters'])} | {s['compared']} | " + " | ".join(cells) + " |"
             )
     return "\n".join(lines)
+
+
+def _timed(parameters: dict[str, Any]) -> str:
+    """Timed steps per point; with turns (runs from 2026-11-25 on), how they ran."""
+    steps = parameters.get("steps_per_turn")
+    if steps is None:
+        return str(parameters["rounds"])
+    return (
+        f"{parameters['rounds'] * steps} ({parameters['rounds']} turns of "
+        f"{parameters['settle']} untimed + {steps})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,3 +109,9 @@ def test_history_lists_every_run_oldest_first_with_the_three_statistics(
     assert rows[0].endswith("| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 |")
     # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled both 1.00
     assert rows[1].endswith("| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 |")
+
+
+def test_history_says_how_a_run_in_turns_timed_its_steps(history: ModuleType) -> None:
+    assert history._timed({"rounds": 41}) == "41"
+    turns = {"rounds": 21, "settle": 1, "steps_per_turn": 2}
+    assert history._timed(turns) == "42 (21 turns of 1 untimed + 2)"

@@ -86,6 +86,40 @@ def test_interleaved_rounds_rotate_and_time_every_step() -> None:
     assert all(m.gc_enabled_in_steps == [False] * 4 for m in methods) and gc.isenabled()
 
 
+def test_a_turn_settles_untimed_then_times_its_steps_in_a_row() -> None:
+    log: list[str] = []
+    methods = [_method(name, log) for name in "ab"]
+    time_interleaved(methods, rounds=2, device=CPU, settle=1, steps=2)
+    # each turn runs its method three times in a row; round 2 starts with "b"
+    assert log == list("aaabbb") + list("bbbaaa")
+    for m in methods:
+        assert len(m.times) == len(m.faults) == 4  # the settling steps are not recorded
+        assert min(m.times) > 0 and min(m.faults) >= 0
+        assert m.record["faults"] is m.faults
+
+
+def test_a_step_that_touches_fresh_memory_counts_its_page_faults() -> None:
+    """The recorded faults are the process's, during the timed step: a step that writes 64 MiB
+    of memory the allocator has just obtained from the kernel faults once per page (4 KiB, or
+    2 MiB where the kernel backs it with transparent huge pages)."""
+    touched = 64 * 2**20
+
+    def fresh() -> None:
+        buffer = torch.empty(touched, dtype=torch.uint8)  # large: mapped anew, not reused
+        buffer.fill_(1)
+
+    m = Method("fresh", nn.Linear(1, 1), fresh)
+    time_interleaved([m], rounds=1, device=CPU, steps=2)
+    assert min(m.faults) >= touched // (2 * 2**20)
+
+
+def test_a_turn_needs_a_timed_step() -> None:
+    with pytest.raises(ValueError, match="steps >= 1"):
+        time_interleaved([_method()], rounds=1, device=CPU, steps=0)
+    with pytest.raises(ValueError, match="settle >= 0"):
+        time_interleaved([_method()], rounds=1, device=CPU, settle=-1)
+
+
 def test_a_failing_method_is_recorded_and_the_others_go_on(capsys) -> None:
     log: list[str] = []
     ok, broken = _method("ok", log), _method("broken", log, fail_on_call=2)
