@@ -4,6 +4,7 @@ measures, timing rounds rotate, and one failing method is recorded while the oth
 from __future__ import annotations
 
 import gc
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -100,13 +101,16 @@ def test_a_turn_settles_untimed_then_times_its_steps_in_a_row() -> None:
 
 def test_a_step_that_touches_fresh_memory_counts_its_page_faults() -> None:
     """The recorded faults are the process's, during the timed step: a step that writes 64 MiB
-    of memory the allocator has just obtained from the kernel faults once per page (4 KiB, or
-    2 MiB where the kernel backs it with transparent huge pages)."""
+    of memory it has just mapped from the kernel faults once per page (4 KiB, or 2 MiB where the
+    kernel backs it with transparent huge pages). Mapped directly: the allocator may hand a step
+    memory an earlier test freed, already faulted in."""
     touched = 64 * 2**20
 
     def fresh() -> None:
-        buffer = torch.empty(touched, dtype=torch.uint8)  # large: mapped anew, not reused
-        buffer.fill_(1)
+        with mmap.mmap(-1, touched) as pages:
+            written = torch.frombuffer(pages, dtype=torch.uint8)
+            written.fill_(1)
+            del written  # releases the buffer, so the mapping can close
 
     m = Method("fresh", nn.Linear(1, 1), fresh)
     time_interleaved([m], rounds=1, device=CPU, steps=2)
