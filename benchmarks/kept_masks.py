@@ -16,7 +16,10 @@ elements its plan keeps are counted. Measured as the budget frontier measures
 (``memfit.bench.runner``: first step, exact peak, interleaved medians).
 
 Run: ``python benchmarks/kept_masks.py`` (about 5 minutes on 2 cores); writes
-``benchmarks/results/kept_masks/kept_masks.{json,md}``.
+``benchmarks/results/kept_masks/kept_masks.{json,md}`` (``--out-dir`` elsewhere). ``--settle``
+and ``--steps-per-turn`` time each point in turns, as the budget frontier now does
+(``memfit.bench.runner``); the default, one timed step per turn, is how the rule was first
+measured.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["unet", "transformer"])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--settle", type=int, default=0, help="untimed steps opening each point's turn"
+    )
+    parser.add_argument(
+        "--steps-per-turn", type=int, default=1, help="timed steps in each point's turn"
+    )
+    parser.add_argument("--out-dir", type=Path, default=OUT)
     args = parser.parse_args(argv)
     rule = _Rule()
     fusion.slow_masks = rule  # type: ignore[assignment]
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {spec.name} {p.name}: {p.status}", flush=True)
         rule.on = True
         measure_peaks(points, bf.CPU)
-        time_interleaved(points, args.rounds, bf.CPU)
+        time_interleaved(points, args.rounds, bf.CPU, settle=args.settle, steps=args.steps_per_turn)
         rows = []
         for p in points:
             rec = p.record
@@ -117,25 +127,31 @@ def main(argv: list[str] | None = None) -> int:
         "software": software_info(bf.ROOT),
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
+        "settle": args.settle,
+        "steps_per_turn": args.steps_per_turn,
         "load_average_end": load_average(),
         "models": results,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "kept_masks.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (OUT / "kept_masks.md").write_text(_markdown(report))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "kept_masks.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (args.out_dir / "kept_masks.md").write_text(_markdown(report))
     print(_markdown(report))
     return 0
 
 
 def _markdown(report: dict[str, Any]) -> str:
     cpu = report["machine"].get("cpu_model", report["machine"].get("processor"))
+    settle, steps = report.get("settle", 0), report.get("steps_per_turn", 1)
+    timing = f"median of {report['rounds'] * steps} steps interleaved over all points of a model"
+    if settle or steps > 1:
+        timing += f", in turns of {settle} untimed step(s) then {steps} timed"
     lines = [
         f"# Kept masks ({report['date_utc']})",
         "",
         f"CPU ({cpu}), torch {report['software'].get('torch')}, {report['threads']} threads; "
-        f"peak: exact allocator accounting of one step; time: median of {report['rounds']} "
-        "steps interleaved over all points of a model. `rule off`: memfit's candidates may keep "
-        "boolean masks, as torch's min-cut does; `rule on`: they may not (memfit's behaviour).",
+        f"peak: exact allocator accounting of one step; time: {timing}. `rule off`: memfit's "
+        "candidates may keep boolean masks, as torch's min-cut does; `rule on`: they may not "
+        "(memfit's behaviour).",
     ]
     for res in report["models"]:
         eager = next(r for r in res["points"] if r["peer"] == "eager")
