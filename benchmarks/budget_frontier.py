@@ -951,6 +951,33 @@ def write_plot(res: dict[str, Any], path: Path, title: str) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+def add_turn_arguments(p: argparse.ArgumentParser, *, settle: int, steps: int) -> None:
+    """``--settle`` and ``--steps-per-turn``: how each point's turn in the interleaved timing
+    runs (``memfit.bench.runner.time_interleaved``), with these defaults."""
+    p.add_argument(
+        "--settle",
+        type=_at_least(0),
+        default=settle,
+        help=f"untimed steps at the start of each point's turn (default {settle})",
+    )
+    p.add_argument(
+        "--steps-per-turn",
+        type=_at_least(1),
+        default=steps,
+        help=f"timed steps in each point's turn, after the untimed ones (default {steps})",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -972,18 +999,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="timed rounds per point (median); default 15, --quick 3",
     )
-    p.add_argument(
-        "--settle",
-        type=int,
-        default=1,
-        help="untimed steps at the start of each point's turn (default 1)",
-    )
-    p.add_argument(
-        "--steps-per-turn",
-        type=int,
-        default=2,
-        help="timed steps in each point's turn, after the untimed ones (default 2)",
-    )
+    add_turn_arguments(p, settle=1, steps=2)
     p.add_argument(
         "--executor",
         choices=memfit.EXECUTORS,
@@ -1022,8 +1038,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rounds = 3 if args.quick else 15
     if args.batch_scale < 1:
         p.error("--batch-scale must be at least 1")
-    if args.settle < 0 or args.steps_per_turn < 1:
-        p.error("--settle must be at least 0 and --steps-per-turn at least 1")
     for name, values in (("compile", args.compile_budgets), ("memfit", args.memfit_budgets)):
         if values is not None and not all(0 < v <= 1 for v in values):
             p.error(f"--{name}-budgets must be fractions in (0, 1]")

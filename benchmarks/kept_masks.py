@@ -76,12 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["unet", "transformer"])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument(
-        "--settle", type=int, default=0, help="untimed steps opening each point's turn"
-    )
-    parser.add_argument(
-        "--steps-per-turn", type=int, default=1, help="timed steps in each point's turn"
-    )
+    bf.add_turn_arguments(parser, settle=0, steps=1)
     parser.add_argument("--out-dir", type=Path, default=OUT)
     args = parser.parse_args(argv)
     rule = _Rule()
