@@ -128,6 +128,42 @@ def test_peak_within_prediction_and_budget_held() -> None:
     assert step.peak_bytes <= smallest
 
 
+def test_cpp_wrapper_is_honoured_as_torch_compile_honours_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``torch._inductor.config.cpp_wrapper`` set (Inductor's C++ wrapper: kernels called
+    from C++, not Python), memfit's compiled graphs are C++-wrapped as ``torch.compile``'s are,
+    training equals plain PyTorch's and the step is measured within the prediction."""
+    import torch._inductor.config as inductor_config
+
+    import memfit.execution.executors as executors
+
+    wrapped_sources: list[str] = []
+    compile_ = executors.inductor_compile
+
+    def recording(*args: object, **kwargs: object) -> object:
+        compiled = compile_(*args, **kwargs)  # type: ignore[arg-type]
+        wrapped_sources.append(getattr(compiled, "source_code", "") or "")
+        return compiled
+
+    monkeypatch.setattr(executors, "inductor_compile", recording)
+    monkeypatch.setattr(inductor_config, "cpp_wrapper", True)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, "memory", executor="inductor")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    wrapped(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    _assert_same_training(model, ref)
+    assert len(wrapped_sources) >= 2  # a forward and a backward
+    assert all("cpp_wrapper_src" in source for source in wrapped_sources)
+    model.zero_grad(set_to_none=True)
+    step = memfit.measure(lambda: wrapped(x).square().mean().backward())
+    predicted = wrapped.plan.predicted_peak_bytes
+    assert abs(step.peak_bytes - predicted) <= 0.1 * predicted, (step.peak_bytes, predicted)
+
+
 def test_transformer_prediction_within_ten_percent() -> None:
     """On a transformer encoder layer the simulation of eager kernels was 1.3x low for what
     Inductor runs; the measured calibration is what runs."""

@@ -664,6 +664,11 @@ def inductor_compile(
     ``schedules``: a list that receives the buffer timeline of the order Inductor runs its
     kernels in (see ``inductor_schedule``); Inductor's on-disk graph cache is then off for this
     compile, since a graph loaded from it is never scheduled.
+
+    ``torch._inductor.config.cpp_wrapper`` is honoured as ``torch.compile`` honours it: its
+    ``compile_fx`` passes it to ``compile_fx_inner`` as an argument (the config alone does not
+    reach the graph's code generation), so memfit does the same. Without this a user who set it
+    got Python wrappers from memfit and C++ ones from ``torch.compile``.
     """
     import torch._inductor.config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -683,6 +688,7 @@ def inductor_compile(
             is_backward=is_backward,
             is_inference=is_inference,
             layout_opt=layout_opt,
+            cpp_wrapper=bool(torch._inductor.config.cpp_wrapper),
         )
 
 
