@@ -147,7 +147,13 @@ def test_cpp_wrapper_is_honoured_as_torch_compile_honours_it(
         return compiled
 
     monkeypatch.setattr(executors, "inductor_compile", recording)
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", True)
+    # Inductor's config module: patched by its own context (monkeypatch's undo deletes the
+    # attribute, which the config module then no longer knows)
+    with inductor_config.patch(cpp_wrapper=True):
+        _train_with_cpp_wrapper(wrapped_sources)
+
+
+def _train_with_cpp_wrapper(wrapped_sources: list[str]) -> None:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     model = copy.deepcopy(ref)
