@@ -33,9 +33,7 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -119,14 +117,9 @@ def child(model_name: str, peer: str, cpp: bool) -> dict[str, Any]:
 
 
 def first_step(model_name: str, peer: str, cpp: bool) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="memfit-cpp-wrapper-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
-        argv = [sys.executable, __file__, "--child", model_name, peer, str(int(cpp))]
-        out = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"error": out.stderr[-2000:]}
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+    from first_step import run_fresh
+
+    return run_fresh(__file__, model_name, peer, str(int(cpp)))
 
 
 def run_model(model_name: str, rounds: int, steps: int) -> dict[str, Any]:

@@ -157,11 +157,14 @@ def child(model_name: str, config: str) -> dict[str, Any]:
     return record
 
 
-def _run_child(model_name: str, config: str) -> dict[str, Any]:
+def run_fresh(script: str, *args: str) -> dict[str, Any]:
+    """The JSON record ``script --child *args`` prints last, run in a fresh Python process with
+    a fresh Inductor cache directory (nothing compiled before, as for a user's first step);
+    ``{"error": its stderr's end}`` if it failed."""
     with tempfile.TemporaryDirectory(prefix="memfit-first-step-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
         out = subprocess.run(
-            [sys.executable, __file__, "--child", model_name, config],
+            [sys.executable, script, "--child", *args],
             capture_output=True,
             text=True,
             env=env,
@@ -169,8 +172,15 @@ def _run_child(model_name: str, config: str) -> dict[str, Any]:
         )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
-        return {"model": model_name, "config": config, "error": out.stderr[-2000:]}
+        return {"error": out.stderr[-2000:]}
     return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _run_child(model_name: str, config: str) -> dict[str, Any]:
+    record = run_fresh(__file__, model_name, config)
+    if "error" in record:
+        return {"model": model_name, "config": config, **record}
+    return record
 
 
 def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
