@@ -81,7 +81,10 @@ Makefile's ``.venv``): ``python benchmarks/budget_frontier.py [--quick] [--model
 steps synchronised around each timing; outputs get ``_cuda``); ``--batch-scale N`` multiplies
 every model's batch (the CPU sizes leave a GPU step bound by kernel launches), and
 ``--compile-budgets`` / ``--memfit-budgets`` pick fewer points where time on the device is short
-(outputs then get ``_batch<N>x`` and ``_points``, so the full results are never overwritten).
+(outputs then get ``_batch<N>x`` and ``_points``, so the full results are never overwritten),
+as does ``--memfit-modes``; ``--timing-lock FILE`` lets runs of one model each, started in
+parallel on one machine, compile at once and time one at a time once none is compiling
+(``memfit.bench.timing_lock``), since on a lent GPU compiling takes most of the time.
 The full run takes 10-20 minutes on 2 CPU cores (about half of it Inductor compiling 30 points);
 ``--quick`` (tiny models, one ``torch.compile`` budget, two memfit budgets, 3 rounds) about 50 s.
 """
@@ -102,7 +105,7 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from contextlib import ExitStack  # noqa: E402
+from contextlib import ExitStack, nullcontext  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -133,6 +136,7 @@ from memfit.bench.runner import (  # noqa: E402
     plan_record,
     time_interleaved,
 )
+from memfit.bench.timing_lock import TimingLock  # noqa: E402
 from memfit.units import MIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -369,6 +373,7 @@ def make_points(
     memfit_budgets: tuple[float, ...],
     peers: tuple[str, ...] = PEERS,
     executor: str = "eager",
+    modes: tuple[str, ...] = MEMFIT_MODES,
 ) -> list[Point]:
     points = [Point(spec, "eager", "plain", {})]  # the reference: always there
     if "checkpoint_sequential" in peers and spec.sequence_length is not None:
@@ -378,7 +383,7 @@ def make_points(
         points.append(
             Point(spec, "torch.compile", f"budget {b:g}", {"activation_memory_budget": b})
         )
-    for mode in MEMFIT_MODES if "memfit" in peers else ():
+    for mode in modes if "memfit" in peers else ():
         points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode, "executor": executor}))
     for f in memfit_budgets if "memfit" in peers else ():
         points.append(Point(spec, "memfit", f"budget {f:g}", {"budget": f, "executor": executor}))
@@ -484,44 +489,13 @@ def count_eager_flops(p: Point) -> None:
 # ------------------------------------------------------------------------------------- one model
 
 
-def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
-    t_model = time.perf_counter()
-    torch.compiler.reset()  # once per model; every point then compiles its own code object
-    compile_budgets, memfit_budgets = args.compile_budgets, args.memfit_budgets
-    points = make_points(spec, compile_budgets, memfit_budgets, tuple(args.peers), args.executor)
+def measure_and_time(
+    spec: ModelSpec, points: list[Point], args: argparse.Namespace, phases: dict[str, float]
+) -> tuple[int | None, list[Any]]:
+    """Peaks, FLOPs and interleaved timing of warmed-up points: what the timing lock spans.
 
-    print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
-    smallest: int | None = None
-    for p in points:
-        warm_up(p)
-        if p.infeasible and p.record.get("smallest_bytes"):
-            smallest = int(p.record["smallest_bytes"])
-        rec = p.record
-        if p.ok():
-            print(f"    {p.name}: first step {rec['first_step_s']:.1f} s", flush=True)
-    if smallest is not None:
-        p = Point(
-            spec,
-            "memfit",
-            "budget smallest",
-            {
-                "budget": smallest,
-                "budget_is_smallest_feasible": True,
-                "executor": args.executor,
-            },
-        )
-        points.append(p)
-        warm_up(p)
-        if p.ok():
-            print(
-                f"    {p.name} ({smallest / MIB:.1f} MiB): first step "
-                f"{p.record['first_step_s']:.1f} s",
-                flush=True,
-            )
-    before = Snapshot(points)
-    frontier = memfit_predicted_frontier(points)
-    phases = {"warm_up": time.perf_counter() - t_model}
-
+    Returns plain eager's step FLOPs and the load average at the start and end of the timing.
+    """
     print(f"  {spec.name}: measuring peaks and FLOPs", flush=True)
     t_phase = time.perf_counter()
     measure_peaks(points, spec.device)
@@ -557,7 +531,62 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     )
     phases["timing"] = time.perf_counter() - t_phase
     load_timing.append(load_average())
+    return eager_flops, load_timing
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    t_model = time.perf_counter()
+    torch.compiler.reset()  # once per model; every point then compiles its own code object
+    compile_budgets, memfit_budgets = args.compile_budgets, args.memfit_budgets
+    points = make_points(
+        spec,
+        compile_budgets,
+        memfit_budgets,
+        tuple(args.peers),
+        args.executor,
+        tuple(args.memfit_modes),
+    )
+
+    print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
+    smallest: int | None = None
+    for p in points:
+        warm_up(p)
+        if p.infeasible and p.record.get("smallest_bytes"):
+            smallest = int(p.record["smallest_bytes"])
+        rec = p.record
+        if p.ok():
+            print(f"    {p.name}: first step {rec['first_step_s']:.1f} s", flush=True)
+    if smallest is not None:
+        p = Point(
+            spec,
+            "memfit",
+            "budget smallest",
+            {
+                "budget": smallest,
+                "budget_is_smallest_feasible": True,
+                "executor": args.executor,
+            },
+        )
+        points.append(p)
+        warm_up(p)
+        if p.ok():
+            print(
+                f"    {p.name} ({smallest / MIB:.1f} MiB): first step "
+                f"{p.record['first_step_s']:.1f} s",
+                flush=True,
+            )
+    before = Snapshot(points)
+    frontier = memfit_predicted_frontier(points)
+    phases = {"warm_up": time.perf_counter() - t_model}
+
+    lock: TimingLock | None = args.lock
+    with lock.exclusive() if lock else nullcontext(0.0) as waited:
+        if lock:
+            phases["waited_for_timing_lock"] = waited
+            print(f"  {spec.name}: waited {waited:.0f} s for the timing lock", flush=True)
+        eager_flops, load_timing = measure_and_time(spec, points, args, phases)
     graphs_during = before.graphs_compiled()
+    eager = points[0]
 
     out_points = []
     for p in points:
@@ -1032,8 +1061,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="F",
         help=f"memfit budget fractions (default {' '.join(map(str, MEMFIT_BUDGETS))})",
     )
+    p.add_argument(
+        "--memfit-modes",
+        nargs="*",
+        choices=MEMFIT_MODES,
+        default=list(MEMFIT_MODES),
+        help=f"memfit modes to run (default {' '.join(MEMFIT_MODES)})",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument(
+        "--timing-lock",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="runs of one model each, started in parallel with the same FILE, compile at once "
+        "and time one at a time, once none is compiling (memfit.bench.timing_lock)",
+    )
     args = p.parse_args(argv)
+    if args.timing_lock and len(args.models) != 1:
+        p.error("--timing-lock runs one model per process: name one in --models")
     if args.rounds is None:
         args.rounds = 3 if args.quick else 15
     if args.batch_scale < 1:
@@ -1042,7 +1088,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if values is not None and not all(0 < v <= 1 for v in values):
             p.error(f"--{name}-budgets must be fractions in (0, 1]")
     # a run of other sizes or points never overwrites the full results (see main's file names)
-    args.default_points = args.compile_budgets is None and args.memfit_budgets is None
+    args.default_points = (
+        args.compile_budgets is None
+        and args.memfit_budgets is None
+        and tuple(args.memfit_modes) == MEMFIT_MODES
+    )
     if args.compile_budgets is None:
         args.compile_budgets = QUICK_COMPILE_BUDGETS if args.quick else COMPILE_BUDGETS
     if args.memfit_budgets is None:
@@ -1065,6 +1115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.lock = TimingLock(args.timing_lock) if args.timing_lock else None
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -1127,8 +1178,14 @@ def main(argv: list[str] | None = None) -> int:
             "memfit_budgets": list(args.memfit_budgets),
             "memfit_budget_meaning": "fraction of plain autograd's predicted activation peak; "
             "an int is bytes (the smallest feasible)",
-            "memfit_modes": list(MEMFIT_MODES),
+            "memfit_modes": list(args.memfit_modes),
             "memfit_executor": args.executor,
+            "timing_lock": (
+                "run in parallel with other models' runs: compiled alongside them, timed alone "
+                "once none was compiling"
+                if args.lock
+                else None
+            ),
             "equal_peak_tolerance": PEAK_TOLERANCE,
             "recompute_flops": "see each point's recompute_flops_method; peers count "
             "matmul/conv/attention only (FlopCounterMode formulas + CPU flash "
