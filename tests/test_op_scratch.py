@@ -1,7 +1,11 @@
 """Scratch memory is measured on real tensors, without touching the user's RNG stream, and without
 disturbing a measurement or a profiler session around the first (capturing) call."""
 
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +206,31 @@ def test_cuda_scratch_nests_inside_measure() -> None:
     m = memfit.measure(outer, device="cuda")
     assert m.result == alone
     assert m.peak_bytes >= 4 * MB
+
+
+_PLAN_TWICE = """
+import torch, torch.nn as nn, memfit
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).cuda()
+x = torch.randn(8, 16, device="cuda")
+first = memfit.plan(model, x, budget=1.0)
+second = memfit.plan(model, x, budget=1.0)
+print(first.baseline_peak_bytes, second.baseline_peak_bytes)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_first_call_allocations_kept_for_good_are_not_scratch() -> None:
+    """In a fresh process the first matmul allocates cuBLAS's workspace (32 MiB on an H200) and
+    keeps it. Measured as that op's scratch, it made a 4 KiB MLP's first plan 32 MiB and the next
+    one not (seen on an H200, 2026-11-26): the plan must not depend on what ran before it."""
+    src = str(Path(memfit.__file__).resolve().parents[1])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _PLAN_TWICE], capture_output=True, text=True, env=env, check=True
+    )
+    first, second = map(int, out.stdout.split()[-2:])
+    assert first == second
+    assert first < MB

@@ -7,7 +7,8 @@ time. A simulator that counted outputs alone mispredicted a U-Net's peak by 40%,
 that cannot see scratch memory happily recomputes a convolution at the very moment of the peak.
 No table of op costs stays true across libraries and devices, so memfit measures.
 
-Each distinct signature (op, shapes, strides, dtypes, constant arguments) runs once, on fresh
+Each distinct signature (op, shapes, strides, dtypes, constant arguments) runs once (twice on
+CUDA, measured on the second: see ``_scratch_on_cuda``), on fresh
 tensors filled from a private generator (floats random, integers zero: valid indices for pooling
 and embedding backward). Random ops are never run, so the user's RNG stream is untouched. Ops
 whose tensors are all small are skipped: their scratch cannot move a peak. One op at a time is
@@ -217,9 +218,18 @@ def _prepare(call: _OpCall, dev: torch.device, gen: torch.Generator) -> tuple[An
 
 
 def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> int | None:
+    """The op's scratch on its second call: a first call may allocate what the process then keeps
+    for good (the first matmul, cuBLAS's workspace: 32 MiB on an H200), which the step pays once,
+    not on every call; counted as scratch it put 32 MiB in a 4 KiB MLP's first plan and none in
+    the second, so the plan depended on what the process had run before."""
     prepared = _prepare(call, dev, gen)
     if prepared is None:
         return None
+    with CudaRecording(dev):  # nested, so an enclosing memfit.measure keeps its peak
+        first = _run(*prepared)
+    if first is _FAILED:
+        return None
+    del first
     with CudaRecording(dev) as cuda:
         result = _run(*prepared)
     if result is _FAILED:
