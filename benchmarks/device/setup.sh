@@ -1,0 +1,21 @@
+#!/bin/bash
+# On the device, in the last chunk's call: unpack the torch/triton wheels sent in chunks, install
+# them beside the machine's own torch, build the NCCL stub (benchmarks/results/gpu_h100/README.md).
+set -eu
+mkdir -p /root/w && cat /root/parts/p* | tar x -C /root/w
+(cd /root/w && md5sum -c "$OLDPWD/benchmarks/device/wheels.md5")
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /root/w/*.whl
+cat > /root/ncclstub.c <<'C'
+int ncclCommMemStats(void) { return 3; }
+int ncclCommResume(void) { return 3; }
+int ncclCommSuspend(void) { return 3; }
+int ncclGetLsaMultimemDevicePointer(void) { return 3; }
+int ncclGetPeerDevicePointer(void) { return 3; }
+int ncclPutSignal(void) { return 3; }
+int ncclSignal(void) { return 3; }
+int ncclWaitSignal(void) { return 3; }
+C
+gcc -shared -fPIC -O2 -o /root/libncclstub.so /root/ncclstub.c
+source benchmarks/device/env.sh
+python3 -c "import torch, triton, memfit; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), torch.cuda.is_available())"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
