@@ -5,10 +5,11 @@ kernels Inductor generated, with buffers Inductor allocates, orders and frees it
 op-by-op simulation nor Inductor's own buffer-lifetime estimate matched what ran (measured on a
 transformer encoder, CPU: the step peaked at 1.30x the simulation and 1.38x the estimate, with
 extern kernels' workspaces and Inductor's codegen holding more than either models). Running the
-two compiled graphs once (on CUDA twice, measured the second time: ``_warm_up``), as the step will (the forward on the parameters and inputs of the call
-being captured, the backward on what it saved and gradients of ones), and reading the allocator
-gives the peaks the step will have, by construction: a calibration per graph, paid once, while
-the graph is planned and before the user's step runs.
+two compiled graphs once (on CUDA twice, measured the second time: ``_warm_up``), as the step
+will (the forward on the parameters and inputs of the call being captured, the backward on what
+it saved and gradients of ones), and reading the allocator gives the peaks the step will have,
+by construction: a calibration per graph, paid once, while the graph is planned and before the
+user's step runs.
 
 Nothing the call sees changes: the graphs are functional (AOTAutograd applies BatchNorm's
 running-statistic updates after the compiled forward returns, and here nothing applies them),
