@@ -726,8 +726,9 @@ def make_backend(
                     graph_plan,
                     budget_bytes=max(reach_bytes, held_to),
                     note=(
-                        f"{graph_plan.note}; the budget's fraction is met only by plans at the "
-                        f"least peak, so its bytes are where such a plan peaks once compiled"
+                        f"{graph_plan.note}; plain autograd's peak less the activations the "
+                        f"budget's fraction gives up is below every plan keeping that fraction: "
+                        f"the budget is the least peak of such a plan, once compiled"
                     ),
                 )
             if refused and graph_plan.predicted_peak_bytes > refused[0]:
