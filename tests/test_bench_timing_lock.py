@@ -27,9 +27,8 @@ def test_exclusive_waits_for_a_warming_process_and_not_for_a_dead_one(tmp_path: 
     stale.touch()
     assert live_warming_pids(lock_path) == sorted([warming.pid, me.marker_pid()])
     assert not stale.exists()  # a dead process's marker is removed, not waited for
-    with me.exclusive() as waited:
+    with me.exclusive():
         assert warming.poll() is not None  # timing began only after the warming process ended
-        assert waited > 0.2
     assert not me.marker.exists()
 
 

@@ -161,6 +161,33 @@ def test_a_fraction_met_only_at_the_least_peak_is_held_to_its_compiled_peak(monk
         F.cross_entropy(in_bytes(x), y).backward()
 
 
+def test_a_fraction_met_only_at_the_least_peak_keeps_its_bytes_where_compiled_lower(
+    monkeypatch,
+) -> None:
+    """The same fraction, its plan compiled below its simulation (as a U-Net's least-peak plan
+    measured 0.85x): the budget stays the simulated least peak, within which cheaper plans are
+    searched as for any budget, and the plan says nothing was lifted."""
+    calibrate = backend._calibrate
+
+    def below_simulation(*args, **kwargs):
+        m = calibrate(*args, **kwargs)
+        return m and dataclasses.replace(
+            m,
+            forward_peak_bytes=int(m.forward_peak_bytes * 0.8),
+            backward_peak_bytes=int(m.backward_peak_bytes * 0.8),
+        )
+
+    monkeypatch.setattr(backend, "_calibrate", below_simulation)
+    x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
+    wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
+    F.cross_entropy(wrapped(x), y).backward()
+    (graph,) = wrapped.plan.graphs
+    least_simulated = min(p.peak_bytes for p in graph.frontier)
+    assert graph.budget_bytes == least_simulated
+    assert graph.predicted_peak_bytes <= graph.budget_bytes
+    assert "once compiled" not in graph.note
+
+
 def test_cpp_wrapper_is_honoured_as_torch_compile_honours_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

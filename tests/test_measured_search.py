@@ -140,3 +140,22 @@ def test_a_plan_recomputing_little_is_not_worth_another_compile() -> None:
     calls.clear()
     search_plans(little, _measured(0.5, calls), plan, 190, tries=4)
     assert calls == [190]
+
+
+@pytest.mark.parametrize("ratio", [0.8, 1.0, 1.2])
+def test_at_least_first_raises_the_limit_to_the_first_measured_peak_only_where_higher(
+    ratio: float,
+) -> None:
+    """A budget that is the first plan's own simulated peak (150): a first plan measured above it
+    lifts the limit to its measured peak and is kept; one measured below leaves the budget, within
+    which cheaper plans are searched as for any budget."""
+    done, limit, calls = _search(ratio, 150, tries=4, at_least_first=True)
+    plain_done, plain_limit, plain_calls = _search(ratio, 150, tries=4)
+    assert limit == max(150, int(150 * ratio))
+    chosen = _chosen(done, limit)
+    assert chosen is not None
+    if ratio > 1:
+        assert calls == [150]  # nothing cheaper fits below the first's measured peak
+        assert _chosen(plain_done, plain_limit).predicted_peak_bytes <= 150  # plain: other plans
+    else:
+        assert calls == plain_calls and chosen == _chosen(plain_done, plain_limit)

@@ -246,6 +246,7 @@ def _fit_schedule(
     primals: Sequence[Any] | None,
     strict: bool = True,
     at_least_peak: bool = False,
+    at_least_first: bool = False,
     tries: int = SCHEDULE_TRIES,
 ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool, int | None]:
     """``graph_plan`` compiled by Inductor now, its peaks measured (or, where they cannot be,
@@ -265,7 +266,9 @@ def _fit_schedule(
     simulation), bisecting between a headroom that fitted and one that did not: at most
     ``tries`` compiles in all. With ``at_least_peak`` (``"memory"``), the limit is the
     first plan's measured peak: a cheaper plan that peaks no higher once compiled is taken
-    instead. The cheapest plan that fits is kept; if none does, ``BudgetError`` naming the least
+    instead; with ``at_least_first`` (a fraction whose bytes are the first plan's simulated
+    peak), the limit is raised to the first plan's measured peak where that is higher. The
+    cheapest plan that fits is kept; if none does, ``BudgetError`` naming the least
     peak (or, not ``strict``: a graph of a step with graph breaks, whose budget is settled for
     the whole step, that plan, and its note says so). The compiled graphs travel in the graphs'
     metadata, so AOTAutograd's compilers reuse them. Last in the result: whether the kept plan's
@@ -342,6 +345,7 @@ def _fit_schedule(
         limit_bytes,
         tries=tries,
         at_least_peak=at_least_peak,
+        at_least_first=at_least_first,
         resolution_bytes=_largest_value(jg) // 4,
     )
     made = [(t.plan, *t.made) for t in done]
@@ -676,19 +680,14 @@ def make_backend(
             byte_budget = policy.budget is not None and policy.budget.fraction is None
             limit_bytes: int | None = None
             # A fraction whose bytes are a plan's simulated peak (see _reached_fraction): held
-            # to what that plan peaks at once compiled, as "memory" is, not to the simulation.
+            # to what that plan peaks at once compiled where that is higher.
             reached = (
                 not refused
                 and graph_share is None
                 and not spent
                 and _reached_fraction(policy, graph_plan)
             )
-            if (
-                not refused
-                and not reached
-                and policy.name == BUDGET
-                and graph_plan.budget_bytes is not None
-            ):
+            if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
                 if (
@@ -700,7 +699,7 @@ def make_backend(
                     # peak then): as above
                     refused.append(limit_bytes)
                     limit_bytes = None
-            at_least_peak = (policy.name == "memory" or bool(refused) or reached) and (
+            at_least_peak = (policy.name == "memory" or bool(refused)) and (
                 graph_share is None and not spent
             )
             if at_least_peak:
@@ -716,15 +715,21 @@ def make_backend(
                 current_primals[0],
                 strict=graph_share is None and not spent,
                 at_least_peak=at_least_peak,
+                at_least_first=reached and limit_bytes is not None,
                 # A graph captured for a range of sizes: its first plan only (Inductor failed to
                 # compile other plans' symbolic graphs of a ResNet with a symbolic batch:
                 # "Cannot convert expression to float", 2.13.0)
                 tries=1 if jg.symbols else SCHEDULE_TRIES,
             )
-            if reached and reach_bytes is not None and held_to is not None:
+            if (
+                reached
+                and reach_bytes is not None
+                and held_to is not None
+                and held_to > reach_bytes
+            ):
                 graph_plan = dataclasses.replace(
                     graph_plan,
-                    budget_bytes=max(reach_bytes, held_to),
+                    budget_bytes=held_to,
                     note=(
                         f"{graph_plan.note}; plain autograd's peak less the activations the "
                         f"budget's fraction gives up is below every plan keeping that fraction: "

@@ -55,6 +55,7 @@ def search_plans(
     *,
     tries: int,
     at_least_peak: bool = False,
+    at_least_first: bool = False,
     resolution_bytes: int = 0,
 ) -> tuple[list[Tried[T]], int | None]:
     """The plans tried, in order, and the limit they were held to.
@@ -63,8 +64,10 @@ def search_plans(
     ``predicted_peak_bytes`` then the measured peak); ``plan(h)`` plans again with ``h`` bytes of
     headroom (BudgetError: nothing there). ``limit_bytes`` is what a plan's measured peak must not
     exceed (None: no limit, one try). With ``at_least_peak`` it is the first plan's measured
-    peak: a cheaper plan that peaks no higher is searched. Bisection stops once the headroom that
-    fitted and the one that did not are within ``resolution_bytes``.
+    peak: a cheaper plan that peaks no higher is searched. With ``at_least_first`` it is raised to
+    the first plan's measured peak where that is higher (a budget that is itself the first plan's
+    simulated peak: a fraction only plans at that peak keep), and otherwise stays. Bisection stops
+    once the headroom that fitted and the one that did not are within ``resolution_bytes``.
     """
     done: list[Tried[T]] = []
     seen = []
@@ -79,6 +82,8 @@ def search_plans(
         peak = tried.plan.predicted_peak_bytes
         if at_least_peak and limit_bytes is None:
             limit_bytes = peak
+        if at_least_first and len(done) == 1 and limit_bytes is not None:
+            limit_bytes = max(limit_bytes, peak)
         if limit_bytes is None or len(done) >= tries:
             break
         gap = peak - current.predicted_peak_bytes  # measured over simulated
