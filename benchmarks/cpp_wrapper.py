@@ -28,7 +28,6 @@ on 2 cores).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import os
@@ -43,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memfit  # noqa: E402
-from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench import environment  # noqa: E402
+from memfit.bench.environment import load_average  # noqa: E402
 from memfit.bench.peers import entry_point  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,19 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("CPP_WRAPPER_THREADS", "2")))
     started, load_start = time.perf_counter(), load_average()
     results = [run_model(name, args.rounds, args.steps_per_turn) for name in args.models]
-    report = {
-        "benchmark": "cpp_wrapper",
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "software": software_info(ROOT),
-        "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "rounds": args.rounds,
-        "steps_per_turn": args.steps_per_turn,
-        "load_average": {"start": load_start, "end": load_average()},
-        "total_runtime_s": round(time.perf_counter() - started, 1),
-        "models": results,
-    }
+    report = environment.report(
+        "cpp_wrapper",
+        ROOT,
+        started,
+        load_start,
+        results,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        rounds=args.rounds,
+        steps_per_turn=args.steps_per_turn,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpp_wrapper.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [

@@ -28,7 +28,6 @@ Run: ``python benchmarks/executor_overhead.py [--rounds 15] [--models resnet tra
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import statistics
@@ -45,7 +44,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memfit  # noqa: E402
 from budget_frontier import MODELS, ModelSpec, model_specs  # noqa: E402
-from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench import environment  # noqa: E402
+from memfit.bench.environment import load_average  # noqa: E402
 from memfit.bench.peers import entry_point  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,17 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started, load_start = time.perf_counter(), load_average()
     results = [run_model(name, args.rounds) for name in args.models]
-    report = {
-        "benchmark": "executor_overhead",
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "software": software_info(ROOT),
-        "threads": torch.get_num_threads(),
-        "rounds": args.rounds,
-        "load_average": {"start": load_start, "end": load_average()},
-        "total_runtime_s": round(time.perf_counter() - started, 1),
-        "models": results,
-    }
+    report = environment.report(
+        "executor_overhead", ROOT, started, load_start, results, rounds=args.rounds
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "executor_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [

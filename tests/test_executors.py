@@ -130,27 +130,34 @@ def test_peak_within_prediction_and_budget_held() -> None:
     assert step.peak_bytes <= smallest
 
 
+def _half_at_batch_one(monkeypatch, scale: float):
+    """``budget=0.5`` on ``_net`` at a batch of 1, its compiled peaks scaled by ``scale`` (so the
+    compiled plan peaks above or below its simulation for certain): the planned graph."""
+    calibrate = backend._calibrate
+
+    def scaled(*args, **kwargs):
+        m = calibrate(*args, **kwargs)
+        return m and dataclasses.replace(
+            m,
+            forward_peak_bytes=int(m.forward_peak_bytes * scale),
+            backward_peak_bytes=int(m.backward_peak_bytes * scale),
+        )
+
+    monkeypatch.setattr(backend, "_calibrate", scaled)
+    x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
+    wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
+    F.cross_entropy(wrapped(x), y).backward()
+    (graph,) = wrapped.plan.graphs
+    return graph, (x, y)
+
+
 def test_a_fraction_met_only_at_the_least_peak_is_held_to_its_compiled_peak(monkeypatch) -> None:
     """At a batch of 1 plain autograd's peak less half its activations lies below every plan, so
     ``budget=0.5`` means the least peak of a plan keeping half of them (simulated: 193360 B here).
     Compiled, that plan may peak above its simulation (the frontier's ResNet: 2.49 MiB against
     2.36): the fraction is still met, at the plan's compiled peak, as ``"memory"`` is. A budget
     in bytes stays a hard limit. The compiled peaks are inflated here so the case is certain."""
-    calibrate = backend._calibrate
-
-    def above_simulation(*args, **kwargs):
-        m = calibrate(*args, **kwargs)
-        return m and dataclasses.replace(
-            m,
-            forward_peak_bytes=int(m.forward_peak_bytes * 1.6),
-            backward_peak_bytes=int(m.backward_peak_bytes * 1.6),
-        )
-
-    monkeypatch.setattr(backend, "_calibrate", above_simulation)
-    x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
-    wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
-    F.cross_entropy(wrapped(x), y).backward()
-    (graph,) = wrapped.plan.graphs
+    graph, (x, y) = _half_at_batch_one(monkeypatch, 1.6)
     resolved = graph.baseline_peak_bytes - round(0.5 * graph.baseline_kept_bytes)
     least_simulated = min(p.peak_bytes for p in graph.frontier)
     assert resolved < least_simulated < graph.predicted_peak_bytes  # the case described above
@@ -167,21 +174,7 @@ def test_a_fraction_met_only_at_the_least_peak_keeps_its_bytes_where_compiled_lo
     """The same fraction, its plan compiled below its simulation (as a U-Net's least-peak plan
     measured 0.85x): the budget stays the simulated least peak, within which cheaper plans are
     searched as for any budget, and the plan says nothing was lifted."""
-    calibrate = backend._calibrate
-
-    def below_simulation(*args, **kwargs):
-        m = calibrate(*args, **kwargs)
-        return m and dataclasses.replace(
-            m,
-            forward_peak_bytes=int(m.forward_peak_bytes * 0.8),
-            backward_peak_bytes=int(m.backward_peak_bytes * 0.8),
-        )
-
-    monkeypatch.setattr(backend, "_calibrate", below_simulation)
-    x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
-    wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
-    F.cross_entropy(wrapped(x), y).backward()
-    (graph,) = wrapped.plan.graphs
+    graph, _ = _half_at_batch_one(monkeypatch, 0.8)
     least_simulated = min(p.peak_bytes for p in graph.frontier)
     assert graph.budget_bytes == least_simulated
     assert graph.predicted_peak_bytes <= graph.budget_bytes

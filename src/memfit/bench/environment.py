@@ -6,10 +6,12 @@ running and which memfit commit produced them, so every benchmark writes these s
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 
 import memfit
 
-__all__ = ["machine_info", "software_info", "load_average"]
+__all__ = ["machine_info", "software_info", "load_average", "report"]
 
 
 def machine_info(device: torch.device | None = None) -> dict[str, Any]:
@@ -75,6 +77,30 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def report(
+    benchmark: str,
+    root: Path,
+    started: float,
+    load_start: list[float] | None,
+    models: list[dict[str, Any]],
+    **parameters: Any,
+) -> dict[str, Any]:
+    """A benchmark's JSON record: its name, the date, machine, software and thread count, its
+    ``parameters``, the load average at ``started`` (``time.perf_counter()``) and now, the
+    runtime since, and its ``models``' results."""
+    return {
+        "benchmark": benchmark,
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "software": software_info(root),
+        "threads": torch.get_num_threads(),
+        **parameters,
+        "load_average": {"start": load_start, "end": load_average()},
+        "total_runtime_s": round(time.perf_counter() - started, 1),
+        "models": models,
+    }
 
 
 # ----------------------------------------------------------------------------------- one depth
