@@ -1,8 +1,11 @@
 #!/bin/bash
 # On the device, in the last chunk's call: unpack the torch/triton wheels sent in chunks, install
 # them beside the machine's own torch, build the NCCL stub (benchmarks/results/gpu_h100/README.md).
+# The torchvision wheel (7.7 MB) travels whole in that call: the machine's own torchvision is built
+# for its torch 2.11 and breaks `import transformers` under 2.13 (the GPT-2 cases).
 set -eu
 mkdir -p /root/w && cat /root/parts/p* | tar x -C /root/w
+cp .whl/torchvision-*.whl /root/w/
 (cd /root/w && md5sum -c "$OLDPWD/benchmarks/device/wheels.md5")
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /root/w/*.whl
 cat > /root/ncclstub.c <<'C'
