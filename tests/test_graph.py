@@ -2,8 +2,9 @@
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from memfit.analysis.graph import CUDA_BLOCK_BYTES, allocated_bytes
+from memfit.analysis.graph import CUDA_BLOCK_BYTES, allocated_bytes, is_random
 from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
@@ -29,6 +30,34 @@ def test_saved_needed_includes_primals_and_random_values() -> None:
     assert any(n.op == "placeholder" for n in needed)  # inputs/weights reach the backward
     random_items = [n for n in needed if jg.never_recompute(n)]
     assert random_items, "the dropout mask must be kept whatever the policy says"
+
+
+class _Attention(nn.Module):
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.qkv, self.dropout_p = nn.Linear(16, 48), dropout_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p)
+
+
+def test_attention_kernels_are_random_only_with_dropout() -> None:
+    """SDPA's fused kernels are tagged ``nondeterministic_seeded`` for their dropout: at p = 0
+    they draw nothing and may be recomputed (and their scratch measured); with dropout they
+    are kept, as any random op."""
+    for p, random in ((0.0, False), (0.3, True)):
+        (jg,) = joint_graphs(_Attention(p), torch.randn(2, 8, 16))
+        kernels = [
+            n
+            for n in jg.nodes
+            if n.op == "call_function"
+            and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        ]
+        forward = [n for n in kernels if n in jg.forward]
+        assert forward, "the trace holds no seeded attention kernel"
+        assert all(is_random(n) is random for n in kernels)
+        assert all(jg.must_save(n) is random for n in forward)
 
 
 def test_a_graph_with_symbolic_sizes_counts_at_any_size_what_a_capture_there_counts() -> None:

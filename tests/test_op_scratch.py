@@ -38,6 +38,32 @@ def test_convolution_scratch_is_measured_and_rng_untouched() -> None:
     assert conv_bwd and all(n in scratch for n in conv_bwd)  # oneDNN keeps buffers on CPU
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_attention_kernels_are_measured_unless_they_draw_dropout(monkeypatch, dropout_p) -> None:
+    """SDPA's kernels are tagged random for their dropout; at p = 0 they draw nothing and run
+    (on CUDA the efficient backward's workspace was missed: a step measured 1.6x its
+    prediction), with dropout they are never run. The RNG stream is untouched either way."""
+    model = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout_p, batch_first=True)
+    (jg,) = joint_graphs(model, torch.randn(2, 64, 32))
+    ran: list[str] = []
+    real = op_scratch._scratch_of_calls
+
+    def spy(calls, dev):
+        ran.extend(c.op for c in calls)
+        return real(calls, dev)
+
+    monkeypatch.setattr(op_scratch, "_scratch_of_calls", spy)
+    state = torch.get_rng_state()
+    measure_op_scratch(jg.nodes)
+    assert torch.equal(torch.get_rng_state(), state)
+    attention = [op for op in ran if "scaled_dot_product" in op]
+    if dropout_p:
+        assert not attention
+    else:
+        assert any("backward" not in op for op in attention), ran
+        assert any("backward" in op for op in attention), ran
+
+
 def test_a_graph_with_symbolic_sizes_is_measured_at_its_hints() -> None:
     """Sizes captured as symbols (a size that varied between calls) are measured at the sizes of
     the call captured: the same scratch as a capture at those sizes (it raised "unhashable type:

@@ -68,17 +68,47 @@ def node_tensors(node: fx.Node) -> list[torch.Tensor]:
 
 
 def is_random(node: fx.Node) -> bool:
-    """Random ops are never recomputed: a second draw would not give the same mask."""
+    """Random ops are never recomputed: a second draw would not give the same mask.
+
+    An op is random when torch tags it ``nondeterministic_seeded``, unless its only draw is a
+    dropout whose ``dropout_p`` is a constant 0. The fused attention kernels (SDPA's flash,
+    efficient and cuDNN forms, forward and backward) carry the tag for their dropout, which
+    draws nothing at p = 0: without this exception memfit kept every attention output of a
+    dropout-free transformer and never measured the kernels' scratch (the efficient backward's
+    128 KiB workspace made a CUDA step measure 1.6x its prediction). torch's own partitioner
+    likewise recomputes these kernels (``compute_intensive_ops``) and bans only dropout and
+    ``rand_like``-style ops."""
+    if node.op != "call_function":
+        return False
     target = node.target
-    tags = getattr(target, "tags", ())
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    return not _draws_nothing(node)
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """Whether a seeded op's only randomness is a ``dropout_p`` that is a constant 0."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    names = [a.name for a in schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    if "dropout_p" in node.kwargs:
+        p = node.kwargs["dropout_p"]
+    elif i < len(node.args):
+        p = node.args[i]
+    else:
+        p = schema.arguments[i].default_value
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
 
 
 def _is_impure(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     try:
-        return node.is_impure()
+        return node.is_impure(impure_random=False)  # randomness: is_random
     except Exception:  # is_impure() cannot inspect every target: count it impure, to be safe
         return True
 
