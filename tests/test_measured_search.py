@@ -155,7 +155,29 @@ def test_at_least_first_raises_the_limit_to_the_first_measured_peak_only_where_h
     chosen = _chosen(done, limit)
     assert chosen is not None
     if ratio > 1:
-        assert calls == [150]  # nothing cheaper fits below the first's measured peak
+        # half the first's excess given back (165: the plan at 160), which measures over: kept
+        assert calls == [150, 160] and chosen.predicted_peak_bytes == int(150 * ratio)
         assert _chosen(plain_done, plain_limit).predicted_peak_bytes <= 150  # plain: other plans
     else:
         assert calls == plain_calls and chosen == _chosen(plain_done, plain_limit)
+
+
+def test_a_first_plan_measured_far_above_its_simulation_is_not_the_last_word() -> None:
+    """At the least simulated peak (100) the first plan measures 1.4x (140, the limit); the next
+    plans measure 1.05x: half the excess back (budget 120) finds one that is cheaper and peaks
+    lower (126), which ``"memory"`` keeps. Before, the search stopped at the first plan: a budget
+    plan then peaked below ``"memory"``'s (the frontier's CPU transformer, 16.9 vs 19.9 MiB)."""
+    calls: list[int] = []
+
+    def measured(plan: GraphPlan) -> Tried[None]:
+        calls.append(plan.predicted_peak_bytes)
+        sim = plan.predicted_peak_bytes
+        peak = int(sim * (1.4 if sim == 100 else 1.05))
+        return Tried(dataclasses.replace(plan, predicted_peak_bytes=peak), None)
+
+    plan = _planner(100)
+    done, limit = search_plans(plan(0), measured, plan, None, tries=4, at_least_peak=True)
+    assert limit == 140
+    assert calls == [100, 120]
+    chosen = _chosen(done, limit)
+    assert chosen is not None and chosen.predicted_peak_bytes == 126

@@ -739,10 +739,12 @@ def make_backend(
             if refused and graph_plan.predicted_peak_bytes > refused[0]:
                 least_peak = graph_plan.predicted_peak_bytes
                 raise BudgetError(
-                    f"no plan fits: compiled by Inductor, the least peak memfit reaches "
-                    f'(its "memory" plan) is {format_bytes(least_peak)}, above the budget of '
-                    f"{format_bytes(refused[0])} (measured once compiled); use a larger "
-                    f"budget, or executor='eager', whose peaks are the simulation's",
+                    f"no plan fits: compiled by Inductor, the least peak of the plans tried "
+                    f'(from its "memory" plan, the least simulated peak, down) is '
+                    f"{format_bytes(least_peak)}, above the budget of "
+                    f"{format_bytes(refused[0])} (measured once compiled; a plan simulated "
+                    f"higher may compile lower); use a larger budget, or executor='eager', "
+                    f"whose peaks are the simulation's",
                     budget_bytes=refused[0],
                     smallest_bytes=least_peak,
                 )
