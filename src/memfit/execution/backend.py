@@ -699,28 +699,55 @@ def make_backend(
                     # peak then): as above
                     refused.append(limit_bytes)
                     limit_bytes = None
-            at_least_peak = (policy.name == "memory" or bool(refused)) and (
-                graph_share is None and not spent
-            )
+            at_least_peak_ok = graph_share is None and not spent
+            at_least_peak = (policy.name == "memory" or bool(refused)) and at_least_peak_ok
             if at_least_peak:
                 least_simulated.append(graph_plan.predicted_peak_bytes)
             reach_bytes = graph_plan.budget_bytes
-            graph_plan, fw, bw, measured, held_to = _fit_schedule(
-                jg,
-                graph_plan,
-                plan,
-                split,
-                kwargs["num_fwd_outputs"],
-                limit_bytes,
-                current_primals[0],
-                strict=graph_share is None and not spent,
-                at_least_peak=at_least_peak,
-                at_least_first=reached and limit_bytes is not None,
-                # A graph captured for a range of sizes: its first plan only (Inductor failed to
-                # compile other plans' symbolic graphs of a ResNet with a symbolic batch:
-                # "Cannot convert expression to float", 2.13.0)
-                tries=1 if jg.symbols else SCHEDULE_TRIES,
-            )
+
+            def fit(
+                graph_plan: GraphPlan, limit_bytes: int | None, at_least_peak: bool
+            ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool, int | None]:
+                return _fit_schedule(
+                    jg,
+                    graph_plan,
+                    plan,
+                    split,
+                    kwargs["num_fwd_outputs"],
+                    limit_bytes,
+                    current_primals[0],
+                    strict=graph_share is None and not spent,
+                    at_least_peak=at_least_peak,
+                    at_least_first=reached and limit_bytes is not None,
+                    # A graph captured for a range of sizes: its first plan only (Inductor failed
+                    # to compile other plans' symbolic graphs of a ResNet with a symbolic batch:
+                    # "Cannot convert expression to float", 2.13.0)
+                    tries=1 if jg.symbols else SCHEDULE_TRIES,
+                )
+
+            try:
+                graph_plan, fw, bw, measured, held_to = fit(graph_plan, limit_bytes, at_least_peak)
+            except BudgetError as err:
+                if refused or jg.symbols or err.budget_bytes is None or not at_least_peak_ok:
+                    raise
+                # The simulation accepted the budget, but no plan tried from there down fits
+                # once compiled. The least peak to name is the one "memory" reaches, searched as
+                # for a budget the simulation refuses: the plans tried went down from the
+                # budget, and the least simulated plan can compile above one simulated higher
+                # (the frontier's CPU transformer: 19.4 MiB against 16.6), so the least tried
+                # need not be the least reachable.
+                refused.append(err.budget_bytes)
+                least = plan_graph(jg, Policy("memory"), cache=frontier)
+                graph_plan = dataclasses.replace(
+                    least,
+                    policy=BUDGET,
+                    budget_bytes=err.budget_bytes,
+                    attention=tuple(sites),
+                    key=key,
+                )
+                least_simulated.append(graph_plan.predicted_peak_bytes)
+                reached = False
+                graph_plan, fw, bw, measured, held_to = fit(graph_plan, None, True)
             if (
                 reached
                 and reach_bytes is not None
@@ -740,11 +767,10 @@ def make_backend(
                 least_peak = graph_plan.predicted_peak_bytes
                 raise BudgetError(
                     f"no plan fits: compiled by Inductor, the least peak of the plans tried "
-                    f'(from its "memory" plan, the least simulated peak, down) is '
-                    f"{format_bytes(least_peak)}, above the budget of "
-                    f"{format_bytes(refused[0])} (measured once compiled; a plan simulated "
-                    f"higher may compile lower); use a larger budget, or executor='eager', "
-                    f"whose peaks are the simulation's",
+                    f'(those of its "memory" search) is {format_bytes(least_peak)}, above the '
+                    f"budget of {format_bytes(refused[0])} (measured once compiled; not every "
+                    f"plan is compiled, and a plan simulated higher may compile lower); use a "
+                    f"larger budget, or executor='eager', whose peaks are the simulation's",
                     budget_bytes=refused[0],
                     smallest_bytes=least_peak,
                 )
