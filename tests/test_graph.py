@@ -1,6 +1,7 @@
 """JointGraph: forward/backward by dataflow, bytes per storage, what backward needs."""
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -58,6 +59,26 @@ def test_attention_kernels_are_random_only_with_dropout() -> None:
         assert forward, "the trace holds no seeded attention kernel"
         assert all(is_random(n) is random for n in kernels)
         assert all(jg.must_save(n) is random for n in forward)
+
+
+def test_is_random_reads_dropout_p_however_it_is_passed() -> None:
+    """Positional, keyword, the schema's default (0.0); a ``dropout_p`` that is not a constant
+    (a graph input) counts as dropout, and so does every seeded op outside torch's attention
+    kernels."""
+    g = fx.Graph()
+    q, k, v, p = (g.placeholder(n) for n in "qkvp")
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+    def call(args: tuple, kwargs: dict | None = None) -> fx.Node:
+        return g.call_function(efficient, (q, k, v, None, True, *args), kwargs or {})
+
+    assert not is_random(call((0.0,)))
+    assert not is_random(call((), {"dropout_p": 0.0}))
+    assert not is_random(call(()))  # the default, 0.0
+    assert is_random(call((0.1,)))
+    assert is_random(call((), {"dropout_p": 0.1}))
+    assert is_random(call((p,)))
+    assert is_random(g.call_function(torch.ops.aten.native_dropout.default, (q, 0.0, True)))
 
 
 def test_a_graph_with_symbolic_sizes_counts_at_any_size_what_a_capture_there_counts() -> None:

@@ -70,26 +70,41 @@ def node_tensors(node: fx.Node) -> list[torch.Tensor]:
 def is_random(node: fx.Node) -> bool:
     """Random ops are never recomputed: a second draw would not give the same mask.
 
-    An op is random when torch tags it ``nondeterministic_seeded``, unless its only draw is a
-    dropout whose ``dropout_p`` is a constant 0. The fused attention kernels (SDPA's flash,
-    efficient and cuDNN forms, forward and backward) carry the tag for their dropout, which
-    draws nothing at p = 0: without this exception memfit kept every attention output of a
-    dropout-free transformer and never measured the kernels' scratch (the efficient backward's
-    128 KiB workspace made a CUDA step measure 1.6x its prediction). torch's own partitioner
-    likewise recomputes these kernels (``compute_intensive_ops``) and bans only dropout and
-    ``rand_like``-style ops."""
+    An op is random when torch tags it ``nondeterministic_seeded``, except torch's fused
+    attention kernels (``_DROPOUT_ONLY``) whose ``dropout_p`` is a constant 0. They carry the tag
+    for their dropout, which draws nothing at p = 0: counted random, memfit kept every attention
+    output of a dropout-free transformer and never measured the kernels' scratch (on an H200 the
+    efficient backward's 128 KiB workspace made a step measure 1.6x its prediction). torch's own
+    partitioner does not count them random either (its random ops are dropout and the
+    ``rand_like`` family). A ``dropout_p`` that is not a constant number counts as dropout."""
     if node.op != "call_function":
         return False
-    target = node.target
-    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     return not _draws_nothing(node)
 
 
+#: torch's fused attention kernels, tagged ``nondeterministic_seeded`` for their dropout only:
+#: at ``dropout_p`` 0 they leave the generator alone (CPU and CUDA, torch 2.13)
+_DROPOUT_ONLY = frozenset(
+    f"aten::{name}"
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+)
+
+
 def _draws_nothing(node: fx.Node) -> bool:
-    """Whether a seeded op's only randomness is a ``dropout_p`` that is a constant 0."""
+    """Whether a seeded op is one of ``_DROPOUT_ONLY`` with a constant ``dropout_p`` of 0."""
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if schema is None or schema.name not in _DROPOUT_ONLY:
         return False
     names = [a.name for a in schema.arguments]
     if "dropout_p" not in names:
@@ -108,7 +123,7 @@ def _is_impure(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     try:
-        return node.is_impure(impure_random=False)  # randomness: is_random
+        return node.is_impure(impure_random=not _draws_nothing(node))
     except Exception:  # is_impure() cannot inspect every target: count it impure, to be safe
         return True
 
