@@ -228,7 +228,23 @@ def test_memory_and_a_budget_look_past_a_least_simulated_plan_that_compiles_high
     at_least = memfit.checkpoint(_net(), budget=least_simulated, executor="inductor")
     F.cross_entropy(at_least(x), y).backward()
     (held,) = at_least.plan.graphs
+    assert held.budget_bytes == least_simulated
     assert held.predicted_peak_bytes <= least_simulated
+
+
+def test_a_refused_budget_keeps_a_compiled_plan_within_it_over_a_cheaper_one_above() -> None:
+    """Searched as ``"memory"``'s, a refused budget's plans are held to the first plan's
+    compiled peak (140 here): the cheapest of them (135) is above the budget (115) while another
+    (110) is within it. That one is kept; with none within, the least peak, which is named."""
+    frontier = memfit.plan(_net(), torch.randn(1, 3, 16, 16)).graphs[0]
+
+    def compiled(peak: int, seconds: float) -> memfit.GraphPlan:
+        return dataclasses.replace(frontier, predicted_peak_bytes=peak, recompute_seconds=seconds)
+
+    plans = [compiled(140, 3.0), compiled(110, 2.0), compiled(135, 1.0)]
+    assert backend._kept_within(plans, 115) == 1
+    assert backend._kept_within(plans, 100) == 1  # none within: the least peak
+    assert backend._kept_within(plans, 140) == 2  # all within: the cheapest
 
 
 def test_cpp_wrapper_is_honoured_as_torch_compile_honours_it(

@@ -248,6 +248,7 @@ def _fit_schedule(
     at_least_peak: bool = False,
     at_least_first: bool = False,
     tries: int = SCHEDULE_TRIES,
+    keep_within: int | None = None,
 ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool, int | None]:
     """``graph_plan`` compiled by Inductor now, its peaks measured (or, where they cannot be,
     read from Inductor's schedule), and planned again with headroom while they exceed
@@ -271,7 +272,9 @@ def _fit_schedule(
     cheapest plan that fits is kept; if none does, ``BudgetError`` naming the least
     peak (or, not ``strict``: a graph of a step with graph breaks, whose budget is settled for
     the whole step, that plan, and its note says so). The compiled graphs travel in the graphs'
-    metadata, so AOTAutograd's compilers reuse them. Last in the result: whether the kept plan's
+    metadata, so AOTAutograd's compilers reuse them. With ``keep_within`` (a budget the plans
+    are searched above, as ``"memory"``'s), the cheapest plan within it is kept, or else the one
+    with the least peak, and nothing is raised. Last in the result: whether the kept plan's
     peaks were measured (not read from the schedule), and the limit the plans were held to.
     """
     by_name = {n.name: n for n in jg.nodes}
@@ -349,6 +352,8 @@ def _fit_schedule(
         resolution_bytes=_largest_value(jg) // 4,
     )
     made = [(t.plan, *t.made) for t in done]
+    if keep_within is not None:
+        return (*made[_kept_within([t[0] for t in made], keep_within)], limit_bytes)
     fits = [t for t in made if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
     if fits:
         return (*min(fits, key=lambda t: (plan_cost(t[0]), t[0].predicted_peak_bytes)), limit_bytes)
@@ -371,6 +376,17 @@ def _fit_schedule(
         *least[1:],
         limit_bytes,
     )
+
+
+def _kept_within(plans: Sequence[GraphPlan], budget_bytes: int) -> int:
+    """Which of the compiled ``plans`` of a refused budget searched as ``"memory"``'s to keep:
+    the cheapest within the budget, or else the least peak, which the refusal names. The
+    search itself holds plans to its first plan's peak, so the cheapest it finds can peak above
+    the budget while another plan it compiled is within it."""
+    within = [i for i, p in enumerate(plans) if p.predicted_peak_bytes <= budget_bytes]
+    if within:
+        return min(within, key=lambda i: (plan_cost(plans[i]), plans[i].predicted_peak_bytes))
+    return min(range(len(plans)), key=lambda i: plans[i].predicted_peak_bytes)
 
 
 def _reached_fraction(policy: Policy, graph_plan: GraphPlan) -> bool:
@@ -708,6 +724,8 @@ def make_backend(
             def fit(
                 graph_plan: GraphPlan, limit_bytes: int | None, at_least_peak: bool
             ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool, int | None]:
+                # a refused budget: the plans are searched as "memory"'s, the one kept is within
+                # the budget where one is
                 return _fit_schedule(
                     jg,
                     graph_plan,
@@ -723,6 +741,7 @@ def make_backend(
                     # to compile other plans' symbolic graphs of a ResNet with a symbolic batch:
                     # "Cannot convert expression to float", 2.13.0)
                     tries=1 if jg.symbols else SCHEDULE_TRIES,
+                    keep_within=refused[0] if refused else None,
                 )
 
             try:
