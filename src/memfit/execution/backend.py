@@ -352,13 +352,11 @@ def _fit_schedule(
         resolution_bytes=_largest_value(jg) // 4,
     )
     made = [(t.plan, *t.made) for t in done]
-    if keep_within is not None:
-        return (*made[_kept_within([t[0] for t in made], keep_within)], limit_bytes)
-    fits = [t for t in made if limit_bytes is None or t[0].predicted_peak_bytes <= limit_bytes]
-    if fits:
-        return (*min(fits, key=lambda t: (plan_cost(t[0]), t[0].predicted_peak_bytes)), limit_bytes)
-    least = min(made, key=lambda t: t[0].predicted_peak_bytes)
-    assert limit_bytes is not None
+    within = limit_bytes if keep_within is None else keep_within
+    least = made[_kept_within([t[0] for t in made], within)]
+    if within is None or least[0].predicted_peak_bytes <= within or keep_within is not None:
+        return (*least, limit_bytes)
+    assert limit_bytes is not None  # nothing fits: ``least`` is the least peak
     note = (
         f"compiled by Inductor, the least peak of the {len(made)} plans tried is "
         f"{format_bytes(least[0].predicted_peak_bytes)}, above the budget of "
@@ -378,12 +376,17 @@ def _fit_schedule(
     )
 
 
-def _kept_within(plans: Sequence[GraphPlan], budget_bytes: int) -> int:
-    """Which of the compiled ``plans`` of a refused budget searched as ``"memory"``'s to keep:
-    the cheapest within the budget, or else the least peak, which the refusal names. The
-    search itself holds plans to its first plan's peak, so the cheapest it finds can peak above
-    the budget while another plan it compiled is within it."""
-    within = [i for i, p in enumerate(plans) if p.predicted_peak_bytes <= budget_bytes]
+def _kept_within(plans: Sequence[GraphPlan], budget_bytes: int | None) -> int:
+    """Which of the compiled ``plans`` to keep: the cheapest within the budget (None: no
+    limit), or else the least peak, which a refusal names. For a refused budget searched as
+    ``"memory"``'s the budget is the user's, not the search's own limit (its first plan's
+    peak): the cheapest plan under that limit can peak above the budget while another plan it
+    compiled is within it."""
+    within = [
+        i
+        for i, p in enumerate(plans)
+        if budget_bytes is None or p.predicted_peak_bytes <= budget_bytes
+    ]
     if within:
         return min(within, key=lambda i: (plan_cost(plans[i]), plans[i].predicted_peak_bytes))
     return min(range(len(plans)), key=lambda i: plans[i].predicted_peak_bytes)
@@ -654,6 +657,15 @@ def make_backend(
                 )
             return dataclasses.replace(graph_plan, attention=tuple(sites), key=key)
 
+        def refuse(budget_bytes: int) -> GraphPlan:
+            """A budget refused (by the simulation, or by every plan compiled from it down):
+            the plan "memory" would take, searched the same way, then held to the budget."""
+            refused.append(budget_bytes)
+            least = plan_graph(jg, Policy("memory"), cache=frontier)
+            return dataclasses.replace(
+                least, policy=BUDGET, budget_bytes=budget_bytes, attention=tuple(sites), key=key
+            )
+
         def split(graph_plan: GraphPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
             return split_joint_graph(
                 joint,
@@ -677,16 +689,7 @@ def make_backend(
                 or err.budget_bytes is None
             ):
                 raise
-            # The plan "memory" would take, searched the same way; then held to the budget.
-            least = plan_graph(jg, Policy("memory"), cache=frontier)
-            graph_plan = dataclasses.replace(
-                least,
-                policy=BUDGET,
-                budget_bytes=err.budget_bytes,
-                attention=tuple(sites),
-                key=key,
-            )
-            refused.append(err.budget_bytes)
+            graph_plan = refuse(err.budget_bytes)
         if executor == INDUCTOR and jg.symbols and policy.name == BUDGET and not measured_fit:
             warn_user(SYMBOLIC_BUDGET_WARNING)
         fw: fx.GraphModule | None = None
@@ -734,7 +737,7 @@ def make_backend(
                     kwargs["num_fwd_outputs"],
                     limit_bytes,
                     current_primals[0],
-                    strict=graph_share is None and not spent,
+                    strict=at_least_peak_ok,
                     at_least_peak=at_least_peak,
                     at_least_first=reached and limit_bytes is not None,
                     # A graph captured for a range of sizes: its first plan only (Inductor failed
@@ -755,15 +758,7 @@ def make_backend(
                 # budget, and the least simulated plan can compile above one simulated higher
                 # (the frontier's CPU transformer: 19.4 MiB against 16.6), so the least tried
                 # need not be the least reachable.
-                refused.append(err.budget_bytes)
-                least = plan_graph(jg, Policy("memory"), cache=frontier)
-                graph_plan = dataclasses.replace(
-                    least,
-                    policy=BUDGET,
-                    budget_bytes=err.budget_bytes,
-                    attention=tuple(sites),
-                    key=key,
-                )
+                graph_plan = refuse(err.budget_bytes)
                 least_simulated.append(graph_plan.predicted_peak_bytes)
                 reached = False
                 graph_plan, fw, bw, measured, held_to = fit(graph_plan, None, True)
