@@ -349,8 +349,12 @@ class JointGraph:
     def recomputed_for(self, saved: Iterable[fx.Node]) -> set[fx.Node]:
         """The forward nodes the backward runs again when ``saved`` is kept: those it reaches
         from its reads without passing a saved value (``saved_needed``'s walk)."""
+        return self.needed_and_recomputed(saved)[1]
+
+    def needed_and_recomputed(self, saved: Iterable[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+        """``saved_needed(saved)`` and ``recomputed_for(saved)`` from one walk."""
         needed, visited = self._walk_back(saved)
-        return {n for n in visited - needed if n in self._forward_set}
+        return needed, {n for n in visited - needed if n in self._forward_set}
 
     def _walk_back(self, saved: Iterable[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
         saved_set = set(saved)

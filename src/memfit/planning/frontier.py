@@ -51,7 +51,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
-from memfit.planning.fusion import COMPILE_BUDGETS, torch_compile_plans, with_fused_recomputation
+from memfit.planning.fusion import COMPILE_BUDGETS, fused_plan, torch_compile_plans
 from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
 from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
@@ -226,8 +226,7 @@ def _fused_points(
     found: list[FrontierPoint] = []
     # (the sources of the plans one solve makes, the solve)
     candidates: list[tuple[list[str], Callable[[], list[set[fx.Node]]]]] = [
-        ([f"fused {p.source}"], partial(_one, with_fused_recomputation, jg, set(p.kept)))
-        for p in frontier
+        ([f"fused {p.source}"], partial(_one, fused_plan, jg, set(p.kept))) for p in frontier
     ]
     # torch.compile's plans share their min-cuts, so they are solved together
     candidates.append(

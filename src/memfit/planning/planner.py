@@ -28,7 +28,7 @@ from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
 from memfit.planning.frontier import FrontierPoint, choose, least_peak_point, pareto_frontier
-from memfit.planning.fusion import with_fused_recomputation
+from memfit.planning.fusion import fused_plan
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
@@ -225,7 +225,7 @@ def plan_graph(
         if policy.name == "speed" and jg.fused_elementwise:
             # Under Inductor, "recompute only cheap ops" includes what fuses into the backward's
             # kernels (``planning.fusion``), as torch.compile's partitioner does.
-            kept = with_fused_recomputation(jg, kept)
+            kept = fused_plan(jg, kept)
         sim = simulate_step(jg, kept)
     if policy.never_worse_than_none and sim.peak_bytes > base_sim.peak_bytes:
         note = (
