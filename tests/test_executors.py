@@ -208,6 +208,20 @@ def test_a_fraction_no_compiled_plan_meets_in_bytes_is_met_as_a_smaller_one_is(
         F.cross_entropy(in_bytes(x), y).backward()
 
 
+def test_a_fraction_no_plan_keeps_is_still_refused(monkeypatch) -> None:
+    """``budget=0.2`` at a batch of 1, every compiled peak inflated 1.6x: no plan compiles
+    within plain autograd's peak less four fifths of its activations, and every plan keeps more
+    than a fifth of them (the least 28%), so nothing meets the fraction either way: refused."""
+    graph, (x, y) = _half_at_batch_one(monkeypatch, 1.6)
+    least_kept = min(p.kept_bytes for p in graph.frontier)
+    assert least_kept > 0.2 * graph.baseline_kept_bytes
+    torch.compiler.reset()
+    with pytest.raises(memfit.BudgetError) as refused:
+        wrapped = memfit.checkpoint(_net(), budget=0.2, executor="inductor")
+        F.cross_entropy(wrapped(x), y).backward()
+    assert refused.value.smallest_bytes is not None
+
+
 def _least_compiling_high(monkeypatch) -> None:
     """Compiled peaks as measured, except that the plan measuring least so far (the least
     simulated plan, the first compiled) measures 2.5x: as on the frontier's CPU transformer,

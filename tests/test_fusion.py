@@ -90,17 +90,64 @@ def test_a_relu_recomputed_for_a_convolution_is_kept_instead_of_its_input() -> N
     assert keeping_written(jg, written) == written  # nothing more moves
 
 
-def test_keeping_written_never_keeps_more_nor_peaks_higher(graph) -> None:
-    plans = [keep_all(graph), keep_heavy(graph), keep_min_peak(graph)]
-    plans += [with_fused_recomputation(graph, k) for k in plans]
-    for kept in plans:
+class _Mixed(torch.nn.Module):
+    """Matrix products with what Inductor's decompositions put around them: a square (its
+    backward reads ``2 * x`` through a node of neither half), a ReLU between linears, and a
+    skip that reads a value after the op that follows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        s = self.b(h.pow(2))
+        return self.c(torch.relu(s)) + s
+
+
+def _plans(jg):
+    plans = [keep_all(jg), keep_heavy(jg), keep_min_peak(jg)]
+    plans += [with_fused_recomputation(jg, k) for k in plans]
+    heavy_outputs = {n for n in jg.forward if is_compute_heavy(n)}
+    return plans + [jg.saved_needed(heavy_outputs)]
+
+
+@pytest.mark.parametrize("model", ["fixture", "mixed"])
+def test_keeping_written_never_keeps_more_nor_peaks_higher(graph, model) -> None:
+    if model == "mixed":
+        torch.manual_seed(0)
+        (graph,) = joint_graphs(_Mixed(), torch.randn(4, 16), executor="inductor")
+    for kept in _plans(graph):
         saved = graph.saved_needed(kept)
         written = keeping_written(graph, kept)
         assert graph.bytes_of(written) <= graph.bytes_of(saved)
         assert graph.recomputed_for(written) <= graph.recomputed_for(saved)
+        assert _heavy(graph.recomputed_for(written)) <= _heavy(graph.recomputed_for(saved))
         assert simulate_step(graph, written).peak_bytes <= simulate_step(graph, saved).peak_bytes
     # nothing recomputed, nothing to move
     assert keeping_written(graph, keep_all(graph)) == graph.saved_needed(keep_all(graph))
+
+
+def test_a_value_read_again_later_is_not_moved() -> None:
+    """A convolution's output that a skip reads again after the ReLU stays kept as it is:
+    keeping the ReLU's output too would hold both between the two reads."""
+
+    class Skip(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(2, 2, 3, padding=1)
+            self.b = torch.nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.relu(h)) + h
+
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(Skip(), torch.randn(2, 2, 8, 8), executor="inductor")
+    (relu,) = [n for n in jg.forward if n.target == torch.ops.aten.relu.default]
+    kept = jg.saved_needed((keep_all(jg) - {relu}) | {relu.args[0]})
+    assert relu in jg.recomputed_for(kept)
+    assert keeping_written(jg, kept) == kept
 
 
 def test_a_value_the_forward_fuses_away_is_not_kept_instead() -> None:
@@ -128,13 +175,17 @@ def test_random_values_are_not_moved() -> None:
     assert keeping_written(jg, kept) == kept
 
 
-def test_inductor_frontier_plans_have_nothing_left_to_move(graph) -> None:
-    fused = [p for p in pareto_frontier(graph) if p.source.startswith("fused")]
+def test_the_unet_frontier_recomputes_no_relu_a_convolution_reads_from_a_kept_input() -> None:
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(unet(depth=2, width=4), torch.randn(2, 1, 32, 32), executor="inductor")
+    relus = _relus_after_convolutions(jg)
+    fused = [p for p in pareto_frontier(jg) if p.source.startswith("fused")]
     assert fused
     for p in fused:
-        assert keeping_written(graph, set(p.kept)) == p.kept
-    assert fused_plan(graph, keep_heavy(graph)) == keeping_written(
-        graph, with_fused_recomputation(graph, keep_heavy(graph))
+        recomputed = jg.recomputed_for(p.kept)
+        assert not {r for r in relus if r in recomputed and r.args[0] in p.kept}, p.source
+    assert fused_plan(jg, keep_heavy(jg)) == keeping_written(
+        jg, with_fused_recomputation(jg, keep_heavy(jg))
     )
 
 

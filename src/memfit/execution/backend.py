@@ -409,15 +409,6 @@ def _reached_fraction(policy: Policy, graph_plan: GraphPlan) -> bool:
     return graph_plan.budget_bytes > resolved
 
 
-def _keeps_fraction(policy: Policy, graph_plan: GraphPlan) -> bool:
-    """Whether ``policy`` is a budget fraction and ``graph_plan`` keeps at most that fraction of
-    the activations plain autograd keeps."""
-    budget = policy.budget
-    if policy.name != BUDGET or budget is None or budget.fraction is None:
-        return False
-    return graph_plan.kept_bytes <= budget.fraction * graph_plan.baseline_kept_bytes
-
-
 def _calibrate(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
@@ -706,6 +697,11 @@ def make_backend(
         measured = False  # whether the plan's peaks were measured once compiled
         if measured_fit:
             byte_budget = policy.budget is not None and policy.budget.fraction is None
+            fraction = (
+                policy.budget.fraction
+                if policy.name == BUDGET and policy.budget is not None
+                else None
+            )
             limit_bytes: int | None = None
             # A fraction whose bytes are a plan's simulated peak (see _reached_fraction): held
             # to what that plan peaks at once compiled where that is higher.
@@ -790,9 +786,10 @@ def make_backend(
                 refused
                 and graph_plan.predicted_peak_bytes > refused[0]
                 and at_least_peak_ok
-                and _keeps_fraction(policy, graph_plan)
+                and fraction is not None
+                and graph_plan.keeps_fraction(fraction)
             ):
-                # A fraction is met whenever some plan keeps that share of the activations
+                # A fraction is met whenever a plan keeps that share of the activations
                 # (planner's _fraction_reach), at the least peak of such a plan where that is
                 # above plain autograd's less the activations given up: so once compiled too.
                 # Refused here, a larger fraction was refused where a smaller one, whose bytes

@@ -109,33 +109,40 @@ def keeping_written(jg: JointGraph, kept: AbstractSet[fx.Node]) -> set[fx.Node]:
     frontier benchmark's U-Net (CPU, 2 threads, interleaved turns, 4 runs of 40-80 steps): the
     38.5 MiB plan of ``budget=0.4`` stepped in 0.96-0.985x the time, at the same peak.
 
-    A value ``x`` moves to ``y`` when ``y``, a fusible op (not a matrix product, convolution or
-    attention, not random or impure) that the backward recomputes, is the only reader of ``x``
-    the backward has (directly or through what it recomputes), ``y``'s bytes are at most
-    ``x``'s, and the forward writes ``y`` anyway: a matrix product, convolution or attention
-    reads it (through views), or it is a forward output. Every move keeps one value for one, at
-    most as large and alive no longer in the backward, so the peak does not rise; repeated
-    until nothing moves (a chain of such ops moves to its end).
+    A value ``x`` moves to ``y`` when ``y`` is ``x``'s only user (in the forward and the
+    backward alike), a fusible op (not a matrix product, convolution or attention, not random or
+    impure, not a boolean mask on CPU: ``slow_masks``) that the backward recomputes, ``y``'s
+    bytes are at most ``x``'s, no other kept value shares ``x``'s storage (a view), and the
+    forward writes ``y`` anyway: a matrix product, convolution or attention reads it (through
+    views), or it is a forward output. Then from ``y`` on, the plan holds ``y`` where it held
+    ``x`` (``x`` dies once ``y`` is made, as nothing else reads it), at most as many bytes at
+    every point of the step, so the peak cannot rise; repeated until nothing moves (a chain of
+    such ops moves to its end).
     """
     kept = set(kept)
     forward = set(jg.forward)
     outputs = set(jg.fwd_outputs)
+    masks = slow_masks(jg)
     while True:
         saved, recomputed = jg.needed_and_recomputed(kept)
+        sharing: dict[Any, int] = {}
+        for n in saved:
+            for key in jg.storages.get(n, ()):
+                sharing[key] = sharing.get(key, 0) + 1
         moves: dict[fx.Node, fx.Node] = {}
         for x in saved:
-            if x.op == "placeholder" or x in outputs or jg.never_recompute(x):
+            if x.op == "placeholder" or x in outputs or jg.never_recompute(x) or len(x.users) != 1:
                 continue
-            readers = [u for u in x.users if u in recomputed or jg.is_backward(u)]
-            if len(readers) != 1:
-                continue
-            (y,) = readers
+            (y,) = x.users
+            x_storages = set(jg.storages.get(x, ()))
             if (
                 y in recomputed
                 and jg.is_tensor_value(y)
-                and not set(jg.storages.get(y, ())) & set(jg.storages.get(x, ()))  # no view
+                and y not in masks
                 and not is_compute_heavy(y)
                 and not jg.never_recompute(y)
+                and all(sharing[key] == 1 for key in x_storages)  # no other kept view of it
+                and not set(jg.storages.get(y, ())) & x_storages  # y is not a view of x
                 and jg.bytes_of([y]) <= jg.bytes_of([x])
                 and _written(jg, y, forward, outputs)
             ):

@@ -136,6 +136,12 @@ class GraphPlan:
         """Names of the values decided ``SAVE``, in the order the decisions were made."""
         return [name for name, d in self.decisions.items() if d is Decision.SAVE]
 
+    def keeps_fraction(self, fraction: float) -> bool:
+        """Whether this plan keeps at most ``fraction`` of the activations plain autograd keeps:
+        what a budget fraction promises where plain autograd's peak less the activations it
+        gives up lies below every plan (``planning.planner``'s ``_fraction_reach``)."""
+        return self.kept_bytes <= fraction * self.baseline_kept_bytes
+
     @property
     def offloaded(self) -> tuple[str, ...]:
         return tuple(t.value for t in self.transfers)

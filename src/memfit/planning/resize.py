@@ -189,15 +189,11 @@ def _budget_at(plan: GraphPlan, policy: Policy) -> int:
     budget = policy.budget
     assert budget is not None
     resolved = budget.resolve(plan.baseline_peak_bytes, plan.baseline_kept_bytes)
-    if budget.fraction is not None and _keeps_fraction(plan, budget.fraction):
+    if budget.fraction is not None and plan.keeps_fraction(budget.fraction):
         # As the planner reads a fraction: met by a plan keeping at most that share of the
         # activations, even where recomputing needs more than plain autograd's peak less the rest.
         return max(resolved, plan.predicted_peak_bytes)
     return resolved
-
-
-def _keeps_fraction(plan: GraphPlan, fraction: float) -> bool:
-    return plan.kept_bytes <= fraction * plan.baseline_kept_bytes
 
 
 def holds(planned: GraphPlan, at: GraphPlan, policy: Policy, *, spent_bytes: int = 0) -> bool:
