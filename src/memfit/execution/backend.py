@@ -782,19 +782,25 @@ def make_backend(
                         f"the budget is the least peak of such a plan, once compiled"
                     ),
                 )
-            if (
-                refused
-                and graph_plan.predicted_peak_bytes > refused[0]
-                and at_least_peak_ok
-                and fraction is not None
-                and graph_plan.keeps_fraction(fraction)
-            ):
+            if refused and graph_plan.predicted_peak_bytes > refused[0]:
+                if fraction is None or not graph_plan.keeps_fraction(fraction):
+                    least_peak = graph_plan.predicted_peak_bytes
+                    raise BudgetError(
+                        f"no plan fits: compiled by Inductor, the least peak of the plans tried "
+                        f'(those of its "memory" search) is {format_bytes(least_peak)}, above the '
+                        f"budget of {format_bytes(refused[0])} (measured once compiled; not every "
+                        f"plan is compiled, and a plan simulated higher may compile lower); use a "
+                        f"larger budget, or executor='eager', whose peaks are the simulation's",
+                        budget_bytes=refused[0],
+                        smallest_bytes=least_peak,
+                    )
                 # A fraction is met whenever a plan keeps that share of the activations
                 # (planner's _fraction_reach), at the least peak of such a plan where that is
                 # above plain autograd's less the activations given up: so once compiled too.
                 # Refused here, a larger fraction was refused where a smaller one, whose bytes
                 # the simulation put below every plan, was met (the frontier's CPU transformer:
-                # 0.25 refused naming 16.6 MiB, 0.2 met at it).
+                # 0.25 refused naming 16.6 MiB, 0.2 met at it). (A refused budget is never a
+                # graph's share of a step's: it was planned alone.)
                 graph_plan = dataclasses.replace(
                     graph_plan,
                     budget_bytes=graph_plan.predicted_peak_bytes,
@@ -803,17 +809,6 @@ def make_backend(
                         f"the activations the budget's fraction gives up ({refused[0]} B): the "
                         f"budget is the least peak of a plan keeping that fraction, once compiled"
                     ),
-                )
-            elif refused and graph_plan.predicted_peak_bytes > refused[0]:
-                least_peak = graph_plan.predicted_peak_bytes
-                raise BudgetError(
-                    f"no plan fits: compiled by Inductor, the least peak of the plans tried "
-                    f'(those of its "memory" search) is {format_bytes(least_peak)}, above the '
-                    f"budget of {format_bytes(refused[0])} (measured once compiled; not every "
-                    f"plan is compiled, and a plan simulated higher may compile lower); use a "
-                    f"larger budget, or executor='eager', whose peaks are the simulation's",
-                    budget_bytes=refused[0],
-                    smallest_bytes=least_peak,
                 )
         by_size: PlansBySize | None = None
         if jg.symbols:
