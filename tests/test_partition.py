@@ -161,3 +161,69 @@ def test_outputs_the_loss_does_not_read_get_no_gradient(used: tuple[int, ...]) -
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+
+
+def _views_of_inputs(fw: torch.fx.GraphModule, num_user_outputs: int) -> list[str]:
+    """The values ``fw`` saves for backward that are views of its inputs."""
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    saved = [o for o in output.args[0][num_user_outputs:] if isinstance(o, torch.fx.Node)]
+    return [o.name for o in saved if partition._input_viewed(o) is not None]
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_inductor_saves_inputs_instead_of_their_views(
+    executor: str, split_graphs: list[Split]
+) -> None:
+    """A Linear saves ``t(weight)`` in eager autograd; under Inductor memfit passes the weight
+    and the backward takes the transpose again, as torch.compile does, with gradients unchanged."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    x = torch.randn(4, 8)
+    plain = make()
+    plain(x).sum().backward()
+    model = make()
+    wrapped = memfit.checkpoint(model, "none", executor=executor)
+    wrapped(x).sum().backward()
+    (split,) = split_graphs
+    views = _views_of_inputs(split.fw, split.kwargs["num_fwd_outputs"])
+    if executor == "inductor":
+        assert views == []
+    else:  # the eager executor keeps what eager autograd keeps: the second Linear's transpose
+        assert len(views) == 1
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_bases_of_input_views_leaves_what_must_stay() -> None:
+    """Views of a mutated input, views sized by graph values and values kept on request stay;
+    the rest become their input, once each."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(w: torch.Tensor, buf: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wt = w.t()
+        wtt = wt.t()
+        seen = buf.view(-1)
+        buf.add_(1)  # mutated in place: its view must not be taken again after this
+        y = x @ wt
+        return y, wt, wtt, seen, x.view(x.shape[0], -1)
+
+    gm = make_fx(f)(torch.randn(3, 3), torch.randn(3), torch.randn(2, 3))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    w, x = nodes["w_1"], nodes["x_1"]
+    t_nodes = [n for n in gm.graph.nodes if n.target == torch.ops.aten.t.default]
+    view_nodes = [n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default]
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    buf_view = next(v for v in view_nodes if v.args[0] is nodes["buf_1"])
+    x_view = next(v for v in view_nodes if v.args[0] is x)
+    saved = [*t_nodes, buf_view, mm, x_view]
+    assert partition.bases_of_input_views(saved) == [w, buf_view, mm, x]
+    assert partition.bases_of_input_views(saved, keep={t_nodes[0]}) == [
+        t_nodes[0],
+        w,
+        buf_view,
+        mm,
+        x,
+    ]

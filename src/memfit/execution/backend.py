@@ -673,6 +673,7 @@ def make_backend(
                 num_fwd_outputs=kwargs["num_fwd_outputs"],
                 static_lifetime_input_indices=kwargs.get("static_lifetime_input_indices"),
                 store=offloader.store if offloader else None,
+                input_views_as_bases=executor == INDUCTOR,
             )
 
         measured_fit = executor == INDUCTOR and not policy.offload
