@@ -16,8 +16,11 @@ Under Inductor one more step, before the split: a saved value that is a view of 
 (``bases_of_input_views``). The plan's bytes are the same (a view holds none of its own), and it is
 what ``torch.compile``'s partitioner passes. Why: Inductor's generated code re-creates each saved
 view on both sides (``reinterpret_tensor`` when the forward returns it and again when the backward
-reads it), measured 1.07x ``torch.compile``'s program time on a 12-layer MLP of small Linears
-(CPU, 43 us of 690 per step).
+reads it), a Python call per view per step: on a 12-layer MLP of 16-wide Linears (CPU, one
+thread, interleaved; steps under a millisecond) memfit's ``"none"`` took 1.345x
+``torch.compile``'s step time with the views saved and 1.186x without. Only views of inputs:
+a computed value's layout is Inductor's choice, and a view taken again of it in the backward
+could need a copy.
 """
 
 from __future__ import annotations
