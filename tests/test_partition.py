@@ -227,3 +227,30 @@ def test_bases_of_input_views_leaves_what_must_stay() -> None:
         mm,
         x,
     ]
+
+
+def test_mutated_input_found_through_views_and_keywords() -> None:
+    """An input written through a view of it, or as an ``out=`` argument, is mutated: views of
+    it stay saved as they are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def through_view(buf: torch.Tensor) -> torch.Tensor:
+        flat = buf.view(-1)
+        flat.mul_(2)
+        return buf.t()
+
+    def as_out(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        torch.add(x, 1, out=buf)
+        return buf.t()
+
+    def untouched(buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(-1).unsqueeze(0).t()
+
+    for f, args, mutated in [
+        (through_view, (torch.randn(2, 2),), True),
+        (as_out, (torch.randn(2, 2), torch.randn(2, 2)), True),
+        (untouched, (torch.randn(2, 2),), False),
+    ]:
+        gm = make_fx(f)(*args)
+        buf = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        assert partition._mutated(buf) is mutated, f.__name__

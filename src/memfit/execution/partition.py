@@ -144,14 +144,25 @@ def _input_viewed(node: fx.Node) -> fx.Node | None:
 
 
 def _mutated(placeholder: fx.Node) -> bool:
-    """Whether an op of the graph writes into ``placeholder`` in place."""
-    for user in placeholder.users:
-        schema = getattr(user.target, "_schema", None)
-        if schema is None:
-            continue
-        for arg, value in zip(schema.arguments, user.args):
-            if value is placeholder and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
+    """Whether an op of the graph writes into ``placeholder`` in place, directly or through a
+    view of it, with the tensor passed positionally or by keyword (an ``out=``)."""
+    aliases = [placeholder]
+    seen = {placeholder}
+    while aliases:
+        value = aliases.pop()
+        for user in value.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for i, arg in enumerate(schema.arguments):
+                given = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                if given is not value or arg.alias_info is None:
+                    continue
+                if arg.alias_info.is_write:
+                    return True
+                if user not in seen:  # a view of it: writes into the view write into it
+                    seen.add(user)
+                    aliases.append(user)
     return False
 
 
