@@ -254,3 +254,33 @@ def test_mutated_input_found_through_views_and_keywords() -> None:
         gm = make_fx(f)(*args)
         buf = next(n for n in gm.graph.nodes if n.op == "placeholder")
         assert partition._mutated(buf) is mutated, f.__name__
+
+
+def test_symbolically_sized_view_of_an_input_stays_saved() -> None:
+    """A view whose sizes are graph values (a dynamic batch) stays saved: the backward could not
+    take it again without them. Gradients equal plain PyTorch's at every batch size."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: x.view(x.shape[0], 2, 4), tracing_mode="symbolic")(torch.randn(3, 8))
+    view = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default)
+    assert partition.bases_of_input_views([view]) == [view]
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.view(x.shape[0], 2, 4) * self.w
+
+    torch.manual_seed(0)
+    plain = Scale()
+    model = Scale()
+    model.load_state_dict(plain.state_dict())
+    wrapped = memfit.checkpoint(model, "none", executor="inductor")
+    for batch in (3, 5, 7):
+        x = torch.randn(batch, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        wrapped(x).sum().backward()
+        plain(x).sum().backward()
+        torch.testing.assert_close(model.w.grad, plain.w.grad, rtol=1e-4, atol=1e-5)

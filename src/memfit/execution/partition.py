@@ -133,9 +133,9 @@ def _input_viewed(node: fx.Node) -> fx.Node | None:
         schema = getattr(current.target, "_schema", None)
         if schema is None or not any(r.alias_info is not None for r in schema.returns):
             return None  # computes a value of its own (or Python glue such as getitem)
-        first, *rest = current.args
-        others = [*rest, *current.kwargs.values()]
-        if not isinstance(first, fx.Node) or any(isinstance(a, fx.Node) for a in others):
+        first = current.args[0] if current.args else None
+        # sizes that are graph values (symbolic shapes) come as nodes, often inside a list
+        if not isinstance(first, fx.Node) or current.all_input_nodes != [first]:
             return None
         current = first
     if current is node or current.op != "placeholder" or is_tangent(current):
