@@ -191,6 +191,11 @@ def test_inductor_saves_inputs_instead_of_their_views(
     views = _views_of_inputs(split.fw, split.kwargs["num_fwd_outputs"])
     if executor == "inductor":
         assert views == []
+        # the second Linear's weight itself is what is saved in its transpose's place
+        output = next(n for n in reversed(split.fw.graph.nodes) if n.op == "output")
+        passed = output.args[0][split.kwargs["num_fwd_outputs"] :]
+        shapes = [tuple(n.meta["val"].shape) for n in passed if n.op == "placeholder"]
+        assert (2, 8) in shapes
     else:  # the eager executor keeps what eager autograd keeps: the second Linear's transpose
         assert len(views) == 1
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
