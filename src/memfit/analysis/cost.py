@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from memfit._compat import tree_map
-from memfit.analysis.graph import node_tensors
+from memfit.analysis.graph import is_view_op, node_tensors
 from memfit.analysis.sizes import HINTS, Sizes
 
 __all__ = ["node_flops", "node_seconds", "is_compute_heavy", "DEVICE_SPEED"]
@@ -122,10 +122,9 @@ def node_flops(node: fx.Node, sizes: Sizes = HINTS) -> int:
 
 
 def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if getattr(node.target, "_schema", None) is None:
         return True  # getitem and other Python-level glue
-    return any(r.alias_info is not None for r in schema.returns)
+    return is_view_op(node)
 
 
 #: Rough sustained (FLOP/s, bytes/s) per device type for the roofline estimate. Only the ratio of

@@ -40,6 +40,7 @@ __all__ = [
     "allocated_bytes",
     "ancestors",
     "is_random",
+    "is_view_op",
     "node_tensors",
 ]
 
@@ -65,6 +66,13 @@ def node_tensors(node: fx.Node) -> list[torch.Tensor]:
         return []
     flat, _ = tree_flatten(val)
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def is_view_op(node: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op whose result aliases an input (a view such as ``t`` or
+    ``view``, per its schema). False for Python glue without a schema (``getitem``)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def is_random(node: fx.Node) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Set as AbstractSet
 import torch.fx as fx
 
 from memfit._compat import extract_fwd_bwd_modules, is_tangent
+from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
 from memfit.execution.offload import JOINT_NAME, OffloadStore, insert_transfers
@@ -130,8 +131,7 @@ def _input_viewed(node: fx.Node) -> fx.Node | None:
     """The forward input ``node`` is a chain of views of, or None."""
     current = node
     while current.op == "call_function":
-        schema = getattr(current.target, "_schema", None)
-        if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        if not is_view_op(current):
             return None  # computes a value of its own (or Python glue such as getitem)
         first = current.args[0] if current.args else None
         # sizes that are graph values (symbolic shapes) come as nodes, often inside a list
