@@ -117,6 +117,24 @@ def test_graph_break_reasons_count_new_breaks() -> None:
         assert sum(_compat.graph_break_reasons().values()) > before, fn.__name__
 
 
+def test_frames_converted_changes_with_each_conversion_and_each_reset() -> None:
+    """The token stands while Dynamo serves calls from its cache and changes when it converts a
+    frame; after Dynamo's counters are cleared (as its own test cases clear them) it differs even
+    where the count comes back to the same value."""
+    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    torch.compiler.reset()
+    frames, total = _compat.frames_converted()
+    f(torch.ones(2))
+    after_first = _compat.frames_converted()
+    assert after_first[0] is frames and after_first[1] > total
+    f(torch.ones(2))  # a cache hit
+    assert _compat.frames_converted()[1] == after_first[1]
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    f(torch.ones(2))
+    assert _compat.frames_converted()[0] is not frames
+
+
 def test_profiler_events_and_allocations() -> None:
     assert not _compat.profiler_enabled()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from memfit._compat import frames_converted
 from memfit.bench.zoo import ZOO, ZooCase, tree_to
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -304,7 +305,8 @@ def test_infeasible_budget_raises_with_the_smallest() -> None:
 
 def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     """``torch.compile(memfit.checkpoint(m))``: the outer compile steps around memfit's forward
-    (it would otherwise trace through it and run the model unplanned, keeping everything)."""
+    and its call (it would otherwise trace through it and run the model unplanned, keeping
+    everything, or convert memfit's bookkeeping into graphs of its own)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)])
     x = torch.randn(256, 128)
@@ -317,7 +319,11 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     outer(x).sum().backward()  # first call: capture and plan
     for p in model.parameters():
         p.grad = None
+    frames, converted = frames_converted()
     step = memfit.measure(lambda: outer(x).sum().backward())
+    # Steady state: Dynamo converted no frame, memfit's Python included (the outer compile once
+    # converted its bookkeeping frame by frame, holding the model's output into the backward).
+    assert frames_converted() == (frames, converted)
     assert wrapped.plan.recomputed  # memfit planned the step
     assert (step.peak_bytes or 0) < 0.9 * (plain.peak_bytes or 0)
     for p, g in zip(model.parameters(), expected):

@@ -54,6 +54,7 @@ __all__ = [
     "tree_map",
     "tree_map_only",
     "tree_unflatten",
+    "frames_converted",
     "unique_graph_count",
     "recompile_limit",
     "is_sym_node",
@@ -423,6 +424,27 @@ def graph_break_reasons() -> dict[str, int]:
         for reason, count in counters.get(key, {}).items():
             out[reason] = out.get(reason, 0) + count
     return out
+
+
+def frames_converted() -> tuple[object, int]:
+    """A token that changes whenever Dynamo has tried to convert a frame since it was taken.
+
+    Dynamo records graph-break reasons only while it converts a frame, and counts every frame it
+    tries to convert under ``counters["frames"]["total"]`` (``ConvertFrame.__call__``, checked
+    2.13.0): while that count stands, no reason was added. The token holds the counter object
+    too, so a reset of the counters (``torch._dynamo.reset``) never reads as "unchanged".
+    Reading it is two dictionary lookups, where ``graph_break_reasons`` walks every reason.
+    """
+    global _COUNTERS
+    if _COUNTERS is None:  # imported once: an import statement costs a microsecond a call
+        from torch._dynamo.utils import counters
+
+        _COUNTERS = counters
+    frames = _COUNTERS["frames"]
+    return frames, frames["total"]
+
+
+_COUNTERS: Any = None  # torch._dynamo.utils.counters, once frames_converted first reads it
 
 
 def unique_graph_count() -> int:

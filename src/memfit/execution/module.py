@@ -140,7 +140,7 @@ class CheckpointedModule(nn.Module):
         self.training = mode
         return self
 
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         global _capturing
         if not self._settled and torch.is_grad_enabled():
