@@ -154,30 +154,29 @@ def test_profiler_events_and_allocations() -> None:
     assert len({ptr for _, n, ptr in allocations if abs(n) == 1000}) == 1
 
 
-def test_recompile_limit_is_raised_only_inside_the_context() -> None:
+def test_accumulated_recompile_limit_is_raised_only_inside_the_context() -> None:
     import torch._dynamo.config as dynamo_config
 
-    before = dynamo_config.recompile_limit
-    with _compat.recompile_limit(1000):
-        assert dynamo_config.recompile_limit == 1000
+    before = dynamo_config.accumulated_recompile_limit
+    per_code = dynamo_config.recompile_limit
+    with _compat.accumulated_recompile_limit(1000):
         assert dynamo_config.accumulated_recompile_limit == 1000
-    assert dynamo_config.recompile_limit == before
+        assert dynamo_config.recompile_limit == per_code  # torch.compile's parameter lifts it
+    assert dynamo_config.accumulated_recompile_limit == before
 
 
-def test_recompile_limit_never_lowers_a_users_limit_and_restores_after_an_error() -> None:
+def test_accumulated_limit_never_lowers_a_users_limit_and_restores_after_an_error() -> None:
     import torch._dynamo.config as dynamo_config
 
-    with dynamo_config.patch(recompile_limit=5000, accumulated_recompile_limit=6000):
-        with _compat.recompile_limit(1000):
-            assert dynamo_config.recompile_limit == 5000
+    with dynamo_config.patch(accumulated_recompile_limit=6000):
+        with _compat.accumulated_recompile_limit(1000):
             assert dynamo_config.accumulated_recompile_limit == 6000
         try:
-            with _compat.recompile_limit(9000):
-                assert dynamo_config.recompile_limit == 9000
+            with _compat.accumulated_recompile_limit(9000):
+                assert dynamo_config.accumulated_recompile_limit == 9000
                 raise KeyError("inside")
         except KeyError:
             pass
-        assert dynamo_config.recompile_limit == 5000
         assert dynamo_config.accumulated_recompile_limit == 6000
 
 

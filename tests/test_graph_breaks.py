@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 
 import memfit
+from memfit._compat import graph_break_reasons
+from memfit.capture import graph_breaks
+from memfit.capture.graph_breaks import GraphBreakWatcher
 
 
 class Branchy(nn.Module):
@@ -72,3 +76,38 @@ def test_graph_break_still_saves_memory() -> None:
         return result.peak_bytes
 
     assert peak("memory") < 0.6 * peak("none")
+
+
+def _breaks(x: torch.Tensor) -> torch.Tensor:
+    x = x + 1
+    if x.sum() > 0:  # data-dependent control flow: a graph break
+        x = x * 2
+    return x - 1
+
+
+def test_watcher_reports_each_conversions_breaks_and_reads_reasons_only_after_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher reads Dynamo's reasons only when a frame was converted, yet finds every new
+    break, after Dynamo's counters are cleared too (the same reason then counts from 1 again, not
+    above the count last read)."""
+    watcher = GraphBreakWatcher("fn")
+    reads = []
+
+    def counted() -> dict[str, int]:
+        reads.append(1)
+        return graph_break_reasons()
+
+    monkeypatch.setattr(graph_breaks, "graph_break_reasons", counted)
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(_breaks, backend="eager")
+        with watcher.watch() as report:
+            compiled(torch.ones(3))
+        assert report.broke
+        with watcher.watch() as report:  # served from Dynamo's cache: no frame converted
+            reads.clear()
+            compiled(torch.ones(3))
+        assert not report.broke
+        assert not reads

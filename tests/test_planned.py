@@ -61,6 +61,21 @@ def test_more_captures_than_dynamos_limit_across_models_all_plan() -> None:
     assert torch._dynamo.config.recompile_limit == 8  # only raised around memfit's calls
 
 
+def test_captures_past_dynamos_process_wide_cap_all_plan() -> None:
+    """Dynamo's ``accumulated_recompile_limit`` caps the variants of one code object over every
+    ``torch.compile`` in the process (256; 44 of 300 wrappers ran unplanned past it); memfit
+    lifts it around its calls. Here the cap is 3, 5 wrappers all plan, and it is 3 again after."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(accumulated_recompile_limit=3):
+        for _ in range(5):
+            wrapped = memfit.checkpoint(_mlp(), "none")
+            caught = _train_call(wrapped, 4)
+            assert not [w for w in caught if "plain PyTorch" in str(w.message)]
+            assert wrapped.plan.graphs
+        assert dynamo_config.accumulated_recompile_limit == 3
+
+
 def test_past_max_shapes_a_new_shape_runs_unplanned_with_a_warning_at_the_users_line() -> None:
     """A new batch size needs a second capture (the size as a symbol): past ``max_shapes=1`` it
     runs unplanned, with a warning."""

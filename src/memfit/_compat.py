@@ -56,7 +56,8 @@ __all__ = [
     "tree_unflatten",
     "frames_converted",
     "unique_graph_count",
-    "recompile_limit",
+    "accumulated_recompile_limit",
+    "compile_with_recompile_limit",
     "is_sym_node",
     "size_hint",
     "size_expr",
@@ -355,10 +356,14 @@ def compiled_function_ctx(frames: int = 3) -> Any:
     for _ in range(frames):
         if frame is None:
             return None
-        ctx = frame.f_locals.get("ctx")
-        forward_cls = getattr(type(ctx), "_forward_cls", None)
-        if forward_cls is not None and forward_cls.__name__ == "CompiledFunction":
-            return ctx
+        # Reading f_locals copies a frame's locals into a dict: only where one is named ctx (an
+        # argument or local, or a variable a closure shares: AOTAutograd's code has both).
+        code = frame.f_code
+        if "ctx" in code.co_varnames or "ctx" in code.co_cellvars or "ctx" in code.co_freevars:
+            ctx = frame.f_locals.get("ctx")
+            forward_cls = getattr(type(ctx), "_forward_cls", None)
+            if forward_cls is not None and forward_cls.__name__ == "CompiledFunction":
+                return ctx
         frame = frame.f_back
     return None
 
@@ -454,56 +459,72 @@ def unique_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def recompile_limit(limit: int) -> AbstractContextManager[Any]:
-    """Dynamo's per-code-object recompile limits raised to at least ``limit`` while the context
-    is open, and restored on exit (``_RaisedRecompileLimit``).
+def compile_with_recompile_limit(
+    fn: Callable[..., Any], *, backend: Any, dynamic: bool | None, limit: int
+) -> Callable[..., Any]:
+    """``torch.compile(fn, backend=..., dynamic=..., recompile_limit=limit)``.
+
+    ``recompile_limit`` (documented in ``torch.compile``'s docstring, checked 2.13.0) lifts
+    Dynamo's per-code-object limit (``torch._dynamo.config.recompile_limit``, 8) for the frames
+    this compile converts only; ``torch.compile``'s typed overloads do not list it yet, hence the
+    call through ``Any``.
+    """
+    compile_: Any = torch.compile
+    return compile_(fn, backend=backend, dynamic=dynamic, recompile_limit=limit)
+
+
+def accumulated_recompile_limit(limit: int) -> AbstractContextManager[Any]:
+    """Dynamo's process-wide cap on compiled variants of one code object
+    (``torch._dynamo.config.accumulated_recompile_limit``, 256) raised to at least ``limit`` while
+    the context is open, and restored on exit (``_RaisedRecompileLimit``).
+
+    Every ``torch.compile``d module enters through one shared code object
+    (``torch/_dynamo/external_utils.py``'s ``inner``), and this cap counts its variants across
+    every ``torch.compile`` call in the process: after 256 memfit wrappers' captures, new ones ran
+    eagerly without a plan (measured: 44 of 300 one-capture wrappers). The per-call limit (8)
+    is lifted for memfit's calls by ``torch.compile(recompile_limit=...)`` instead, which applies
+    to those calls only; this cap has no such parameter (checked 2.13.0). memfit counts shapes
+    per wrapper itself and opens this around its own calls only.
 
     Traced by an outer ``torch.compile`` (a compiled function calling a memfit wrapper), it is
-    ``config.patch`` as before, which Dynamo knows how to trace; Dynamo inlining the class below
-    made such a call run without memfit's graphs.
+    ``config.patch``, which Dynamo knows how to trace; Dynamo inlining the class below made such a
+    call run without memfit's graphs.
     """
     if torch.compiler.is_compiling():
         import torch._dynamo.config as dynamo_config
 
-        return dynamo_config.patch(recompile_limit=limit, accumulated_recompile_limit=limit)
+        return dynamo_config.patch(accumulated_recompile_limit=limit)
     return _RaisedRecompileLimit(limit)
 
 
 class _RaisedRecompileLimit:
-    """Dynamo's per-code-object recompile limits raised to at least ``limit`` while the context
-    is open, and restored on exit.
-
-    Dynamo counts compiled variants per code object, and every ``torch.compile``d module enters
-    through one shared code object (``torch/_dynamo/external_utils.py``'s ``inner``), so its
-    default of 8 is shared by every memfit wrapper in the process: after eight shapes across all
-    models, new ones ran eagerly without a plan or a word. memfit counts shapes per wrapper
-    itself and opens this around its own calls only (``torch._dynamo.config``'s two limits,
-    checked 2.13.0). Set and restored directly rather than by ``config.patch``, which builds a
-    class per use: 9 against 22 us per call, paid by every training step.
+    """Dynamo's ``accumulated_recompile_limit`` raised to at least ``limit`` while the context is
+    open, and restored on exit. Set and restored directly rather than by ``config.patch``, which
+    builds a class per use (9 against 22 us per call for two limits, paid by every training
+    step); each set costs about 4 us on this project's CPU, so only this one is set per call.
     """
 
     __slots__ = ("limit", "saved")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.saved: tuple[int, int] | None = None
+        self.saved: int | None = None
 
     def __enter__(self) -> None:
         import torch._dynamo.config as dynamo_config
 
         if self.saved is not None:
-            raise RuntimeError("recompile_limit is not reentrant: open a new one")
-        self.saved = (dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit)
-        if self.saved[0] < self.limit:
-            dynamo_config.recompile_limit = self.limit
-        if self.saved[1] < self.limit:
+            raise RuntimeError("accumulated_recompile_limit is not reentrant: open a new one")
+        self.saved = dynamo_config.accumulated_recompile_limit
+        if self.saved < self.limit:
             dynamo_config.accumulated_recompile_limit = self.limit
 
     def __exit__(self, *exc: object) -> None:
         import torch._dynamo.config as dynamo_config
 
         assert self.saved is not None
-        dynamo_config.recompile_limit, dynamo_config.accumulated_recompile_limit = self.saved
+        if dynamo_config.accumulated_recompile_limit != self.saved:
+            dynamo_config.accumulated_recompile_limit = self.saved
         self.saved = None
 
 

@@ -33,12 +33,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memfit._compat import recompile_limit, tree_flatten
+from memfit._compat import (
+    accumulated_recompile_limit,
+    compile_with_recompile_limit,
+    tree_flatten,
+)
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
 from memfit.execution.executors import EAGER, INDUCTOR, check_executor
 from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
-from memfit.execution.regions import Regions, recomputes_regions
+from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions, recomputes_regions
 from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
@@ -62,8 +66,6 @@ DEFAULT_MAX_SHAPES = 64
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
 
-#: Dynamo's recompile limit while a memfit wrapper runs: memfit's own ``max_shapes`` binds first.
-_DYNAMO_LIMIT = 1 << 16
 
 #: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
 STEP_ROUNDS = 3
@@ -92,7 +94,11 @@ def planning_error(exc: BaseException) -> BudgetError | OffloadError | None:
     return None
 
 
-def _needs_backward(out: Any) -> bool:
+def _starts_training(out: Any) -> bool:
+    """Whether a call that returned ``out`` starts a training step. It flattens the output, so
+    a call asks only where the answer decides something, not on every step."""
+    if not torch.is_grad_enabled():
+        return False
     leaves, _ = tree_flatten(out)
     return any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in leaves)
 
@@ -206,8 +212,11 @@ class PlannedCall:
         # None: a dimension that changes between calls is captured again once, as a symbol, and
         # that graph serves every size in its range (NOTE [One capture for many sizes]). Offload
         # plans reserve host memory for one size: they are captured per size.
-        return torch.compile(
-            self._target, backend=backend, dynamic=False if self.policy.offload else None
+        return compile_with_recompile_limit(
+            self._target,
+            backend=backend,
+            dynamic=False if self.policy.offload else None,
+            limit=DYNAMO_RECOMPILE_LIMIT,
         )
 
     def _graph_ran(self, graph: GraphPlan) -> None:
@@ -286,7 +295,7 @@ class PlannedCall:
         try:
             with (
                 self.watcher.watch() as report,
-                recompile_limit(_DYNAMO_LIMIT),
+                accumulated_recompile_limit(DYNAMO_RECOMPILE_LIMIT),
                 _no_new(full),
                 regions,
             ):
@@ -304,11 +313,11 @@ class PlannedCall:
         if made and not self._keys.issuperset(made):  # not a region's graphs planned again
             self._shapes.add(made)
         self._keys.update(made)
-        training = torch.is_grad_enabled() and _needs_backward(out)
+
         # Regions found in this call change the step from the next call on: check it then.
         self.regions_changed = self.regions is not None and self.regions.decide()
         if self._ran:
-            ran, last = tuple(self._ran), self.last_plan
+            ran, last = self._ran, self.last_plan
             calls = tuple(self.regions.calls) if self.regions is not None else ()
             # The same graphs as the last call: the same Plan object (callers compare plans).
             if (
@@ -317,14 +326,19 @@ class PlannedCall:
                 or any(a is not b for a, b in zip(last.graphs, ran))
                 or last.regions != calls
             ):
-                self.last_plan = Plan(policy=self.policy.name, graphs=ran, regions=calls)
+                self.last_plan = Plan(policy=self.policy.name, graphs=tuple(ran), regions=calls)
             self.unplanned = None
-            if training and self.measure_outside and self._ran[-1].key not in self.outside:
+            if (
+                self.measure_outside
+                and ran[-1].key not in self.outside
+                and MemoryWindow.can_open()
+                and _starts_training(out)
+            ):
                 self._open_window(out)
             budget = self.policy.name == BUDGET and not self.regions_changed
-            if training and made and budget and self.last_plan is not None:
+            if made and budget and self.last_plan is not None and _starts_training(out):
                 self._check_step(self.last_plan)
-        elif training:
+        elif _starts_training(out):
             self._ran_unplanned(full)
         if report.broke:
             report.warn_once(self._break_action())

@@ -57,19 +57,24 @@ list asks); ``"none"``, ``"speed"`` (which never recomputes a matmul), ``"collec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from memfit._compat import eager_module_calls, tree_flatten
+from memfit._compat import compile_with_recompile_limit, eager_module_calls, tree_flatten
 from memfit.execution.state import preserved
 from memfit.planning.plan import GraphPlan, RegionPlan
 from memfit.planning.policy import BUDGET, Policy
 
-__all__ = ["Regions", "choose_regions", "recomputes_regions"]
+__all__ = ["DYNAMO_RECOMPILE_LIMIT", "Regions", "choose_regions", "recomputes_regions"]
+
+#: Dynamo's limit on compiled variants per code object for memfit's own ``torch.compile`` calls
+#: (``recompile_limit=``): the wrapper's ``max_shapes`` binds first. Dynamo's default, 8, is
+#: shared by every compiled module in the process (they enter through one code object).
+DYNAMO_RECOMPILE_LIMIT = 1 << 16
 
 
 def recomputes_regions(policy: Policy) -> bool:
@@ -143,7 +148,9 @@ class _Region:
         if self._runner is None:
             own = self._saved if self._saved is not None else type(self.module).forward
             bound = own if self._saved is not None else own.__get__(self.module)
-            self._runner = torch.compile(bound, backend=self._owner.backend, dynamic=False)
+            self._runner = compile_with_recompile_limit(
+                bound, backend=self._owner.backend, dynamic=False, limit=DYNAMO_RECOMPILE_LIMIT
+            )
         return self._runner
 
     def reset(self) -> None:
@@ -256,17 +263,30 @@ class Regions:
         )
         return f"{shown} ({places})"
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> _Installed:
         """The chosen regions run as regions while the context is open (one memfit call)."""
-        self.calls.clear()
-        self._watching = False
-        regions = list(self.chosen.values())
-        for region in regions:
+        return _Installed(self)
+
+
+class _Installed:
+    """``Regions.installed``: a class, not a generator, since every call opens one (a generator
+    context costs microseconds a step)."""
+
+    __slots__ = ("regions", "installed")
+
+    def __init__(self, regions: Regions) -> None:
+        self.regions = regions
+        self.installed: list[_Region] = []
+
+    def __enter__(self) -> None:
+        regions = self.regions
+        regions.calls.clear()
+        regions._watching = False
+        self.installed = list(regions.chosen.values())
+        for region in self.installed:
             region.install()
-        try:
-            yield
-        finally:
-            self._watching = False
-            for region in regions:
-                region.remove()
+
+    def __exit__(self, *exc: object) -> None:
+        self.regions._watching = False
+        for region in self.installed:
+            region.remove()

@@ -44,6 +44,13 @@ class MemoryWindow:
         self._start_ns = time.time_ns()
         self.is_open = True
 
+    @staticmethod
+    def can_open() -> bool:
+        """Whether a window could open on some device now: a CPU recording is running, or CUDA
+        is initialized (no CUDA tensor exists before it is). A caller asks this first, before
+        it looks for the device of a step's outputs, on every step."""
+        return CpuRecording.current is not None or torch.cuda.is_initialized()
+
     @classmethod
     def open(cls, device: torch.device, deliver: Callable[[int], None]) -> MemoryWindow | None:
         """A window opened now on ``device`` that will ``deliver`` its peak, or None when it
