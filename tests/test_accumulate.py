@@ -87,6 +87,34 @@ def test_a_step_accumulates_too_and_zeroed_grads_are_added_into() -> None:
     assert max(peaks) <= 1.02 * max(plain_peaks)
 
 
+def test_leaves_are_checked_by_the_backwards_own_edges_not_a_view_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which leaves the engine accumulates into is read off the running backward's node: no
+    ``get_gradient_edge`` per leaf (a view of each parameter, 3.6-6.6 us, every micro-batch), and
+    ``.grad`` is still plain PyTorch's bit for bit."""
+    plain_model = _mlp()
+    for p in plain_model.parameters():
+        p.grad = torch.zeros_like(p)
+    _, plain_grads = _accumulate(plain_model, plain_model)
+    model = _mlp()
+    wrapped = memfit.checkpoint(model, "memory")
+    _warm(wrapped, model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    edges: list[torch.Tensor] = []
+    original = torch.autograd.graph.get_gradient_edge
+
+    def counted(t: torch.Tensor) -> torch.autograd.graph.GradientEdge:
+        edges.append(t)
+        return original(t)
+
+    monkeypatch.setattr(torch.autograd.graph, "get_gradient_edge", counted)
+    _, grads = _accumulate(model, wrapped)
+    _equal(grads, plain_grads)
+    assert not edges
+
+
 def test_hooks_autograd_grad_and_backward_inputs_see_their_gradients() -> None:
     model, plain = _mlp(), _mlp()
     wrapped = memfit.checkpoint(model, "memory")

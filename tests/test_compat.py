@@ -182,7 +182,8 @@ def test_accumulated_limit_never_lowers_a_users_limit_and_restores_after_an_erro
 
 def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
     """The forward and the backward of an AOTAutograd graph find the same ctx, and inside a
-    backward the engine says which leaves it accumulates into."""
+    backward the engine says which leaves it accumulates into, asked with the leaf or with its
+    AccumulateGrad node as the ctx's edges give it."""
     found: dict[str, object] = {}
     asked: list[bool] = []
     w = torch.ones(3, requires_grad=True)
@@ -194,6 +195,10 @@ def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
                 found[kind] = _compat.compiled_function_ctx(frames=5)
                 if kind == "backward":
                     asked.append(_compat.will_engine_accumulate(w))
+                    # The same answer from the leaf's node read off the running backward's node.
+                    node = _compat.accumulate_grad_nodes(found[kind])[id(w)]
+                    assert node.variable is w
+                    asked.append(_compat.will_engine_accumulate(w, node))
                 return _compat.make_boxed_func(gm)(args)
 
             run._boxed_call = True  # type: ignore[attr-defined]
@@ -209,7 +214,7 @@ def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
     assert found["forward"] is not None and found["forward"] is found["backward"]
     f(w, v).backward(inputs=[v])
     torch.autograd.grad(f(w, v), [w])
-    assert asked == [True, False, False]
+    assert asked == [True, True, False, False, False, False]
 
 
 def test_eager_module_calls_name_the_modules_whose_call_broke_the_graph() -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import will_engine_accumulate
+from memfit._compat import accumulate_grad_nodes, will_engine_accumulate
 
 __all__ = ["LEAVES", "note_leaves", "accumulating", "accumulate_into_grads", "output_values"]
 
@@ -84,12 +84,18 @@ def accumulating(
     if not leaves or torch.is_grad_enabled():  # create_graph=True accumulates out of place
         return frozenset(), []
     chosen: list[tuple[int, torch.Tensor]] = []
+    nodes: dict[int, Any] | None = None  # read off the autograd node once some leaf needs it
     for i, ref in leaves:
         leaf = ref()
         made = gradients[i] if i < len(gradients) else None
         if leaf is None or made is None or not _addable(leaf, leaf.grad, made):
             continue
-        if not will_engine_accumulate(leaf):
+        if nodes is None:
+            nodes = accumulate_grad_nodes(ctx)
+        node = nodes.get(id(leaf))
+        if node is not None and node.variable is not leaf:
+            node = None
+        if not will_engine_accumulate(leaf, node):
             continue
         chosen.append((i, leaf.grad))
     chosen.sort(key=lambda pair: pair[0])
