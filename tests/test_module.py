@@ -18,6 +18,7 @@ in gradients, a difference that 20 steps grow to 2e-3 (measured 2026-11-25, H100
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -328,6 +329,38 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     assert (step.peak_bytes or 0) < 0.9 * (plain.peak_bytes or 0)
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_a_wrapper_inside_another_is_captured_and_planned_as_part_of_it() -> None:
+    """A memfit wrapper inside a model that is itself wrapped (here in an nn.Sequential, whose
+    loop Dynamo cannot resume inside): the outer capture traces through the inner wrapper, so the
+    whole model is one graph under the outer plan. Stepping around the inner one made Dynamo
+    give up on the loop's frame, and the outer model ran unplanned, as plain PyTorch."""
+
+    def build() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        inner = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(3)])
+        outer = [nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(3)]
+        return inner, nn.Sequential(*outer[:2], inner, outer[2])
+
+    x = torch.randn(256, 128)
+    _, plain = build()
+    plain_peak = memfit.measure(lambda: plain(x).sum().backward()).peak_bytes or 0
+    inner, model = build()
+    model[2] = memfit.checkpoint(inner, "none")
+    wrapped = memfit.checkpoint(model, "memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+        peak = memfit.measure(lambda: wrapped(x).sum().backward()).peak_bytes or 0
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "plain PyTorch" in m or "could not capture" in m], said
+    assert len(wrapped.plan.graphs) == 1 and wrapped.plan.recomputed
+    assert peak < 0.9 * plain_peak
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
 def test_a_model_setting_problem_type_on_its_first_call_is_captured_once() -> None:

@@ -29,7 +29,12 @@ from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.mark import mark
 from memfit.execution.executors import EAGER, check_executor
 from memfit.execution.offload import OffloadOptions, OffloadStore
-from memfit.execution.planned import DEFAULT_MAX_SHAPES, STEP_ROUNDS, PlannedCall
+from memfit.execution.planned import (
+    DEFAULT_MAX_SHAPES,
+    STEP_ROUNDS,
+    PlannedCall,
+    memfit_call_running,
+)
 from memfit.execution.state import preserved
 from memfit.planning.budget import Budget, parse_budget
 from memfit.planning.plan import Plan
@@ -140,8 +145,18 @@ class CheckpointedModule(nn.Module):
         self.training = mode
         return self
 
-    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Inside another memfit wrapper or step, traced by its capture: the model is part of the
+        # outer call's graphs and planned by its policy, as any other submodule. Stepping around
+        # it there broke the outer graph, and inside a loop (an nn.Sequential) Dynamo gave up on
+        # the whole frame: the outer model ran unplanned.
+        if torch.compiler.is_compiling() and memfit_call_running():
+            return self._model(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """A call of its own. Excluded from an outer ``torch.compile`` (see the README)."""
         global _capturing
         if not self._settled and torch.is_grad_enabled():
             # Let the first call's attribute changes happen before Dynamo captures (see

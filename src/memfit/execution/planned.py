@@ -57,7 +57,7 @@ from memfit.planning.step import (
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-__all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS"]
+__all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS", "memfit_call_running"]
 
 #: Captures (one input shape, or one range of sizes captured as symbols) one wrapper plans
 #: before a call that needs another runs unplanned (with a warning).
@@ -65,6 +65,15 @@ DEFAULT_MAX_SHAPES = 64
 
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
+
+_running = 0  # memfit calls (wrappers, steps) now running on the stack
+
+
+def memfit_call_running() -> bool:
+    """Whether a memfit wrapper's or step's call is running: asked, while Dynamo traces, by a
+    wrapper inside it (``CheckpointedModule.forward``), whose model is then captured as part of
+    the outer call's graphs."""
+    return _running > 0
 
 
 #: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
@@ -106,8 +115,9 @@ def _starts_training(out: Any) -> bool:
 def _no_new(full: bool) -> AbstractContextManager[Any]:
     """Within the shape limit: nothing. Past it: Dynamo runs shapes it has no graph for eagerly.
 
-    ``set_stance`` is refused inside an outer ``torch.compile`` region (``torch.compile`` around
-    a memfit wrapper); there the limit is not enforced and new shapes are still planned.
+    ``set_stance`` is refused while Dynamo traces; memfit's call is excluded from an outer
+    ``torch.compile`` (it runs eagerly, around the wrapper's own compile), so the refusal is only
+    a safety net.
     """
     if not full:
         return contextlib.nullcontext()
@@ -292,6 +302,8 @@ class PlannedCall:
         self._made.clear()
         self._ran.clear()
         regions = self.regions.installed() if self.regions else contextlib.nullcontext()
+        global _running
+        _running += 1
         try:
             with (
                 self.watcher.watch() as report,
@@ -306,6 +318,7 @@ class PlannedCall:
                 raise error.with_traceback(None) from None
             raise
         finally:
+            _running -= 1
             # A graph and its input shapes, and for a graph with symbolic sizes the range it was
             # planned for: capturing it again for another range counts again.
             made = tuple(sorted(f"{p.key}{p.size_range}" for p in self._made))
