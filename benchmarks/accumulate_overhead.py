@@ -12,7 +12,9 @@ one process with interleaved rounds (medians), on an MLP of many small layers:
 * ``memfit none`` (eager executor) and ``memfit-inductor none``.
 
 Each step is a forward and a backward from ``.grad`` already set (zeros at the start), so every
-step accumulates; each timed sample is the mean of ``REPEAT`` steps.
+step accumulates, or with ``--from-none`` from gradients set to None (the budget frontier's
+protocol: the per-parameter notes for the backward are still made); each timed sample is the
+mean of ``REPEAT`` steps.
 
 Writes ``benchmarks/results/accumulate_overhead.{json,md}`` (``--out`` elsewhere).
 Run: ``python benchmarks/accumulate_overhead.py [--rounds 21] [--layers 48]``.
@@ -62,14 +64,21 @@ def _wrap(variant: str, model: torch.nn.Module) -> Callable[[torch.Tensor], torc
     return memfit.checkpoint(model, "none", executor="inductor")
 
 
-def run(layers: int, rounds: int) -> dict[str, Any]:
+def run(layers: int, rounds: int, from_none: bool = False) -> dict[str, Any]:
     x = torch.randn(4, 16)
     steps: dict[str, Callable[[], None]] = {}
     for variant in VARIANTS:
         model = _model(layers)
         wrapped = _wrap(variant, model)
+        params = list(model.parameters())
 
-        def step(wrapped: Callable[[torch.Tensor], torch.Tensor] = wrapped) -> None:
+        def step(
+            wrapped: Callable[[torch.Tensor], torch.Tensor] = wrapped,
+            params: list[torch.nn.Parameter] = params,
+        ) -> None:
+            if from_none:
+                for p in params:
+                    p.grad = None
             wrapped(x).sum().backward()
 
         step()  # capture and plan
@@ -100,18 +109,28 @@ def run(layers: int, rounds: int) -> dict[str, Any]:
                 "samples_s": times,
             }
         )
-    params = sum(1 for _ in _model(layers).parameters())
-    return {"layers": layers, "parameters": params, "batch": [4, 16], "rows": rows}
+    return {
+        "layers": layers,
+        "parameters": sum(1 for _ in _model(layers).parameters()),
+        "batch": [4, 16],
+        "from_none": from_none,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument(
+        "--from-none",
+        action="store_true",
+        help="each step from gradients set to None (the frontier's protocol), not accumulating",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     started, load_start = time.perf_counter(), load_average()
-    result = run(args.layers, args.rounds)
+    result = run(args.layers, args.rounds, args.from_none)
     report = environment.report(
         "accumulate_overhead", ROOT, started, load_start, [result], rounds=args.rounds
     )
@@ -123,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         f"CPU ({report['machine'].get('cpu_model', report['machine']['processor'])}), torch "
         f"{torch.__version__}, {report['threads']} threads; load average {load_start} at start, "
         f"{report['load_average']['end']} at end. An MLP of {args.layers} Linear(16, 16) + ReLU "
-        f"layers ({result['parameters']} parameters), batch 4x16, loss sum(out); every step "
-        f"accumulates into existing `.grad`. Medians of {args.rounds} interleaved rounds, each "
+        f"layers ({result['parameters']} parameters), batch 4x16, loss sum(out); "
+        + (
+            "every step from gradients set to None. "
+            if args.from_none
+            else "every step accumulates into existing `.grad`. "
+        )
+        + f"Medians of {args.rounds} interleaved rounds, each "
         f"sample the mean of {REPEAT} steps; the ratio is the median of the per-round ratios.",
         "",
         "| variant | step ms | / torch.compile |",

@@ -115,6 +115,47 @@ def test_leaves_are_checked_by_the_backwards_own_edges_not_a_view_each(
     assert not edges
 
 
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_an_input_leaf_accumulates_a_non_leaf_input_is_left_to_autograd(executor: str) -> None:
+    """The parameters' positions are found once per graph; an input requiring grad is checked on
+    every call: a leaf input with a ``.grad`` is added into as plain PyTorch adds, and the same
+    graph called with a non-leaf there (whose ``.grad`` autograd fills, ``retain_grad``) leaves it
+    to autograd. Nothing noted outlives the backward: the input can be freed after it."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model.load_state_dict(plain.state_dict())
+    wrapped = memfit.checkpoint(model, "none", executor=executor)
+    tol = {"rtol": 0, "atol": 0} if executor == "eager" else {"rtol": 1e-5, "atol": 1e-6}
+    data = torch.randn(4, 8)
+
+    def run(net: Callable[[torch.Tensor], torch.Tensor], leaf: bool) -> list[torch.Tensor]:
+        base = data.clone().requires_grad_()
+        x = base if leaf else base * 1
+        if not leaf:
+            x.retain_grad()
+        x.grad = torch.ones_like(x)  # an existing .grad: a leaf's to add into, not a non-leaf's
+        net(x).square().sum().backward()
+        assert x.grad is not None and base.grad is not None
+        return [x.grad, base.grad]
+
+    for leaf in (True, False, True):
+        for got, want in zip(run(wrapped, leaf), run(plain, leaf), strict=True):
+            torch.testing.assert_close(got, want, **tol)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
+    x = data.clone().requires_grad_()
+    x.grad = torch.zeros_like(x)
+    wrapped(x).sum().backward()
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+
+
 def test_hooks_autograd_grad_and_backward_inputs_see_their_gradients() -> None:
     model, plain = _mlp(), _mlp()
     wrapped = memfit.checkpoint(model, "memory")

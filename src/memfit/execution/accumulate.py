@@ -31,7 +31,8 @@ model) has ``(grad + g_memfit) + g_other`` instead of eager's ``grad + (g_memfit
 
 from __future__ import annotations
 
-import weakref
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -39,22 +40,60 @@ import torch.fx as fx
 
 from memfit._compat import accumulate_grad_nodes, will_engine_accumulate
 
-__all__ = ["LEAVES", "note_leaves", "accumulating", "accumulate_into_grads", "output_values"]
+__all__ = ["LEAVES", "LeafNotes", "accumulating", "accumulate_into_grads", "output_values"]
 
 aten = torch.ops.aten
 
-#: The attribute of a CompiledFunction's ctx holding its forward's leaves (index, weak reference).
+#: The attribute of a CompiledFunction's ctx holding its forward's leaves: the positions of the
+#: parameters among its arguments, the parameters, and other leaves as (position, leaf) pairs.
 LEAVES = "memfit_leaves"
 
 
-def note_leaves(ctx: Any, args: list[Any]) -> None:
-    """Note on ``ctx`` which forward arguments are leaves requiring grad (for the backward)."""
-    leaves = [
-        (i, weakref.ref(a))
-        for i, a in enumerate(args)
-        if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
-    ]
-    setattr(ctx, LEAVES, leaves)
+class LeafNotes:
+    """Notes, on each call's autograd ctx, which arguments of one compiled forward graph are
+    leaves requiring grad, for its backward (``accumulating``).
+
+    Every training step pays for this, so it is a gather, not a pass over the arguments: the
+    parameters' positions are found on the graph's first call, and each call takes them with one
+    ``itemgetter`` (1.4 us for 96 parameters, where checking each argument took 48). Dynamo runs
+    a graph only with arguments that pass its guards, which check each tensor's type and
+    ``requires_grad``, so a position that held a parameter requiring grad holds one on every
+    call; a parameter is a leaf. Another argument requiring grad (a user's input) can be a leaf
+    on one call and not on the next under the same guards: those few are checked on each call.
+
+    The references are strong: a leaf requiring grad is held by its AccumulateGrad node, which the
+    ctx's autograd node holds as one of its edges for as long as the ctx lives, so noting it keeps
+    nothing alive longer.
+    """
+
+    __slots__ = ("_positions", "_take", "_others")
+
+    def __init__(self) -> None:
+        self._positions: tuple[int, ...] | None = None
+        self._take: Any = None
+        self._others: tuple[int, ...] = ()
+
+    def note(self, ctx: Any, args: list[Any]) -> None:
+        if self._positions is None:
+            self._find(args)
+        assert self._positions is not None
+        others = [(i, args[i]) for i in self._others if args[i].is_leaf]
+        setattr(ctx, LEAVES, (self._positions, self._take(args), others))
+
+    def _find(self, args: list[Any]) -> None:
+        requiring = [
+            i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
+        positions = tuple(i for i in requiring if isinstance(args[i], torch.nn.Parameter))
+        self._others = tuple(i for i in requiring if i not in positions)
+        self._positions = positions
+        if not positions:
+            self._take = lambda args: ()
+        elif len(positions) == 1:
+            (only,) = positions
+            self._take = lambda args: (args[only],)
+        else:
+            self._take = operator.itemgetter(*positions)
 
 
 def _addable(leaf: torch.Tensor, grad: torch.Tensor | None, made: torch.Tensor) -> bool:
@@ -80,15 +119,18 @@ def accumulating(
     ``gradients`` holds the example value of each backward output (None where the graph returns
     None), in the order of the forward's inputs.
     """
-    leaves = getattr(ctx, LEAVES, None) if ctx is not None else None
-    if not leaves or torch.is_grad_enabled():  # create_graph=True accumulates out of place
+    notes = getattr(ctx, LEAVES, None) if ctx is not None else None
+    if notes is None or torch.is_grad_enabled():  # create_graph=True accumulates out of place
         return frozenset(), []
+    positions, parameters, others = notes
     chosen: list[tuple[int, torch.Tensor]] = []
     nodes: dict[int, Any] | None = None  # read off the autograd node once some leaf needs it
-    for i, ref in leaves:
-        leaf = ref()
+    for i, leaf in itertools.chain(zip(positions, parameters), others):
+        grad = leaf.grad
+        if grad is None:  # the first micro-batch, or gradients set to None: nothing to add to
+            continue
         made = gradients[i] if i < len(gradients) else None
-        if leaf is None or made is None or not _addable(leaf, leaf.grad, made):
+        if made is None or not leaf.requires_grad or not _addable(leaf, grad, made):
             continue
         if nodes is None:
             nodes = accumulate_grad_nodes(ctx)

@@ -36,9 +36,9 @@ from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_att
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.accumulate import (
+    LeafNotes,
     accumulate_into_grads,
     accumulating,
-    note_leaves,
     output_values,
 )
 from memfit.execution.executors import (
@@ -146,11 +146,13 @@ def _boxed_forward(
         gm, example_inputs, on_run, executor, "forward", user_outputs, gm.meta.get(_COMPILED_META)
     )
 
+    leaves = LeafNotes()
+
     def run(args: list[Any]) -> Any:
         ctx = compiled_function_ctx()
         if ctx is not None:
             ctx.set_materialize_grads(False)
-            note_leaves(ctx, args)  # the backward adds into their .grad (execution.accumulate)
+            leaves.note(ctx, args)  # the backward adds into their .grad (execution.accumulate)
         return run_graph(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
