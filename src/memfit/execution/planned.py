@@ -283,9 +283,9 @@ class PlannedCall:
 
     # An outer torch.compile (around a memfit wrapper or step) steps around memfit's call: its
     # Python is memfit's bookkeeping, not the user's model. Converted by the outer compile frame
-    # by frame (56 frames on a wrapped MLP's first call), it ran the target unplanned (through
-    # memfit.step) or held the model's output into the backward (128 KiB above plan, through
-    # memfit.checkpoint). The target itself is still compiled, by memfit's own torch.compile.
+    # by frame (56 frames on a wrapped MLP's first call, 8 more each step), it could hold the
+    # model's output into the backward (128 KiB above the plan). The target itself is still
+    # compiled, by memfit's own torch.compile.
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._window is not None:  # the last call's backward never started
