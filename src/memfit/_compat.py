@@ -457,7 +457,8 @@ def frames_converted() -> tuple[object, int]:
     Dynamo records graph-break reasons only while it converts a frame, and counts every frame it
     tries to convert under ``counters["frames"]["total"]`` (``ConvertFrame.__call__``, checked
     2.13.0): while that count stands, no reason was added. The token holds the counter object
-    too, so a reset of the counters (``torch._dynamo.reset``) never reads as "unchanged".
+    too, so clearing the counters (``counters.clear()``, as Dynamo's own test cases do; a
+    ``torch._dynamo.reset`` keeps them) never reads as "unchanged".
     Reading it is two dictionary lookups, where ``graph_break_reasons`` walks every reason.
     """
     global _COUNTERS
@@ -501,7 +502,7 @@ def accumulated_recompile_limit(limit: int) -> AbstractContextManager[Any]:
     Every ``torch.compile``d module enters through one shared code object
     (``torch/_dynamo/external_utils.py``'s ``inner``), and this cap counts its variants across
     every ``torch.compile`` call in the process: after 256 memfit wrappers' captures, new ones ran
-    eagerly without a plan (measured: 44 of 300 one-capture wrappers). The per-call limit (8)
+    eagerly without a plan (measured: 44 of 300 one-capture wrappers). The per-code limit (8)
     is lifted for memfit's calls by ``torch.compile(recompile_limit=...)`` instead, which applies
     to those calls only; this cap has no such parameter (checked 2.13.0). memfit counts shapes
     per wrapper itself and opens this around its own calls only.
