@@ -411,7 +411,8 @@ def will_engine_accumulate(leaf: torch.Tensor, node: Any = None) -> bool:
 
 def accumulate_grad_nodes(node: Any) -> dict[int, Any]:
     """The AccumulateGrad nodes among autograd node ``node``'s next functions (the leaves its
-    inputs came from), by ``id`` of their leaf: a caller checks ``found.variable is leaf``.
+    inputs came from), by ``id`` of their leaf (each node holds its leaf alive, so an id found
+    here names that leaf while the caller holds it).
 
     An AccumulateGrad node holds its leaf as ``variable`` (checked 2.13.0), the tensor object
     itself. Reading them off the node of the running backward costs one pass over its edges,
@@ -505,16 +506,9 @@ def accumulated_recompile_limit(limit: int) -> AbstractContextManager[Any]:
     eagerly without a plan (measured: 44 of 300 one-capture wrappers). The per-code limit (8)
     is lifted for memfit's calls by ``torch.compile(recompile_limit=...)`` instead, which applies
     to those calls only; this cap has no such parameter (checked 2.13.0). memfit counts shapes
-    per wrapper itself and opens this around its own calls only.
-
-    Traced by an outer ``torch.compile`` (a compiled function calling a memfit wrapper), it is
-    ``config.patch``, which Dynamo knows how to trace; Dynamo inlining the class below made such a
-    call run without memfit's graphs.
+    per wrapper itself and opens this around its own calls only. Those run eagerly, excluded from
+    any outer ``torch.compile`` (``PlannedCall.__call__``), so this is never traced.
     """
-    if torch.compiler.is_compiling():
-        import torch._dynamo.config as dynamo_config
-
-        return dynamo_config.patch(accumulated_recompile_limit=limit)
     return _RaisedRecompileLimit(limit)
 
 

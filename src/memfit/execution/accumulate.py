@@ -134,10 +134,7 @@ def accumulating(
             continue
         if nodes is None:
             nodes = accumulate_grad_nodes(ctx)
-        node = nodes.get(id(leaf))
-        if node is not None and node.variable is not leaf:
-            node = None
-        if not will_engine_accumulate(leaf, node):
+        if not will_engine_accumulate(leaf, nodes.get(id(leaf))):
             continue
         chosen.append((i, leaf.grad))
     chosen.sort(key=lambda pair: pair[0])
