@@ -1,18 +1,24 @@
-"""One memfit point against one ``torch.compile`` point at the same peak, head to head.
+"""memfit points against ``torch.compile`` points, head to head in one process.
 
 Why: the budget frontier times some 26 points round-robin, so each point's median carries the
 noise of a long run on a shared machine, and on the ResNet memfit's points came out 1.00x in one
 41-step run and 1.03x in the next against ``torch.compile``'s 33.7 MiB program, whose peak
-memfit's ``budget=0.6`` plan reaches to the byte. This script takes just the two (by default
-that pair) and measures them by the frontier's own protocol (``memfit.bench.runner``: first
-step, exact peak, interleaved timing, here alternating the two every round), and reports the
-median and the fastest step of each, then profiles a few steps of each (``torch.profiler``,
-CPU) to say where a difference lies: in the kernels, or in the Python around them (AOTAutograd's
-runtime wrappers, memfit's own).
+memfit's ``budget=0.6`` plan reaches to the byte. This script takes just a few (by default that
+pair) and measures them by the frontier's own protocol (``memfit.bench.runner``: first step,
+exact peak, interleaved timing, the order rotating every round), and reports the median and the
+fastest step of each and the median over rounds of its step time over the first side's in the
+same round (which cancels the drift of a shared machine's speed), then profiles a few steps of
+each (``torch.profiler``, CPU) to say where a difference lies: in the kernels, or in the Python
+around them (AOTAutograd's runtime wrappers, memfit's own). With several memfit settings it
+answers in minutes what the frontier answers in half an hour: whether the plan a setting chose
+is as fast as another of the same or a lower peak.
 
-Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}``. Run with the Python memfit is
-installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--memfit-budget 0.6]
-[--compile-budget 0.8] [--rounds 60]``; under a minute on 2 cores for the ResNet.
+Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
+Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
+torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch.compile:`` an
+``activation_memory_budget`` or ``memfit:`` a budget fraction or a mode (``none``, ``speed``,
+``memory``). Two sides take about two minutes on 2 cores for the ResNet, each further side
+about one more.
 """
 
 from __future__ import annotations
@@ -52,23 +58,43 @@ PROFILED = 5
 TOP_OPS = 12
 
 
-def side(spec: ModelSpec, peer: str, budget: float) -> Method:
+#: memfit settings given by name rather than as a budget fraction
+MODES = ("none", "speed", "memory")
+
+
+def parse_side(text: str) -> tuple[str, str]:
+    """``"torch.compile:0.8"`` or ``"memfit:0.6"`` / ``"memfit:none"`` as (peer, setting)."""
+    peer, _, setting = text.partition(":")
+    if peer not in ("torch.compile", "memfit") or not setting:
+        raise argparse.ArgumentTypeError("a side is torch.compile:<budget> or memfit:<setting>")
+    if not (peer == "memfit" and setting in MODES):
+        try:
+            float(setting)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: not a budget fraction") from None
+    return peer, setting
+
+
+def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     """One side as a ``memfit.bench.runner`` method on its own copy of the model (``spec.build``
     is seeded), after its first step: for ``torch.compile`` under ``activation_memory_budget``,
     which must span compilation and the lazily compiled backward."""
     model = spec.build()
-    entry = entry_point(model, f"pair_{peer}_{budget}")
+    entry = entry_point(model, f"pair_{peer}_{setting}")
     context: AbstractContextManager[Any] = nullcontext()
     if peer == "torch.compile":
         module: Any = torch.compile(entry)
-        context = activation_memory_budget(budget)
+        context = activation_memory_budget(float(setting))
+    elif setting in MODES:
+        module = memfit.checkpoint(entry, setting, executor="inductor")
     else:
-        module = memfit.checkpoint(entry, budget=budget, executor="inductor")
+        module = memfit.checkpoint(entry, budget=float(setting), executor="inductor")
 
     def step() -> None:
         spec.loss(module(*spec.inputs)).backward()
 
-    method = Method(f"{peer} budget {budget:g}", model, step, record_failures=False)
+    name = f"{peer} mode {setting}" if setting in MODES else f"{peer} budget {float(setting):g}"
+    method = Method(name, model, step, record_failures=False)
     with context:
         warm_up(method)
     for _ in range(WARM_UP):
@@ -95,29 +121,33 @@ def profiled(method: Method) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet", choices=MODELS)
-    p.add_argument("--memfit-budget", type=float, default=0.6)
-    p.add_argument("--compile-budget", type=float, default=0.8)
+    p.add_argument(
+        "--sides",
+        nargs="+",
+        type=parse_side,
+        default=[("torch.compile", "0.8"), ("memfit", "0.6")],
+        help="peer:setting, the first the reference of the per-round ratios",
+    )
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--out-dir", type=Path, default=RESULTS / "same_peak_pair")
     args = p.parse_args(argv)
     (spec,) = [s for s in model_specs(False) if s.name == args.model]
     load_start = load_average()
-    theirs = side(spec, "torch.compile", args.compile_budget)
-    mine = side(spec, "memfit", args.memfit_budget)
-    pair = [theirs, mine]
-    measure_peaks(pair)
-    time_interleaved(pair, rounds=args.rounds)  # alternating: the start rotates each round
+    methods = [side(spec, peer, setting) for peer, setting in args.sides]
+    measure_peaks(methods)
+    time_interleaved(methods, rounds=args.rounds)  # the start rotates each round
+    reference = methods[0]
     results: dict[str, Any] = {}
-    for method in pair:
+    for method in methods:
+        per_round = [t / r for t, r in zip(method.times, reference.times, strict=True)]
         results[method.name] = {
             "peak_bytes": method.record["peak_bytes"],
             "step_median_s": statistics.median(method.times),
             "step_min_s": min(method.times),
+            "median_round_ratio": statistics.median(per_round),
             "times_s": method.times,
             "profile": profiled(method)[:TOP_OPS],
         }
-    ratio = statistics.median(mine.times) / statistics.median(theirs.times)
-    min_ratio = min(mine.times) / min(theirs.times)
     record = {
         "benchmark": "same_peak_pair",
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -127,27 +157,32 @@ def main(argv: list[str] | None = None) -> int:
         "model": spec.name,
         "description": spec.description,
         "rounds": args.rounds,
-        "median_ratio": ratio,
-        "min_ratio": min_ratio,
+        "reference": reference.name,
         "sides": results,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{spec.name}.json").write_text(json.dumps(record, indent=2))
+    names = [m.name for m in methods]
+    title = " against ".join(reversed(names)) if len(names) == 2 else ", ".join(names)
     lines = [
-        f"# {spec.name}: {mine.name} against {theirs.name}, head to head ({record['date_utc']})",
+        f"# {spec.name}: {title}, head to head ({record['date_utc']})",
         "",
-        f"{spec.description}. {args.rounds} alternating rounds in one process, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
-        f"{load_start} at start. memfit / torch.compile: median step {ratio:.3f}, fastest step "
-        f"{min_ratio:.3f}.",
+        f"{spec.description}. {args.rounds} rounds in one process, each side one step per round "
+        f"in an order rotating each round, torch {torch.__version__}, "
+        f'{torch.get_num_threads()} threads, load average {load_start} at start. "per round": '
+        f"the median over rounds of the side's step time over {reference.name}'s in the same "
+        "round.",
         "",
-        "| side | peak MiB | step ms (median) | fastest step ms |",
-        "|---|---:|---:|---:|",
+        "| side | peak MiB | step ms (median) | fastest step ms | median / reference's "
+        "| fastest / reference's | per round |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    ref = results[reference.name]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['peak_bytes'] / 2**20:.1f} | {r['step_median_s'] * 1e3:.2f} | "
-            f"{r['step_min_s'] * 1e3:.2f} |"
+            f"{r['step_min_s'] * 1e3:.2f} | {r['step_median_s'] / ref['step_median_s']:.3f} | "
+            f"{r['step_min_s'] / ref['step_min_s']:.3f} | {r['median_round_ratio']:.3f} |"
         )
     for name, r in results.items():
         lines += ["", f"## {name}: profile, per step", "", "| op | calls | self ms |"]
