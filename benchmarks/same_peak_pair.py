@@ -71,7 +71,8 @@ def parse_side(text: str) -> tuple[str, str]:
         try:
             float(setting)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not a budget fraction") from None
+            modes = f" or a mode {MODES}" if peer == "memfit" else ""
+            raise argparse.ArgumentTypeError(f"{text}: not a budget fraction{modes}") from None
     return peer, setting
 
 
