@@ -83,10 +83,11 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     model = spec.build()
     entry = entry_point(model, f"pair_{peer}_{setting}")
     context: AbstractContextManager[Any] = nullcontext()
+    mode = setting in MODES
     if peer == "torch.compile":
         module: Any = torch.compile(entry)
         context = activation_memory_budget(float(setting))
-    elif setting in MODES:
+    elif mode:
         module = memfit.checkpoint(entry, setting, executor="inductor")
     else:
         module = memfit.checkpoint(entry, budget=float(setting), executor="inductor")
@@ -94,7 +95,7 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     def step() -> None:
         spec.loss(module(*spec.inputs)).backward()
 
-    name = f"{peer} mode {setting}" if setting in MODES else f"{peer} budget {float(setting):g}"
+    name = f"{peer} mode {setting}" if mode else f"{peer} budget {float(setting):g}"
     method = Method(name, model, step, record_failures=False)
     with context:
         warm_up(method)

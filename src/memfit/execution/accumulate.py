@@ -69,14 +69,13 @@ class LeafNotes:
     __slots__ = ("_positions", "_take", "_others")
 
     def __init__(self) -> None:
-        self._positions: tuple[int, ...] | None = None
-        self._take: Any = None
+        self._positions: tuple[int, ...] = ()
+        self._take: Any = None  # found on the first call
         self._others: tuple[int, ...] = ()
 
     def note(self, ctx: Any, args: list[Any]) -> None:
-        if self._positions is None:
+        if self._take is None:
             self._find(args)
-        assert self._positions is not None
         others = [(i, args[i]) for i in self._others if args[i].is_leaf]
         setattr(ctx, LEAVES, (self._positions, self._take(args), others))
 
@@ -136,7 +135,7 @@ def accumulating(
             nodes = accumulate_grad_nodes(ctx)
         if not will_engine_accumulate(leaf, nodes.get(id(leaf))):
             continue
-        chosen.append((i, leaf.grad))
+        chosen.append((i, grad))
     chosen.sort(key=lambda pair: pair[0])
     return frozenset(i for i, _ in chosen), [g for _, g in chosen]
 
