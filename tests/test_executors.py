@@ -288,6 +288,51 @@ def test_a_refused_budget_keeps_a_compiled_plan_within_it_over_a_cheaper_one_abo
     assert backend._kept_within(plans, 140) == 2  # all within: the cheapest
 
 
+def _budget_one_timed(monkeypatch: pytest.MonkeyPatch, rival_ratio: float | None):
+    """``budget=1.0`` on ``_net``, whose cheapest plan within it keeps more than ``"speed"``'s,
+    which fits too: one step, with the rival's timed ratio set to ``rival_ratio`` (None: timed
+    for real). The planned graph, the model and its plain PyTorch twin after one step each."""
+    if rival_ratio is not None:
+        monkeypatch.setattr(backend, "step_time_ratios", lambda steps, rounds: [1.0, rival_ratio])
+    x, y = _batch()
+    ref = _net()
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, budget=1.0, executor="inductor")
+    F.cross_entropy(wrapped(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    (graph,) = wrapped.plan.graphs
+    return graph, model, ref
+
+
+@pytest.mark.parametrize("rival_ratio", [0.5, 2.0])
+def test_a_budget_keeps_the_faster_of_its_cheapest_plan_and_speeds(
+    monkeypatch: pytest.MonkeyPatch, rival_ratio: float
+) -> None:
+    """Under a budget both fit once compiled, the plan recomputing least and ``"speed"``'s are
+    timed; the faster is kept (the timing is set here, so the choice is certain), its peaks the
+    ones measured, within the budget, and training is plain PyTorch's either way."""
+    graph, model, ref = _budget_one_timed(monkeypatch, rival_ratio)
+    x, y = _batch()
+    speed = memfit.checkpoint(_net(), "speed", executor="inductor")
+    F.cross_entropy(speed(x), y).backward()
+    assert "timed once compiled" in graph.note and f"{rival_ratio:.3f}x" in graph.note
+    assert graph.policy == "budget" and graph.budget_bytes is not None
+    assert graph.predicted_peak_bytes <= graph.budget_bytes
+    assert (set(graph.kept) == set(speed.plan.graphs[0].kept)) == (rival_ratio < 1)
+    _assert_same_training(model, ref)
+
+
+def test_timing_a_budgets_plans_leaves_training_plain_pytorchs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timed for real, the two compiled plans run several times on the call's own inputs: the
+    BatchNorm statistics, gradients and loss of the step are still plain PyTorch's."""
+    graph, model, ref = _budget_one_timed(monkeypatch, None)
+    assert f"{backend.TIMED_ROUNDS} rounds" in graph.note
+    _assert_same_training(model, ref)
+    assert int(model[1].num_batches_tracked) == 1
+
+
 def test_cpp_wrapper_is_honoured_as_torch_compile_honours_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
