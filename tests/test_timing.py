@@ -88,3 +88,24 @@ def test_bad_arguments_are_refused() -> None:
         step_time_ratios([], rounds=1)
     with pytest.raises(ValueError, match="at least 1"):
         step_time_ratios([_step(0.0, [], "a")], rounds=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_work_queued_by_a_step_is_timed() -> None:
+    """Kernels launch asynchronously: a step's time includes the work it queued (the device is
+    synchronized around each step), so a step of sixteen times the matrix products measures
+    slower, however quickly its launches return."""
+
+    def matmuls(count: int) -> CompiledStep:
+        a = torch.randn(2048, 2048, device="cuda")
+
+        def forward(args: list[Any]) -> list[Any]:
+            (x,) = args
+            args.clear()
+            for _ in range(count):
+                x = x @ a
+            return [x]
+
+        return CompiledStep(forward, lambda args: [args[0]], [a], lambda outputs: list(outputs))
+
+    assert step_time_ratios([matmuls(1), matmuls(16)], rounds=5)[1] > 4

@@ -806,6 +806,24 @@ def make_backend(
                 least_simulated.append(graph_plan.predicted_peak_bytes)
             reach_bytes = graph_plan.budget_bytes
 
+            # A budget the simulation met, for a graph planned on its own: its cheapest plan is
+            # timed against "speed"'s where both fit once compiled (_faster); not for a
+            # budget the simulation refused, whose plans are "memory"'s.
+            timed_choice = (
+                policy.name == BUDGET and graph_share is None and not spent and not jg.symbols
+            )
+
+            def speed_rival() -> GraphPlan:
+                speed = plan_graph(jg, Policy("speed"))
+                return dataclasses.replace(
+                    speed,
+                    policy=BUDGET,
+                    budget_bytes=graph_plan.budget_bytes,
+                    frontier=graph_plan.frontier,
+                    attention=tuple(sites),
+                    key=key,
+                )
+
             def fit(
                 graph_plan: GraphPlan, limit_bytes: int | None, at_least_peak: bool
             ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool, int | None]:
@@ -827,28 +845,7 @@ def make_backend(
                     # "Cannot convert expression to float", 2.13.0)
                     tries=1 if jg.symbols else SCHEDULE_TRIES,
                     keep_within=refused[0] if refused else None,
-                    rival=speed_rival if timed_choice else None,
-                )
-
-            # A budget the simulation met, for a graph planned on its own: its cheapest plan is
-            # timed against "speed"'s where both fit once compiled (_faster).
-            timed_choice = (
-                policy.name == BUDGET
-                and not refused
-                and graph_share is None
-                and not spent
-                and not jg.symbols
-            )
-
-            def speed_rival() -> GraphPlan:
-                speed = plan_graph(jg, Policy("speed"))
-                return dataclasses.replace(
-                    speed,
-                    policy=BUDGET,
-                    budget_bytes=graph_plan.budget_bytes,
-                    frontier=graph_plan.frontier,
-                    attention=tuple(sites),
-                    key=key,
+                    rival=speed_rival if timed_choice and not refused else None,
                 )
 
             try:
