@@ -162,6 +162,7 @@ def test_memfit_wrapper_plan_recorded_and_watched() -> None:
     plan = wrapped.module.plan
     assert wrapped.record["predicted_peak_bytes"] == plan.predicted_peak_bytes
     assert wrapped.record["graphs"] == len(plan.graphs) == 1
+    assert wrapped.record["notes"] == [plan.graphs[0].note]
     assert "predicted_peak_bytes" not in m.record
 
     before = Snapshot([m, wrapped])

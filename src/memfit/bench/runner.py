@@ -182,8 +182,9 @@ def _settle(method: Method, device: torch.device | None) -> None:
         _sync(device)
 
 
-def plan_record(plan: Plan) -> dict[str, int]:
-    """What a benchmark records of the plan a memfit wrapper made on its first step."""
+def plan_record(plan: Plan) -> dict[str, Any]:
+    """What a benchmark records of the plan a memfit wrapper made on its first step; each
+    graph's note says how its plan was chosen (under Inductor: measured, timed)."""
     return {
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "baseline_peak_bytes": plan.baseline_peak_bytes,
@@ -191,6 +192,7 @@ def plan_record(plan: Plan) -> dict[str, int]:
         "recompute_flops": int(plan.recompute_flops),
         "forward_flops": int(plan.forward_flops),
         "graphs": len(plan.graphs),
+        "notes": [g.note for g in plan.graphs],
     }
 
 
