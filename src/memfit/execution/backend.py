@@ -406,7 +406,7 @@ def _faster(
     primals: Sequence[Any] | None,
 ) -> _Made:
     """Of the cheapest plan within ``limit_bytes`` and ``rival`` (``"speed"``'s plan), the one
-    whose compiled step runs faster, where both fit once compiled.
+    whose compiled step runs faster (the rival on a tie), where both fit once compiled.
 
     Why: the cost model prices a plan by what it recomputes and keeping by nothing, so under a
     budget it chooses the plan that recomputes least, however much it keeps. Compiled, that
