@@ -27,6 +27,7 @@ import torch
 
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
+from memfit.measurement.timing import cuda_index, inputs_device
 
 __all__ = ["StepPeaks", "measure_compiled_step"]
 
@@ -56,14 +57,14 @@ def measure_compiled_step(
     code holds them), the rest only by the backward's argument list, which it clears: each saved
     value is freed after its last reader, as in the step.
     """
-    device = _device(inputs)
+    device = inputs_device(inputs)
     if device is None or (device.type == "cpu" and cpu_recording_blocked() is not None):
         return None
     if device.type not in ("cpu", "cuda"):
         return None
     cuda: list[int] = []
     if device.type == "cuda":
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()]
+        cuda = [cuda_index(device)]
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
         if cuda:
             _warm_up(forward, backward, inputs, backward_inputs)
@@ -105,13 +106,6 @@ def _warm_up(
     del grads, args
 
 
-def _device(inputs: Sequence[Any]) -> torch.device | None:
-    for t in inputs:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return None
-
-
 def _new_bytes(args: Sequence[Any], *existing: Sequence[Any]) -> int:
     """Bytes of the distinct storages among ``args`` that none of ``existing`` has."""
     seen = {
@@ -141,10 +135,7 @@ class _recording:
 
     def __enter__(self) -> _recording:
         if self._device.type == "cuda":
-            index = self._device.index
-            if index is None:
-                index = torch.cuda.current_device()
-            self._cuda = CudaRecording(torch.device("cuda", index))
+            self._cuda = CudaRecording(torch.device("cuda", cuda_index(self._device)))
             self._cuda.__enter__()
         else:
             self._cpu = CpuRecording(iter(self._watch))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledStep", "step_time_ratios"]
+__all__ = ["CompiledStep", "step_time_ratios", "inputs_device", "cuda_index"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ def step_time_ratios(steps: Sequence[CompiledStep], rounds: int) -> list[float]:
         raise ValueError("step_time_ratios: no steps to time")
     if rounds < 1:
         raise ValueError(f"step_time_ratios: rounds must be at least 1, not {rounds}")
-    device = _device(steps)
-    cuda = [_cuda_index(device)] if device is not None and device.type == "cuda" else []
+    device = next((d for d in (inputs_device(s.inputs) for s in steps) if d is not None), None)
+    cuda = [cuda_index(device)] if device is not None and device.type == "cuda" else []
     ratios: list[list[float]] = [[] for _ in steps]
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
         for step in steps:
@@ -83,13 +83,14 @@ def _synchronize(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cuda_index(device: torch.device) -> int:
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA ``device``, the current one where it names none."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _device(steps: Sequence[CompiledStep]) -> torch.device | None:
-    for step in steps:
-        for t in step.inputs:
-            if isinstance(t, torch.Tensor):
-                return t.device
+def inputs_device(inputs: Sequence[Any]) -> torch.device | None:
+    """The device of the first tensor among ``inputs`` (a compiled graph's), None if none is."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device
     return None
