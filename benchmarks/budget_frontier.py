@@ -651,7 +651,7 @@ def equal_peak_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     }
     rows = []
     mine = [r for r in points if r["peer"] == "memfit" and _usable(r)]
-    for m, m_pooled in zip(mine, _pooled_medians(mine)):
+    for m, m_pooled, m_steps in zip(mine, _pooled_medians(mine), _program_steps(mine)):
         row: dict[str, Any] = {
             "memfit": m["setting"],
             "peak_bytes": m["peak_bytes"],
@@ -681,6 +681,9 @@ def equal_peak_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # that medians blur.
                 "min_time_ratio": m["time_min_s"] / min(r["time_min_s"] for r in cands),
                 "pooled_time_ratio": m_pooled / min(_pooled_medians(cands)),
+                # The pooled programs compared turn by turn: what drifts between turns (a
+                # shared machine's speed) divides out.
+                "paired_time_ratio": max(_paired(m_steps, c) for c in _program_steps(cands)),
             }
         rows.append(row)
     return rows
@@ -709,6 +712,32 @@ def _pooled_medians(points: list[dict[str, Any]]) -> list[float]:
         programs.setdefault(key, []).extend(r["times_s"])
     medians = {key: statistics.median(times) for key, times in programs.items()}
     return [medians[key] for key in keys]
+
+
+def _program_steps(points: list[dict[str, Any]]) -> list[list[float]]:
+    """For each of ``points``, its program's steps in the order they ran: step k the mean of
+    the k-th steps of the settings that ran that program (``_pooled_medians``).
+
+    Why: timing goes round-robin over all of a model's points, so the k-th steps of every point
+    ran in the same turn, within a second or so of each other, while a shared machine's speed
+    drifts by 10% and more over the minutes between turns. Compared step k against step k
+    (``_paired``), that drift divides out; medians taken over each side's whole run keep it
+    (the ResNet's one 33.7 MiB ``torch.compile`` program measured 91-97 ms at four settings of
+    one run, 0.98-1.06x memfit's ``"speed"`` turn by turn)."""
+    keys = [_program(r, i) for i, r in enumerate(points)]
+    programs: dict[str, list[list[float]]] = {}
+    for key, r in zip(keys, points):
+        programs.setdefault(key, []).append(r["times_s"])
+    steps = {
+        key: [statistics.mean(k) for k in zip(*runs)]  # zip: as many steps as the shortest
+        for key, runs in programs.items()
+    }
+    return [steps[key] for key in keys]
+
+
+def _paired(mine: list[float], peer: list[float]) -> float:
+    """The median over steps k of ``mine[k] / peer[k]``: steps of one turn compared."""
+    return statistics.median(a / b for a, b in zip(mine, peer))
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -837,8 +866,9 @@ def comparison_table(res: dict[str, Any]) -> tuple[str, list[str]]:
 def ratio_summary(rows: list[dict[str, Any]], family: str) -> dict[str, Any] | None:
     """Over the rows of ``equal_peak_comparison`` that have a ``family`` point at their peak:
     how many, how many memfit points were slower (by more than 5%), and the median and worst
-    memfit / peer ratio setting by setting (``medians``), on fastest steps (``fastest``) and
-    with one program's settings pooled (``pooled``); None if no row has such a point."""
+    memfit / peer ratio setting by setting (``medians``), on fastest steps (``fastest``),
+    with one program's settings pooled (``pooled``), and those programs compared turn by turn
+    (``paired``); None if no row has such a point."""
     peers = [r["peers"][family] for r in rows if r["peers"][family]]
     if not peers:
         return None
@@ -852,6 +882,7 @@ def ratio_summary(rows: list[dict[str, Any]], family: str) -> dict[str, Any] | N
         ("medians", "time_ratio"),
         ("fastest", "min_time_ratio"),
         ("pooled", "pooled_time_ratio"),
+        ("paired", "paired_time_ratio"),
     ):
         values = [p[key] for p in peers]
         out[label] = (statistics.median(values), max(values))
@@ -864,8 +895,9 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| model | peer | memfit points with a peer point at <= 1.05x their peak | "
         "memfit slower | slower by > 5% | median memfit / peer | worst | "
-        "median on fastest steps | worst | median, one program pooled | worst |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "median on fastest steps | worst | median, one program pooled | worst | "
+        "median, pooled, turn by turn | worst |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for res in results:
         rows = equal_peak_comparison(res["points"])
@@ -874,10 +906,12 @@ def summary_table(results: list[dict[str, Any]]) -> str:
             if s is None:
                 lines.append(
                     f"| {res['name']} | {family} | 0 of {len(rows)} | - | - | - | - | - | - "
-                    "| - | - |"
+                    "| - | - | - | - |"
                 )
                 continue
-            cells = [f"{s[k][0]:.2f} | {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled")]
+            cells = [
+                f"{s[k][0]:.2f} | {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled", "paired")
+            ]
             lines.append(
                 f"| {res['name']} | {family} | {s['compared']} of {len(rows)} | "
                 f"{s['slower']} | {s['slower_by_5pct']} | " + " | ".join(cells) + " |"
@@ -1256,7 +1290,10 @@ def main(argv: list[str] | None = None) -> int:
         f'"one program pooled" compares programs instead of settings: the steps of the '
         f"settings that ran one program (torch.compile: the same graphs compiled; memfit: the "
         f"same plan) pooled into one median, on both sides (the least of several medians of one "
-        f"program is lower than its time, the greatest higher). "
+        f'program is lower than its time, the greatest higher); "turn by turn" compares those '
+        f"programs step k against step k (the k-th steps of all points ran in one turn), the "
+        f"median of those ratios, so that what the machine's speed drifts between turns "
+        f"divides out. "
         f"Total runtime {total:.0f} s.\n\n"
         f"## Summary: memfit at equal measured peak\n\n{summary_table(results)}\n\n"
         f"{verdict}\n\n" + "\n".join(sections)

@@ -6,11 +6,12 @@ a single run says little about "never slower at equal peak". This script reads e
 ``budget_frontier_inductor.json`` under ``benchmarks/results/`` (each run its own folder) and
 recomputes, with the benchmark's own ``equal_peak_comparison`` (today's rules, whatever the run's
 code printed then), per run and model: how many memfit points have a ``torch.compile`` point at
-<= 1.05x their measured peak, and the median and worst memfit / ``torch.compile`` ratio three
-ways: setting by setting (medians), on each point's fastest step, and with the settings that ran
+<= 1.05x their measured peak, and the median and worst memfit / ``torch.compile`` ratio four
+ways: setting by setting (medians), on each point's fastest step, with the settings that ran
 one program pooled (``budget_frontier._pooled_medians``; a run that recorded no programs
-pools nothing). It writes ``benchmarks/results/frontier_history.md``, the README's
-source for the table of runs.
+pools nothing), and those programs compared turn by turn (``budget_frontier._paired``: step k
+against step k, so that the machine's drift between turns divides out). It writes
+``benchmarks/results/frontier_history.md``, the README's source for the table of runs.
 
 Reads JSON only: no model runs, a second or two. ``python benchmarks/frontier_history.py``.
 """
@@ -40,15 +41,17 @@ def table(root: Path) -> str:
     lines = [
         "| run (folder) | date (UTC) | model | timed steps per point | memfit points compared "
         "| medians: median, worst | fastest steps: median, worst | one program pooled: median, "
-        "worst |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "worst | pooled, turn by turn: median, worst |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for folder, run in runs(root):
         for model in run["models"]:
             s = ratio_summary(equal_peak_comparison(model["points"]), PEER)
             if s is None:
                 continue
-            cells = [f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled")]
+            cells = [
+                f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled", "paired")
+            ]
             link = f"[{folder}]({folder}/budget_frontier_inductor.md)"
             lines.append(
                 f"| {link} | {run['date_utc'][:16]} | {model['name']} | "
@@ -80,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         "above 1 means memfit was slower. Runs differ in the code they ran (see each run's "
         "table and the README). Pooling needs each point's program: runs from before programs "
         "were recorded pool nothing (their pooled columns repeat their medians), and "
-        "program_pooled recorded them for torch.compile's points only.\n\n"
-        + table(args.results)
-        + "\n"
+        'program_pooled recorded them for torch.compile\'s points only. "Turn by turn" '
+        "compares the pooled programs step k against step k (the k-th steps of all of a run's "
+        "points ran in one turn, or one round before turns), the median of those ratios: what "
+        "the machine's speed drifts between turns divides out.\n\n" + table(args.results) + "\n"
     )
     out = args.results / "frontier_history.md"
     out.write_text(text)

@@ -70,6 +70,23 @@ def test_equal_peak_comparison_takes_the_fastest_peer_within_the_tolerance() -> 
     assert slow["time_ratio"] == pytest.approx(13 / 10)
     assert slow["pooled_time_ratio"] == pytest.approx(1.0)  # one plan, one pooled median
     assert rows["budget 0.6"]["peers"]["eager/checkpoint_sequential"] is None  # eager: 2x peak
+    # turn by turn: "m" steps (9+13)/2 = 11 each against "p"'s 9, 11, 12: median of 11/9, 1, 11/12
+    assert fast["paired_time_ratio"] == pytest.approx(1.0)
+
+
+def test_paired_ratio_divides_out_the_drift_between_turns() -> None:
+    # The machine slows 2x and 4x over the run while the peer's last turn ran on a quiet spell:
+    # medians say memfit is 1.8x slower, the turns that ran together say it is 0.91x.
+    points = [
+        point("torch.compile", "budget 0.8", 100, [11.0, 22.0, 9.0], "p"),
+        point("torch.compile", "budget 0.5", 100, [44.0, 44.0, 44.0], "q"),  # slower every turn
+        point("memfit", "budget 0.6", 100, [10.0, 20.0, 40.0], "m"),
+    ]
+    row = equal_peak_comparison(points)[0]["peers"]["torch.compile"]
+    assert row["time_ratio"] == pytest.approx(20 / 11)
+    # against each peer program turn by turn (10/11, 20/22, 40/9 and 10/44, 20/44, 40/44), the
+    # one memfit fares worst against
+    assert row["paired_time_ratio"] == pytest.approx(10 / 11)
 
 
 @pytest.fixture
@@ -83,7 +100,7 @@ def write_run(path: Path, date: str, models: list[dict[str, Any]]) -> None:
     path.write_text(json.dumps({"date_utc": date, "parameters": {"rounds": 3}, "models": models}))
 
 
-def test_history_lists_every_run_oldest_first_with_the_three_statistics(
+def test_history_lists_every_run_oldest_first_with_each_statistic(
     history: ModuleType, tmp_path: Path
 ) -> None:
     alone = [point("memfit", "mode memory", 50, [1.0, 1.0, 1.0], "z")]  # no peer at its peak
@@ -105,10 +122,11 @@ def test_history_lists_every_run_oldest_first_with_the_three_statistics(
     rows = [line for line in history.table(tmp_path).splitlines() if line.startswith("| [")]
     assert len(rows) == 2  # the model with no torch.compile point at its peak has no row
     assert rows[0].startswith("| [earlier](earlier/budget_frontier_inductor.md) | 2026-11-24T10:00")
-    # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p")
-    assert rows[0].endswith("| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 |")
-    # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled both 1.00
-    assert rows[1].endswith("| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 |")
+    # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p"),
+    # turn by turn the median of 9/9, 9/11, 9/12
+    assert rows[0].endswith("| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 | 0.82, 0.82 |")
+    # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled and turn by turn both 1.00
+    assert rows[1].endswith("| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 | 1.00, 1.00 |")
 
 
 def test_history_says_how_a_run_in_turns_timed_its_steps(history: ModuleType) -> None:
