@@ -689,9 +689,17 @@ def equal_peak_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _program(rec: dict[str, Any], index: int) -> str:
-    """The program a point ran: its recorded digest, or the point itself if it has none."""
-    return str(rec.get("program") or f"point {index}")
+def _per_program(
+    points: list[dict[str, Any]], measure: Callable[[list[list[float]]], Any]
+) -> list[Any]:
+    """For each of ``points``, ``measure`` of the step times (one list per setting) of every
+    setting that ran its program: a recorded digest, or the point itself if it has none."""
+    keys = [str(r.get("program") or f"point {i}") for i, r in enumerate(points)]
+    programs: dict[str, list[list[float]]] = {}
+    for key, r in zip(keys, points):
+        programs.setdefault(key, []).append(r["times_s"])
+    measured = {key: measure(runs) for key, runs in programs.items()}
+    return [measured[key] for key in keys]
 
 
 def _pooled_medians(points: list[dict[str, Any]]) -> list[float]:
@@ -706,12 +714,7 @@ def _pooled_medians(points: list[dict[str, Any]]) -> list[float]:
     higher; compared setting by setting, either side is "slower" by the noise alone. Pooled, the
     program is one point, timed over all its steps.
     """
-    keys = [_program(r, i) for i, r in enumerate(points)]
-    programs: dict[str, list[float]] = {}
-    for key, r in zip(keys, points):
-        programs.setdefault(key, []).extend(r["times_s"])
-    medians = {key: statistics.median(times) for key, times in programs.items()}
-    return [medians[key] for key in keys]
+    return _per_program(points, lambda runs: statistics.median(t for r in runs for t in r))
 
 
 def _program_steps(points: list[dict[str, Any]]) -> list[list[float]]:
@@ -724,15 +727,8 @@ def _program_steps(points: list[dict[str, Any]]) -> list[list[float]]:
     (``_paired``), that drift divides out; medians taken over each side's whole run keep it
     (the ResNet's one 33.7 MiB ``torch.compile`` program measured 91-97 ms at four settings of
     one run, 0.98-1.06x memfit's ``"speed"`` turn by turn)."""
-    keys = [_program(r, i) for i, r in enumerate(points)]
-    programs: dict[str, list[list[float]]] = {}
-    for key, r in zip(keys, points):
-        programs.setdefault(key, []).append(r["times_s"])
-    steps = {
-        key: [statistics.mean(k) for k in zip(*runs)]  # zip: as many steps as the shortest
-        for key, runs in programs.items()
-    }
-    return [steps[key] for key in keys]
+    # zip: as many steps as the shortest setting's
+    return _per_program(points, lambda runs: [statistics.mean(k) for k in zip(*runs)])
 
 
 def _paired(mine: list[float], peer: list[float]) -> float:
