@@ -374,6 +374,7 @@ def make_points(
     peers: tuple[str, ...] = PEERS,
     executor: str = "eager",
     modes: tuple[str, ...] = MEMFIT_MODES,
+    autotune: bool = False,
 ) -> list[Point]:
     points = [Point(spec, "eager", "plain", {})]  # the reference: always there
     if "checkpoint_sequential" in peers and spec.sequence_length is not None:
@@ -386,7 +387,8 @@ def make_points(
     for mode in modes if "memfit" in peers else ():
         points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode, "executor": executor}))
     for f in memfit_budgets if "memfit" in peers else ():
-        points.append(Point(spec, "memfit", f"budget {f:g}", {"budget": f, "executor": executor}))
+        record = {"budget": f, "executor": executor, "autotune": autotune}
+        points.append(Point(spec, "memfit", f"budget {f:g}", record))
     return points
 
 
@@ -457,7 +459,12 @@ def build_and_first_step(p: Point) -> None:
             if "mode" in p.record:
                 p.module = memfit.checkpoint(entry, p.record["mode"], executor=executor)
             else:
-                p.module = memfit.checkpoint(entry, budget=p.record["budget"], executor=executor)
+                p.module = memfit.checkpoint(
+                    entry,
+                    budget=p.record["budget"],
+                    executor=executor,
+                    autotune=p.record["autotune"],
+                )
         first_step(p, p.spec.device)
     p.record["graphs_compiled"] = unique_graph_count() - graphs_before
     if p.peer == "torch.compile":
@@ -545,6 +552,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         tuple(args.peers),
         args.executor,
         tuple(args.memfit_modes),
+        args.autotune,
     )
 
     print(f"  {spec.name}: {len(points)} points; warming up", flush=True)
@@ -1065,6 +1073,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="eager",
         help="how memfit runs its plans; outputs get '_inductor' for inductor",
     )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="memfit's budgets with autotune=True (needs --executor inductor): each timed "
+        'against "speed"\'s plan on its first step',
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
@@ -1210,6 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
             "an int is bytes (the smallest feasible)",
             "memfit_modes": list(args.memfit_modes),
             "memfit_executor": args.executor,
+            "memfit_autotune": args.autotune,
             "timing_lock": (
                 "run in parallel with other models' runs: compiled alongside them, timed alone "
                 "once none was compiling"

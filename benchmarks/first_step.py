@@ -26,7 +26,9 @@ end of ``backward()`` and, for memfit, each phase by wrapping the functions that
 
 Configurations: memfit ``"none"``, ``"memory"``, ``budget=1.0`` with the eager executor and with
 the Inductor one (the planner computes the same frontier at any budget; on a ReLU MLP no plan
-keeps less than plain autograd, so a smaller fraction is refused);
+keeps less than plain autograd, so a smaller fraction is refused), and the Inductor one's
+``budget=1.0`` with ``autotune=True`` (one more plan compiled where ``"speed"``'s keeps less, and
+the two timed);
 ``torch.compile(backend="aot_eager")`` (capture and tracing without a compiler: the closest peer
 of memfit's eager executor) and ``torch.compile()`` (Inductor).
 
@@ -59,6 +61,7 @@ CONFIGS = (
     "memfit-inductor none",
     "memfit-inductor memory",
     "memfit-inductor budget=1.0",
+    "memfit-inductor budget=1.0 autotune",
     "torch.compile aot_eager",
     "torch.compile inductor",
 )
@@ -139,7 +142,10 @@ def child(model_name: str, config: str) -> dict[str, Any]:
     else:
         executor = "inductor" if peer == "memfit-inductor" else "eager"
         if setting.startswith("budget="):
-            wrapped = memfit.checkpoint(model, budget=float(setting[7:]), executor=executor)
+            budget, _, tune = setting[7:].partition(" ")
+            wrapped = memfit.checkpoint(
+                model, budget=float(budget), executor=executor, autotune=tune == "autotune"
+            )
         else:
             wrapped = memfit.checkpoint(model, setting, executor=executor)
     t = time.perf_counter()

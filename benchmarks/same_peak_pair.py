@@ -16,8 +16,9 @@ is as fast as another of the same or a lower peak.
 Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
 torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch.compile:`` an
-``activation_memory_budget`` or ``memfit:`` a budget fraction or a mode (``none``, ``speed``,
-``memory``). Two sides take about two minutes on 2 cores for the ResNet, each further side
+``activation_memory_budget``, ``memfit:`` a budget fraction or a mode (``none``, ``speed``,
+``memory``), or ``memfit-autotune:`` a budget fraction timed against ``"speed"``'s plan
+(``autotune=True``). Two sides take about two minutes on 2 cores for the ResNet, each further side
 about one more.
 """
 
@@ -63,10 +64,13 @@ MODES = ("none", "speed", "memory")
 
 
 def parse_side(text: str) -> tuple[str, str]:
-    """``"torch.compile:0.8"`` or ``"memfit:0.6"`` / ``"memfit:none"`` as (peer, setting)."""
+    """``"torch.compile:0.8"``, ``"memfit:0.6"`` / ``"memfit:none"`` or
+    ``"memfit-autotune:0.6"`` (a budget with ``autotune=True``) as (peer, setting)."""
     peer, _, setting = text.partition(":")
-    if peer not in ("torch.compile", "memfit") or not setting:
-        raise argparse.ArgumentTypeError("a side is torch.compile:<budget> or memfit:<setting>")
+    if peer not in ("torch.compile", "memfit", "memfit-autotune") or not setting:
+        raise argparse.ArgumentTypeError(
+            "a side is torch.compile:<budget>, memfit:<setting> or memfit-autotune:<budget>"
+        )
     if not (peer == "memfit" and setting in MODES):
         try:
             float(setting)
@@ -90,7 +94,10 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     elif mode:
         module = memfit.checkpoint(entry, setting, executor="inductor")
     else:
-        module = memfit.checkpoint(entry, budget=float(setting), executor="inductor")
+        autotune = peer == "memfit-autotune"
+        module = memfit.checkpoint(
+            entry, budget=float(setting), executor="inductor", autotune=autotune
+        )
 
     def step() -> None:
         spec.loss(module(*spec.inputs)).backward()

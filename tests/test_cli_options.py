@@ -71,6 +71,16 @@ def test_dtypes_modes_shapes() -> None:
             parse_shape(bad)
 
 
+def test_autotune_marks_every_budget_and_needs_one() -> None:
+    policies = parse_policies("memory,budget=0.5", autotune=True)
+    assert [p.label for p in policies] == ["none", "memory", "budget 50% + autotune"]
+    assert policies[2].call() == (
+        "memfit.checkpoint(model, budget=0.5, executor='inductor', autotune=True)"
+    )
+    with pytest.raises(CliError, match="names no budget"):
+        parse_policies("memory,speed", autotune=True)
+
+
 def test_offload_adds_swap_and_offload_twins() -> None:
     labels = [p.label for p in parse_policies("speed,memory,budget=0.5", offload=True)]
     assert labels == [

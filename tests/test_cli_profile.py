@@ -196,3 +196,9 @@ def test_bad_offload_dir_is_a_cli_error(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert "does not exist" in proc.stderr + proc.stdout
+
+
+def test_autotune_without_inductor_is_a_cli_error() -> None:
+    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--policies", "budget=0.5", "--autotune")
+    assert proc.returncode != 0
+    assert "--executor inductor" in proc.stderr + proc.stdout

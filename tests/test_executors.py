@@ -288,7 +288,9 @@ def test_a_refused_budget_keeps_a_compiled_plan_within_it_over_a_cheaper_one_abo
     assert backend._kept_within(plans, 140) == 2  # all within: the cheapest
 
 
-def _budget_one_timed(monkeypatch: pytest.MonkeyPatch, rival_ratio: float | None):
+def _budget_one_timed(
+    monkeypatch: pytest.MonkeyPatch, rival_ratio: float | None, autotune: bool = True
+):
     """``budget=1.0`` on ``_net``, whose cheapest plan within it keeps more than ``"speed"``'s,
     which fits too: one step, with the rival's timed ratio set to ``rival_ratio`` (None: timed
     for real). The planned graph, the model and its plain PyTorch twin after one step each."""
@@ -297,7 +299,7 @@ def _budget_one_timed(monkeypatch: pytest.MonkeyPatch, rival_ratio: float | None
     x, y = _batch()
     ref = _net()
     model = copy.deepcopy(ref)
-    wrapped = memfit.checkpoint(model, budget=1.0, executor="inductor")
+    wrapped = memfit.checkpoint(model, budget=1.0, executor="inductor", autotune=autotune)
     F.cross_entropy(wrapped(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
     (graph,) = wrapped.plan.graphs
@@ -322,6 +324,36 @@ def test_a_budget_keeps_the_faster_of_its_cheapest_plan_and_speeds(
     rival_kept = rival_ratio <= 1 + backend.TIMED_TIE
     assert (set(graph.kept) == set(speed.plan.graphs[0].kept)) == rival_kept
     _assert_same_training(model, ref)
+
+
+def test_without_autotune_a_budget_compiles_and_times_no_rival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timing costs a compile and some 60 steps of the first call, so it is asked for: by
+    default the budget's cheapest plan is kept untimed, and ``"speed"``'s is never compiled."""
+    compiled: list[object] = []
+    real_compile_pair = backend.compile_pair
+    monkeypatch.setattr(
+        backend, "compile_pair", lambda *a, **k: compiled.append(a) or real_compile_pair(*a, **k)
+    )
+    graph, model, ref = _budget_one_timed(monkeypatch, 0.5, autotune=False)
+    assert "timed" not in graph.note
+    assert len(compiled) == 1  # the budget's plan, fitting at once
+    speed = memfit.checkpoint(_net(), "speed", executor="inductor")
+    speed(_batch()[0])
+    assert set(graph.kept) != set(speed.plan.graphs[0].kept)  # "speed"'s would have won
+    _assert_same_training(model, ref)
+
+
+def test_autotune_needs_a_budget_and_inductor() -> None:
+    with pytest.raises(ValueError, match="executor='inductor'"):
+        memfit.checkpoint(_net(), budget=0.5, autotune=True)
+    with pytest.raises(ValueError, match="give a budget"):
+        memfit.checkpoint(_net(), "memory", executor="inductor", autotune=True)
+    with pytest.raises(ValueError, match="executor='inductor'"):
+        memfit.step(lambda x: _net()(x).sum(), budget=0.5, autotune=True)
+    with pytest.raises(TypeError, match="autotune is True or False"):
+        memfit.checkpoint(_net(), budget=0.5, executor="inductor", autotune="yes")  # type: ignore[arg-type]
 
 
 def test_timing_a_budgets_plans_leaves_training_plain_pytorchs(

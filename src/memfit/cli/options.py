@@ -8,6 +8,7 @@ way: ``memfit: error: <value>: <rule>; <what to do>`` and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import torch
@@ -112,12 +113,14 @@ def parse_batch_budget(text: str) -> int:
     return budget.bytes
 
 
-def parse_policies(text: str, *, offload: bool = False) -> list[Policy]:
+def parse_policies(text: str, *, offload: bool = False, autotune: bool = False) -> list[Policy]:
     """``--policies``: comma-separated policies as ``memfit.parse_policy`` reads them.
 
     ``none`` (plain autograd, nothing recomputed) is always run first: every ratio is taken to it.
     With ``offload`` (``--offload``), ``"memory"`` and every budget also run with offload, and
-    ``"swap"`` is added, so each offload row sits beside its recompute-only twin.
+    ``"swap"`` is added, so each offload row sits beside its recompute-only twin. With
+    ``autotune`` (``--autotune``), every budget is timed against ``"speed"``'s plan
+    (``memfit.checkpoint``'s ``autotune``); there must be one.
     """
     policies: list[Policy] = [Policy("none")]
     for raw in filter(None, (part.strip() for part in text.split(","))):
@@ -125,16 +128,20 @@ def parse_policies(text: str, *, offload: bool = False) -> list[Policy]:
             policy = parse_policy(raw)
         except (TypeError, ValueError) as err:
             raise CliError(f"--policies {raw!r}: {err}") from None
+        if autotune and policy.name == BUDGET:
+            policy = dataclasses.replace(policy, autotune=True)
         if policy not in policies:
             policies.append(policy)
     if offload:
         for policy in list(policies):
             if policy.name in ("memory", BUDGET) and not policy.offload:
-                twin = Policy(policy.name, policy.budget, policy.modules, offload=True)
+                twin = dataclasses.replace(policy, offload=True)
                 if twin not in policies:
                     policies.append(twin)
         if Policy("swap") not in policies:
             policies.append(Policy("swap"))
+    if autotune and not any(p.autotune for p in policies):
+        raise CliError(f"--autotune times budgets' plans: --policies {text!r} names no budget=B")
     return policies
 
 

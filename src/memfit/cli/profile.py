@@ -130,6 +130,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "PyTorch) or inductor (torch.compile's fused kernels, to float tolerance)",
     )
     p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="with --executor inductor: time each budget's plan against speed's once both are "
+        "compiled and keep the faster (one more compile on the first step)",
+    )
+    p.add_argument(
         "--offload-dir",
         metavar="DIR",
         help="directory for disk offload files (a private subdirectory is made and removed)",
@@ -245,7 +251,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype)
-    policies = parse_policies(args.policies, offload=args.offload)
+    if args.autotune and args.executor != "inductor":
+        raise CliError("--autotune times plans as Inductor compiles them: add --executor inductor")
+    policies = parse_policies(args.policies, offload=args.offload, autotune=args.autotune)
     offload = _offload_options(args)
     budget = parse_batch_budget(args.budget) if args.budget is not None else None
     shapes = [parse_shape(s) for s in args.input_shape]

@@ -814,12 +814,10 @@ def make_backend(
                 least_simulated.append(graph_plan.predicted_peak_bytes)
             reach_bytes = graph_plan.budget_bytes
 
-            # A budget the simulation met, for a graph planned on its own: its cheapest plan is
-            # timed against "speed"'s where both fit once compiled (_faster); not for a
-            # budget the simulation refused, whose plans are "memory"'s.
-            timed_choice = (
-                policy.name == BUDGET and graph_share is None and not spent and not jg.symbols
-            )
+            # With autotune, a budget the simulation met, for a graph planned on its own: its
+            # cheapest plan is timed against "speed"'s where both fit once compiled (_faster);
+            # not for a budget the simulation refused, whose plans are "memory"'s.
+            timed_choice = policy.autotune and graph_share is None and not spent and not jg.symbols
 
             def speed_rival() -> GraphPlan:
                 speed = plan_graph(jg, Policy("speed"))

@@ -144,6 +144,10 @@ class PlannedCall:
         executor: str = EAGER,
     ) -> None:
         check_executor(executor)
+        if policy.autotune and executor != INDUCTOR:
+            raise ValueError(
+                "autotune=True times plans as Inductor compiles them: use executor='inductor'"
+            )
         if executor == INDUCTOR and policy.name == BUDGET and policy.offload:
             warn_user(INDUCTOR_BUDGET_WARNING)
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:

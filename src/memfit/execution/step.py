@@ -99,6 +99,7 @@ def step(
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
     executor: str = EAGER,
+    autotune: bool = False,
 ) -> Step: ...
 
 
@@ -115,6 +116,7 @@ def step(
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
     executor: str = EAGER,
+    autotune: bool = False,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
@@ -130,6 +132,7 @@ def step(
     offload_dir: str | None = None,
     max_shapes: int = DEFAULT_MAX_SHAPES,
     executor: str = EAGER,
+    autotune: bool = False,
 ) -> Step | Callable[[Callable[..., Any]], Step]:
     """Run the training step ``fn`` (batch in, loss out) with fewer activations kept.
 
@@ -145,9 +148,10 @@ def step(
 
         loss = train_step(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    ``policy``, ``budget``, ``attention``, ``offload`` and its options, ``max_shapes`` and
-    ``executor`` are ``memfit.checkpoint``'s, except policies naming submodules: a step has no
-    single model to name them in (use ``memfit.checkpoint(model, [...])`` or ``memfit.mark``).
+    ``policy``, ``budget``, ``attention``, ``offload`` and its options, ``max_shapes``,
+    ``executor`` and ``autotune`` are ``memfit.checkpoint``'s, except policies naming
+    submodules: a step has no single model to name them in (use
+    ``memfit.checkpoint(model, [...])`` or ``memfit.mark``).
     """
     if isinstance(fn, (str, Policy)) and policy is None and budget is None:
         fn, policy = None, fn  # @memfit.step("memory")
@@ -157,7 +161,7 @@ def step(
             "memfit.mark in the model, or memfit.checkpoint(model, [names]) for the model"
         )
     chosen, options = resolve_policy(
-        policy, budget, checkpoints, attention, offload, offload_to, offload_dir, "step"
+        policy, budget, checkpoints, attention, offload, offload_to, offload_dir, "step", autotune
     )
     check_executor(executor)
     if chosen.modules:

@@ -6,8 +6,9 @@ the backward's kernels, where the model cannot see what it costs. Measured on a 
 BatchNorm (``benchmarks/results/same_peak_pair/budgets_1126``), the plan keeping everything the
 model called cheapest ran 1.04x the step of a plan keeping half as much, while on a U-Net plans
 keeping less ran 4-12% slower (``benchmarks/results/keep_traffic``): no byte count told the two
-apart. So where two plans both fit a budget and the model cannot rank them, their compiled
-graphs are run and timed, as the graphs' peaks are measured (``calibrate``).
+apart. So where two plans both fit a budget and the model cannot rank them, and the user asked
+for it (``autotune=True``: it costs one more compile), their compiled graphs are run and timed,
+as the graphs' peaks are measured (``calibrate``).
 
 How: each pair runs once untimed (first calls load kernels), then ``rounds`` rounds, each pair
 once per round, the order rotating so no pair always runs after the same one; each pair's time

@@ -55,6 +55,10 @@ class Policy:
     #: whether the plan may offload saved values (``"swap"`` always does; ``"memory"`` and a
     #: budget with ``offload=True``)
     offload: bool = False
+    #: a budget only, under ``executor="inductor"``: whether the budget's plan is timed against
+    #: ``"speed"``'s once both are compiled, and the faster kept (``execution.backend``'s
+    #: ``_faster``); one more compile and some 60 steps on the first call
+    autotune: bool = False
 
     def __post_init__(self) -> None:
         if self.name == BUDGET:
@@ -68,6 +72,11 @@ class Policy:
             raise ValueError(f"submodule names go with the 'collection' policy, not {self.name!r}")
         if self.name == "swap" and not self.offload:
             object.__setattr__(self, "offload", True)
+        if self.autotune and self.name != BUDGET:
+            raise ValueError(
+                f"autotune=True times a budget's plan against 'speed''s: give a budget, not "
+                f"policy {self.name!r}, whose plan is fixed"
+            )
         if self.offload and self.name not in _OFFLOADING:
             raise ValueError(
                 f"offload=True goes with a budget, 'memory' or 'swap', not {self.name!r}: "
@@ -78,6 +87,7 @@ class Policy:
     def label(self) -> str:
         """How tables, plans and figures name this policy (``memory``, ``budget 50%``)."""
         suffix = " + offload" if self.offload and self.name != "swap" else ""
+        suffix += " + autotune" if self.autotune else ""
         if self.budget is None:
             return self.name + suffix
         if self.budget.fraction is not None:
@@ -94,6 +104,7 @@ class Policy:
         if self.budget is not None:
             value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
             extra = ", offload=True" if self.offload else ""
+            extra += ", executor='inductor', autotune=True" if self.autotune else ""
             return f"memfit.checkpoint({model}, budget={value!r}{extra})"
         if self.modules:
             return f"memfit.checkpoint({model}, {list(self.modules)!r})"
