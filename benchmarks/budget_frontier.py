@@ -573,6 +573,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
                 "budget": smallest,
                 "budget_is_smallest_feasible": True,
                 "executor": args.executor,
+                "autotune": args.autotune,
             },
         )
         points.append(p)
