@@ -387,9 +387,14 @@ def make_points(
     for mode in modes if "memfit" in peers else ():
         points.append(Point(spec, "memfit", f"mode {mode}", {"mode": mode, "executor": executor}))
     for f in memfit_budgets if "memfit" in peers else ():
-        record = {"budget": f, "executor": executor, "autotune": autotune}
-        points.append(Point(spec, "memfit", f"budget {f:g}", record))
+        points.append(Point(spec, "memfit", f"budget {f:g}", budget_record(f, executor, autotune)))
     return points
+
+
+def budget_record(budget: float | int, executor: str, autotune: bool) -> dict[str, Any]:
+    """What a memfit budget point is built from (``warm_up``): every budget point, the
+    fractions and the smallest feasible bytes alike, gets its record here."""
+    return {"budget": budget, "executor": executor, "autotune": autotune}
 
 
 def _record_plan(p: Point) -> None:
@@ -570,10 +575,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             "memfit",
             "budget smallest",
             {
-                "budget": smallest,
+                **budget_record(smallest, args.executor, args.autotune),
                 "budget_is_smallest_feasible": True,
-                "executor": args.executor,
-                "autotune": args.autotune,
             },
         )
         points.append(p)

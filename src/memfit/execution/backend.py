@@ -55,7 +55,7 @@ from memfit.execution.partition import split_joint_graph
 from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
-from memfit.measurement.timing import CompiledStep, step_time_ratios
+from memfit.measurement.timing import CompiledStep, inputs_device, step_time_ratios
 from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.frontier import MIN_GAP
 from memfit.planning.measured_search import Tried, plan_cost, search_plans
@@ -539,7 +539,7 @@ def _compiled_step(
     names = [o.name if isinstance(o, fx.Node) else None for o in output.args[0]]
     position = {name: i for i, name in enumerate(names) if name is not None}
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), None)
+    device = inputs_device(inputs)
 
     def backward_inputs(outputs: Sequence[Any]) -> list[Any]:
         args: list[Any] = []
