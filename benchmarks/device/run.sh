@@ -1,7 +1,8 @@
 #!/bin/bash
 # The device's one measuring call: the CUDA tests and the three models' Inductor frontiers, in
 # parallel processes; the frontiers time one at a time once nothing compiles (--timing-lock).
-# usage: bash benchmarks/device/run.sh DEVICE TEST_TIMEOUT FRONTIER_TIMEOUT [frontier args...]
+# usage: [MODELS="resnet unet"] bash benchmarks/device/run.sh DEVICE TEST_TIMEOUT FRONTIER_TIMEOUT
+#          [frontier args...]   (TEST_TIMEOUT 0: no tests; MODELS: the frontiers to run, default all)
 set -u
 DEV=$1 TT=$2 FT=$3; shift 3
 [ -f benchmarks/device/env.sh ] && [ "$DEV" != cpu ] && source benchmarks/device/env.sh
@@ -12,7 +13,7 @@ if [ "$TT" -gt 0 ]; then
     > $OUT/pytest.log 2>&1 &
   touch $L.warming.$!
 fi
-for m in resnet transformer unet; do
+for m in ${MODELS:-resnet transformer unet}; do
   timeout $FT $PY benchmarks/budget_frontier.py --device $DEV --executor inductor --models $m \
     --peers torch.compile memfit --timing-lock $L --out-dir $W/$m "$@" \
     > $OUT/frontier_$m.log 2>&1 &
