@@ -87,6 +87,28 @@ def test_interleaved_rounds_rotate_and_time_every_step() -> None:
     assert all(m.gc_enabled_in_steps == [False] * 4 for m in methods) and gc.isenabled()
 
 
+def test_timing_freezes_the_heap_so_each_steps_collection_scans_only_new_objects() -> None:
+    frozen_in_steps: list[int] = []
+    method = _method()
+    step = method.step
+    method.step = lambda: (frozen_in_steps.append(gc.get_freeze_count()), step())
+    old_cycle: list[Any] = []
+    old_cycle.append(old_cycle)  # alive before the timing: frozen with the rest
+    time_interleaved([method], rounds=3, device=CPU)
+    # every object alive at the start (the model, this test's cycle) was out of the collections
+    assert len(frozen_in_steps) == 3 and min(frozen_in_steps) > 0
+    assert gc.get_freeze_count() == 0  # thawed afterwards
+
+
+def test_timing_leaves_a_heap_frozen_by_someone_else_as_it_was() -> None:
+    gc.freeze()
+    try:
+        time_interleaved([_method()], rounds=2, device=CPU)
+        assert gc.get_freeze_count() > 0  # not thawed (its count drops as frozen objects die)
+    finally:
+        gc.unfreeze()
+
+
 def test_a_turn_settles_untimed_then_times_its_steps_in_a_row() -> None:
     log: list[str] = []
     methods = [_method(name, log) for name in "ab"]
