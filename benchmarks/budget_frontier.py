@@ -1215,7 +1215,8 @@ def main(argv: list[str] | None = None) -> int:
             "time": "median of `rounds` x `steps_per_turn` steps timed by "
             "memfit.measure(profile_memory=False) (no profiler), in turns of `settle` untimed "
             "steps then `steps_per_turn` timed ones, round-robin over all of a model's points, "
-            "start rotated each round; gc.collect() before each step, gc disabled during a round; "
+            "start rotated each round; gc.collect() before each step, gc disabled during a round, "
+            "the objects alive when the timing began frozen (gc.freeze) until it ends; "
             "faults: the process's minor page faults during each timed step",
             "torch.compile": "inductor; torch._functorch.config.activation_memory_budget patched "
             "around compilation and the whole first step; each point its own "
