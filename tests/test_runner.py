@@ -92,10 +92,8 @@ def test_timing_freezes_the_heap_so_each_steps_collection_scans_only_new_objects
     method = _method()
     step = method.step
     method.step = lambda: (frozen_in_steps.append(gc.get_freeze_count()), step())
-    old_cycle: list[Any] = []
-    old_cycle.append(old_cycle)  # alive before the timing: frozen with the rest
     time_interleaved([method], rounds=3, device=CPU)
-    # every object alive at the start (the model, this test's cycle) was out of the collections
+    # the objects alive at the start (the model among them) were out of every step's collection
     assert len(frozen_in_steps) == 3 and min(frozen_in_steps) > 0
     assert gc.get_freeze_count() == 0  # thawed afterwards
 
