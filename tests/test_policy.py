@@ -63,3 +63,9 @@ def test_only_automatic_policies_fall_back_to_plain_autograd() -> None:
     assert Policy("memory").never_worse_than_none and Policy("speed").never_worse_than_none
     assert not Policy("collection").never_worse_than_none
     assert not Policy(BUDGET, budget=Budget(fraction=0.5)).never_worse_than_none
+
+
+def test_autotune_is_a_bool_however_the_policy_is_made() -> None:
+    # checked by Policy itself, so a memfit.Policy built by hand is held to it too
+    with pytest.raises(TypeError, match="autotune is True or False"):
+        Policy(BUDGET, budget=Budget(fraction=0.5), autotune="yes")  # type: ignore[arg-type]

@@ -326,8 +326,6 @@ def resolve_policy(
     autotune: bool = False,
 ) -> tuple[Policy, OffloadOptions | None]:
     """The policy and offload options ``memfit.<caller>``'s arguments ask for, checked."""
-    if not isinstance(autotune, bool):
-        raise TypeError(f"autotune is True or False, got {autotune!r}")
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if checkpoints is not None:
@@ -350,8 +348,9 @@ def resolve_policy(
         parsed = parse_budget(budget)
         return Policy(BUDGET, budget=parsed, offload=offloads, autotune=autotune), options
     chosen = parse_policy("memory" if policy is None else policy)
-    if autotune and not chosen.autotune:
-        chosen = dataclasses.replace(chosen, autotune=True)  # raises for a policy not a budget
+    if autotune is not False and not chosen.autotune:
+        # Policy checks it: a bool, and for a budget only
+        chosen = dataclasses.replace(chosen, autotune=autotune)
     if offloads and not chosen.offload:
         chosen = dataclasses.replace(chosen, offload=True)
     if options is not None and not chosen.offload:

@@ -61,6 +61,8 @@ class Policy:
     autotune: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.autotune, bool):
+            raise TypeError(f"autotune is True or False, got {self.autotune!r}")
         if self.name == BUDGET:
             if self.budget is None:
                 raise ValueError("the budget policy needs a budget, e.g. budget=0.5 or 2GiB")
