@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import memfit  # noqa: E402
-from budget_frontier import MODELS, RESULTS, ModelSpec, model_specs  # noqa: E402
+from budget_frontier import MODELS, RESULTS, ModelSpec, model_specs, paired_interval  # noqa: E402
 from memfit._compat import activation_memory_budget  # noqa: E402
 from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
 from memfit.bench.peers import entry_point  # noqa: E402
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_median_s": statistics.median(method.times),
             "step_min_s": min(method.times),
             "median_round_ratio": statistics.median(per_round),
+            # each round one step per side: a round is what is resampled
+            "round_ratio_interval": list(paired_interval(method.times, reference.times, 1)),
             "times_s": method.times,
             "profile": profiled(method)[:TOP_OPS],
         }
@@ -180,18 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         f"in an order rotating each round, torch {torch.__version__}, "
         f'{torch.get_num_threads()} threads, load average {load_start} at start. "per round": '
         f"the median over rounds of the side's step time over {reference.name}'s in the same "
-        "round.",
+        "round, with its 95% interval (a bootstrap over rounds).",
         "",
         "| side | peak MiB | step ms (median) | fastest step ms | median / reference's "
-        "| fastest / reference's | per round |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| fastest / reference's | per round | 95% interval |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ref = results[reference.name]
     for name, r in results.items():
+        lo, hi = r["round_ratio_interval"]
         lines.append(
             f"| {name} | {r['peak_bytes'] / 2**20:.1f} | {r['step_median_s'] * 1e3:.2f} | "
             f"{r['step_min_s'] * 1e3:.2f} | {r['step_median_s'] / ref['step_median_s']:.3f} | "
-            f"{r['step_min_s'] / ref['step_min_s']:.3f} | {r['median_round_ratio']:.3f} |"
+            f"{r['step_min_s'] / ref['step_min_s']:.3f} | {r['median_round_ratio']:.3f} | "
+            f"{lo:.3f}-{hi:.3f} |"
         )
     for name, r in results.items():
         lines += ["", f"## {name}: profile, per step", "", "| op | calls | self ms |"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 import runpy
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,7 @@ from clitools import ROOT
 _FRONTIER = runpy.run_path(str(ROOT / "benchmarks" / "budget_frontier.py"))
 equal_peak_comparison = _FRONTIER["equal_peak_comparison"]
 pooled_medians = _FRONTIER["_pooled_medians"]
+paired_interval = _FRONTIER["paired_interval"]
 
 
 def point(peer: str, setting: str, peak: int, times: list[float], program: str | None) -> dict:
@@ -87,6 +89,36 @@ def test_paired_ratio_divides_out_the_drift_between_turns() -> None:
     # against each peer program turn by turn (10/11, 20/22, 40/9 and 10/44, 20/44, 40/44), the
     # one memfit fares worst against
     assert row["paired_time_ratio"] == pytest.approx(10 / 11)
+    lo, hi = row["paired_interval"]
+    assert lo <= row["paired_time_ratio"] <= hi
+
+
+def _noisy(scale: float, n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [scale * rng.uniform(0.9, 1.1) for _ in range(n)]
+
+
+def test_the_turn_by_turn_interval_separates_a_real_gap_from_noise() -> None:
+    """Both sides drawn alike: the interval holds 1. memfit 10% slower every turn under the same
+    10% noise: the interval lies wholly above 1. Each interval holds its own median."""
+    peer = _noisy(1.0, 80, seed=1)
+    for mine, above in ((_noisy(1.0, 80, seed=2), False), (_noisy(1.1, 80, seed=2), True)):
+        lo, hi = paired_interval(mine, peer, 2)
+        ratios = sorted(a / b for a, b in zip(mine, peer))
+        assert lo <= (ratios[39] + ratios[40]) / 2 <= hi
+        assert (lo > 1) == above and hi > 1
+    # reproducible: a report's interval does not change when it is written again
+    assert paired_interval(mine, peer, 2) == paired_interval(mine, peer, 2)
+
+
+def test_the_interval_resamples_whole_turns() -> None:
+    """One turn's steps move together. Turns of (1, 3) and (2, 2): any resample of whole turns
+    has median 2, so the interval is that point; resampled step by step it would not be."""
+    mine, peer = [1.0, 3.0, 2.0, 2.0], [1.0] * 4
+    assert paired_interval(mine, peer, 2) == (2.0, 2.0)
+    lo, hi = paired_interval(mine, peer, 1)
+    assert lo < 2.0 < hi
+    assert paired_interval(mine, peer, 4) == (2.0, 2.0)  # one turn: nothing to resample
 
 
 @pytest.fixture
@@ -124,9 +156,13 @@ def test_history_lists_every_run_oldest_first_with_each_statistic(
     assert rows[0].startswith("| [earlier](earlier/budget_frontier_inductor.md) | 2026-11-24T10:00")
     # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p"),
     # turn by turn the median of 9/9, 9/11, 9/12
-    assert rows[0].endswith("| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 | 0.82, 0.82 |")
+    assert rows[0].endswith(
+        "| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 | 0.82, 0.82 | 0 |"
+    )
     # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled and turn by turn both 1.00
-    assert rows[1].endswith("| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 | 1.00, 1.00 |")
+    assert rows[1].endswith(
+        "| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 | 1.00, 1.00 | 0 |"
+    )
 
 
 def test_history_says_how_a_run_in_turns_timed_its_steps(history: ModuleType) -> None:
