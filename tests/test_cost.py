@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memfit.analysis.cost import DEVICE_SPEED, is_compute_heavy, node_flops, node_seconds
+from memfit.analysis.cost import (
+    DEVICE_SPEED,
+    is_compute_heavy,
+    keeping_seconds,
+    node_flops,
+    node_seconds,
+)
 from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
@@ -27,6 +33,37 @@ def test_fused_elementwise_costs_its_arithmetic_only() -> None:
     assert node_seconds(addmm, fused=True) == node_seconds(addmm)
     assert node_seconds(relu, fused=True) == node_flops(relu) / DEVICE_SPEED["cpu"][0]
     assert node_seconds(relu, fused=True) < node_seconds(relu)
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        e = torch.exp(h)  # read by an elementwise op only: fused away unless kept
+        return self.b(torch.relu(e * h))
+
+
+def test_keeping_costs_a_write_only_where_the_forward_would_not_write_anyway() -> None:
+    """Under Inductor, keeping a value fused into its readers costs its write at the device's
+    bandwidth; a matrix product's output or input is written whether kept or not, and costs
+    nothing; the eager executor writes everything and is charged nothing."""
+    x = torch.randn(8, 32)
+    (jg,) = joint_graphs(_TwoLinears(), x, executor="inductor")
+    (eager,) = joint_graphs(_TwoLinears(), x)
+    addmm = next(n for n in jg.forward if n.target is torch.ops.aten.addmm.default)
+    exp = next(n for n in jg.forward if n.target is torch.ops.aten.exp.default)
+    relu = next(n for n in jg.forward if n.target is torch.ops.aten.relu.default)
+    assert any(is_compute_heavy(u) for u in relu.users)  # the next Linear reads it
+    bandwidth = DEVICE_SPEED["cpu"][1]
+    assert keeping_seconds(jg, [exp]) == pytest.approx(8 * 64 * 4 / bandwidth)
+    assert keeping_seconds(jg, [addmm, relu]) == 0.0
+    assert keeping_seconds(jg, [exp, addmm, relu]) == keeping_seconds(jg, [exp])
+    eager_exp = next(n for n in eager.forward if n.target is torch.ops.aten.exp.default)
+    assert keeping_seconds(eager, [eager_exp]) == 0.0
 
 
 class _Chunked(nn.Module):

@@ -68,3 +68,20 @@ def test_a_cache_refuses_another_graph(graphs) -> None:
     cache = FrontierCache(first)
     with pytest.raises(ValueError, match="another graph"):
         plan_graph(second, Policy("memory"), cache=cache)
+
+
+def test_under_inductor_a_roomy_budget_keeps_less_than_plain_autograd() -> None:
+    """Under Inductor keeping a value the forward would otherwise fuse away costs its write
+    (``analysis.cost.keeping_seconds``): on a pre-activation ResNet a budget with room for
+    everything takes the plan recomputing BatchNorm and ReLU inside the backward's kernels, as
+    torch.compile's partitioner does, and no convolution. Under eager kernels keeping is free,
+    and the same budget keeps everything."""
+    model, batch = cifar_resnet(2, width=8), torch.randn(8, 3, 32, 32)
+    (eager,) = joint_graphs(model, batch)
+    (fused,) = joint_graphs(model, batch, executor="inductor")
+    roomy = Policy(BUDGET, budget=Budget(fraction=1.0))
+    assert plan_graph(eager, roomy).kept_bytes == plan_graph(eager, Policy("none")).kept_bytes
+    chosen, none = plan_graph(fused, roomy), plan_graph(fused, Policy("none"))
+    assert chosen.kept_bytes < 0.7 * none.kept_bytes
+    assert chosen.cost_seconds < none.cost_seconds
+    assert not any(n.startswith("convolution") for n in chosen.recomputed)

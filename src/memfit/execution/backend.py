@@ -58,7 +58,7 @@ from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
 from memfit.measurement.timing import CompiledStep, inputs_device, step_time_ratios
 from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.frontier import MIN_GAP
-from memfit.planning.measured_search import Tried, plan_cost, search_plans
+from memfit.planning.measured_search import Tried, search_plans
 from memfit.planning.plan import GraphPlan, sized_key
 from memfit.planning.planner import FrontierCache, plan_graph, with_executor_peaks
 from memfit.planning.policy import BUDGET, Policy
@@ -408,13 +408,13 @@ def _faster(
     """Of the cheapest plan within ``limit_bytes`` and ``rival`` (``"speed"``'s plan), the one
     whose compiled step runs faster (the rival on a tie), where both fit once compiled.
 
-    Why: the cost model prices a plan by what it recomputes and keeping by nothing, so under a
-    budget it chooses the plan that recomputes least, however much it keeps. Compiled, that
-    plan can be the slower: on a CPU ResNet with BatchNorm, ``budget=1``'s plan, keeping almost
-    everything (59.8 MiB), ran 1.04x the step of ``"speed"``'s (35.3 MiB), which recomputes only
-    what Inductor fuses into the backward's kernels; on a U-Net, plans keeping less ran 4-12%
-    slower (``benchmarks/results/keep_traffic``, where six ways of pricing kept bytes were tried
-    and none ranked both models). So both are compiled, measured, and timed on the step's own
+    Why: the cost model is an estimate (recomputation at its FLOPs where Inductor fuses it, the
+    forward's writes of what is kept: ``analysis.cost``), and which plan Inductor runs faster
+    depends on how the backward's kernels fuse around the recomputed values, which it does not
+    see. Before kept values were priced, on a CPU ResNet with BatchNorm ``budget=1``'s plan,
+    keeping almost everything (59.8 MiB), ran 1.04x the step of ``"speed"``'s (35.3 MiB); on a
+    U-Net, plans keeping less ran 4-12% slower (``benchmarks/results/keep_traffic``, six ways
+    of pricing kept bytes tried). So both are compiled, measured, and timed on the step's own
     inputs (``measurement.timing``: ``TIMED_ROUNDS`` interleaved rounds, the median of per-round
     ratios), and the rival kept unless it ran slower by more than ``TIMED_TIE``: at the same
     speed, the plan keeping less (on the ResNet, ``budget=0.8``'s 47.3 MiB plan and the rival
@@ -463,7 +463,7 @@ def _kept_within(plans: Sequence[GraphPlan], budget_bytes: int | None) -> int:
         if budget_bytes is None or p.predicted_peak_bytes <= budget_bytes
     ]
     if within:
-        return min(within, key=lambda i: (plan_cost(plans[i]), plans[i].predicted_peak_bytes))
+        return min(within, key=lambda i: (plans[i].cost_seconds, plans[i].predicted_peak_bytes))
     return min(range(len(plans)), key=lambda i: plans[i].predicted_peak_bytes)
 
 

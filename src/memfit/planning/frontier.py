@@ -46,7 +46,7 @@ from functools import partial
 import numpy as np
 import torch.fx as fx
 
-from memfit.analysis.cost import node_flops, node_seconds
+from memfit.analysis.cost import keeping_seconds, node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
@@ -61,6 +61,7 @@ from memfit.warn import warn_user
 __all__ = [
     "MIN_GAP",
     "FrontierPoint",
+    "activations",
     "pareto_frontier",
     "pareto",
     "choose",
@@ -95,6 +96,8 @@ class FrontierPoint:
     simulation: StepSimulation
     #: what this plan offloads (``planning.offload``); None for recompute-only plans
     schedule: TransferSchedule | None = None
+    #: what writing and reading its kept values costs under Inductor (``keeping_seconds``)
+    keep_seconds: float = 0.0
 
     @property
     def stall_seconds(self) -> float:
@@ -102,8 +105,9 @@ class FrontierPoint:
 
     @property
     def cost_seconds(self) -> float:
-        """What the plan adds to a step: recomputation plus waiting for the link."""
-        return self.recompute_seconds + self.stall_seconds
+        """What the plan adds to a step: recomputation, waiting for the link and, under
+        Inductor, keeping its values."""
+        return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
 def _point(
@@ -118,7 +122,17 @@ def _point(
         recompute_flops=int(sum(c[1] for c in recomputed)),
         source=source,
         simulation=sim,
+        keep_seconds=keeping_seconds(jg, activations(jg, kept)),
     )
+
+
+def activations(jg: JointGraph, kept: set[fx.Node]) -> list[fx.Node]:
+    """What keeping ``kept`` holds for backward beyond what the step returns anyway (its
+    outputs) and what existed before it (parameters, inputs), in graph order: what a plan
+    reports as kept, and the values whose keeping costs time."""
+    outputs = set(jg.fwd_outputs)
+    saved = jg.saved_needed(kept)
+    return [n for n in jg.nodes if n in saved and n.op != "placeholder" and n not in outputs]
 
 
 def pareto_frontier(

@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan
 
-__all__ = ["Tried", "search_plans", "plan_cost"]
+__all__ = ["Tried", "search_plans"]
 
 T = TypeVar("T")
 
@@ -42,11 +42,6 @@ class Tried(Generic[T]):
     def __init__(self, plan: GraphPlan, made: T) -> None:
         self.plan = plan
         self.made = made
-
-
-def plan_cost(plan: GraphPlan) -> float:
-    """What a plan adds to a step, in the planner's estimate: recomputation and link stalls."""
-    return plan.recompute_seconds + plan.stall_seconds
 
 
 def search_plans(
@@ -124,7 +119,7 @@ WORTH_A_COMPILE = 0.02
 
 
 def _worth_a_compile(plan: GraphPlan) -> bool:
-    return plan_cost(plan) > 0 and plan.recompute_flops > WORTH_A_COMPILE * plan.forward_flops
+    return plan.cost_seconds > 0 and plan.recompute_flops > WORTH_A_COMPILE * plan.forward_flops
 
 
 def _replan(

@@ -193,6 +193,7 @@ def with_offload(
                     source=f"{p.source}+offload",
                     simulation=c.simulation,
                     schedule=c.schedule,
+                    keep_seconds=p.keep_seconds,
                 )
             )
     if cut:  # a safety net: the variants are counted work

@@ -60,6 +60,13 @@ class ParetoPoint:
     #: bytes offloaded and the predicted seconds compute waits for the link (offload plans)
     offloaded_bytes: int = 0
     stall_seconds: float = 0.0
+    #: what writing and reading the kept values costs under Inductor (``keeping_seconds``)
+    keep_seconds: float = 0.0
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step, as ``FrontierPoint.cost_seconds``."""
+        return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class GraphPlan:
     note: str = ""
     #: estimated time of the recomputation (roofline of FLOPs and bytes; ``analysis.cost``)
     recompute_seconds: float = 0.0
+    #: estimated time of writing and reading the kept values under Inductor (``analysis.cost``)
+    keep_seconds: float = 0.0
     #: the byte budget this graph was planned against (``"budget"`` policy only)
     budget_bytes: int | None = None
     #: with graph breaks, once the step was planned as a whole: the whole step's budget, of
@@ -149,6 +158,11 @@ class GraphPlan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
+
+    @property
+    def cost_seconds(self) -> float:
+        """What the plan adds to a step in the planner's estimate (``ParetoPoint``'s)."""
+        return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
 @dataclass(frozen=True)
@@ -370,6 +384,7 @@ class Plan:
                     kept_bytes=sum(p.kept_bytes for p in picked),
                     offloaded_bytes=sum(p.offloaded_bytes for p in picked),
                     stall_seconds=sum(p.stall_seconds for p in picked),
+                    keep_seconds=sum(p.keep_seconds for p in picked),
                 )
             )
         return sorted(points, key=lambda p: p.peak_bytes)

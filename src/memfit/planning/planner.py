@@ -21,13 +21,19 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from memfit.analysis.cost import node_flops, node_seconds
+from memfit.analysis.cost import keeping_seconds, node_flops, node_seconds
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
-from memfit.planning.frontier import FrontierPoint, choose, least_peak_point, pareto_frontier
+from memfit.planning.frontier import (
+    FrontierPoint,
+    activations,
+    choose,
+    least_peak_point,
+    pareto_frontier,
+)
 from memfit.planning.fusion import fused_plan
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
@@ -139,6 +145,7 @@ def plan_graph(
                 _reported_bytes(jg, set(p.kept), _offloaded(p)),
                 offloaded_bytes=p.schedule.offloaded_bytes if p.schedule else 0,
                 stall_seconds=p.stall_seconds,
+                keep_seconds=p.keep_seconds,
             )
             for p in points
         )
@@ -266,15 +273,8 @@ def _fraction_reach(
 
 
 def _reported(jg: JointGraph, kept: set[fx.Node], offloaded: set[fx.Node]) -> list[fx.Node]:
-    """What a plan reports as kept: activations held for backward beyond what the step returns
-    anyway (its outputs) and what existed before it (parameters, inputs), in graph order."""
-    outputs = set(jg.fwd_outputs)
-    saved = jg.saved_needed(kept)
-    return [
-        n
-        for n in jg.nodes
-        if n in saved and n.op != "placeholder" and n not in outputs and n not in offloaded
-    ]
+    """What a plan reports as kept: its ``activations`` less what it offloads."""
+    return [n for n in activations(jg, kept) if n not in offloaded]
 
 
 def _reported_bytes(jg: JointGraph, kept: set[fx.Node], offloaded: set[fx.Node]) -> int:
@@ -355,6 +355,7 @@ def describe_plan(
         recompute_seconds=float(
             sum(node_seconds(n, jg.sizes, jg.fused_elementwise) for n in recomputed)
         ),
+        keep_seconds=keeping_seconds(jg, activations(jg, kept)),
         budget_bytes=budget_bytes,
         step_budget_bytes=step_budget_bytes,
         frontier=frontier,

@@ -41,11 +41,15 @@ def _points(graph: GraphPlan) -> list[ParetoPoint]:
     if graph.frontier:
         return list(graph.frontier)
     # No frontier (not planned with a budget): the plan itself is the only choice.
-    return [ParetoPoint(graph.predicted_peak_bytes, 0, graph.recompute_seconds, graph.kept_bytes)]
-
-
-def _cost(p: ParetoPoint) -> float:
-    return p.recompute_seconds + p.stall_seconds
+    return [
+        ParetoPoint(
+            graph.predicted_peak_bytes,
+            0,
+            graph.recompute_seconds,
+            graph.kept_bytes,
+            keep_seconds=graph.keep_seconds,
+        )
+    ]
 
 
 def _fixed(plan: Plan) -> list[int]:
@@ -117,7 +121,9 @@ def _search(
                     continue
                 if kept_limit is not None and kept > kept_limit:
                     continue
-                grown.append((kept, step_peak, cost + _cost(p), {**choice, graph.sized_key: p}))
+                grown.append(
+                    (kept, step_peak, cost + p.cost_seconds, {**choice, graph.sized_key: p})
+                )
         states = _prune(grown, {g.sized_key for g in parts[i + 1 :]})
         if not states:
             return None
