@@ -310,7 +310,7 @@ def _budget_one_timed(
 def test_a_budget_keeps_the_faster_of_its_cheapest_plan_and_speeds(
     monkeypatch: pytest.MonkeyPatch, rival_ratio: float
 ) -> None:
-    """Under a budget both fit once compiled, the plan recomputing least and ``"speed"``'s are
+    """Under a budget both fit once compiled, the cheapest plan and ``"speed"``'s are
     timed; the faster is kept, ``"speed"``'s (keeping less) on a tie within ``TIMED_TIE`` (the
     timing is set here, so the choice is certain), its peaks the ones measured, within the
     budget, and training is plain PyTorch's either way."""

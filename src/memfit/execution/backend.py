@@ -442,7 +442,7 @@ def _faster(
     except _CannotCalibrate:
         return cheapest
     timed = (
-        f"timed once compiled, {TIMED_ROUNDS} rounds: the plan recomputing least within the "
+        f"timed once compiled, {TIMED_ROUNDS} rounds: the cheapest plan within the "
         f'budget ({format_bytes(plan.predicted_peak_bytes)}) against "speed"\'s '
         f"({format_bytes(tried.plan.predicted_peak_bytes)}), which ran {ratio:.3f}x its step"
     )

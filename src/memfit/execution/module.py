@@ -280,15 +280,15 @@ def checkpoint(
 
     ``autotune=True`` (a budget under ``executor="inductor"``), like ``torch.compile``'s
     ``mode="max-autotune"``, spends first-step time for step time: the budget's plan, the one
-    recomputing least, is timed against ``"speed"``'s where that keeps less and both fit once
-    compiled, and the faster is kept (a tie goes to ``"speed"``'s, keeping less); the plan's
-    note gives the ratio. Memfit's cost model estimates what recomputing and keeping cost under
-    Inductor, but not how Inductor fuses the backward's kernels around them, so it can misrank
-    such plans: before it priced kept values, on a CPU ResNet with BatchNorm the plan keeping
-    almost everything ran 3-4% slower than ``"speed"``'s; on a U-Net ``"speed"``'s ran 3-8%
-    slower. It
-    costs one more compile and some 60 steps of the first call (a 60-layer GPT-2's first step
-    1.91x that of ``"none"``, against 1.11x without), so it is off by default.
+    the cost model prices cheapest, is timed against ``"speed"``'s where that keeps less and
+    both fit once compiled, and the faster is kept (a tie goes to ``"speed"``'s, keeping
+    less); the plan's note gives the ratio. The cost model estimates what recomputing and
+    keeping cost under Inductor, not how Inductor fuses the backward's kernels around them, so
+    it can misrank such plans: before it priced kept values, on a CPU ResNet with BatchNorm the
+    plan keeping almost everything ran 3-4% slower than ``"speed"``'s; on a U-Net ``"speed"``'s
+    ran 3-8% slower. It costs one more compile and some 60 steps of the first call (a 60-layer
+    GPT-2's first step 1.91x that of ``"none"``, against 1.11x without), so it is off by
+    default.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
