@@ -122,7 +122,8 @@ def _point(
         recompute_flops=int(sum(c[1] for c in recomputed)),
         source=source,
         simulation=sim,
-        keep_seconds=keeping_seconds(jg, activations(jg, kept)),
+        # activations walks the graph: not for every candidate where keeping costs nothing
+        keep_seconds=keeping_seconds(jg, activations(jg, kept)) if jg.fused_elementwise else 0.0,
     )
 
 
