@@ -5,7 +5,9 @@ time ratio against ``torch.compile`` by several percent between runs of the very
 a single run says little about "never slower at equal peak". This script reads every
 ``budget_frontier_inductor.json`` under ``benchmarks/results/`` (each run its own folder) and
 recomputes, with the benchmark's own ``equal_peak_comparison`` (today's rules, whatever the run's
-code printed then), per run and model: how many memfit points have a ``torch.compile`` point at
+code printed then), per run and model (GPU runs too, ``budget_frontier_inductor_cuda_*.json``, with
+the device named: the runs on lent GPUs were short, 16-20 steps per point, and their intervals
+say how little that resolves): how many memfit points have a ``torch.compile`` point at
 <= 1.05x their measured peak, and the median and worst memfit / ``torch.compile`` ratio four
 ways: setting by setting (medians), on each point's fastest step, with the settings that ran
 one program pooled (``budget_frontier._pooled_medians``; a run that recorded no programs
@@ -29,22 +31,33 @@ PEER = "torch.compile"
 
 
 def runs(root: Path) -> list[tuple[str, dict[str, Any]]]:
-    """Every Inductor frontier run under ``root`` (not the quick ones), oldest first."""
+    """Every Inductor frontier run under ``root`` (not the quick ones), oldest first, as (its
+    JSON file's path under ``root`` without the suffix, the run)."""
     found = []
-    for path in root.rglob("budget_frontier_inductor.json"):
+    for path in root.rglob("budget_frontier_inductor*.json"):
+        if path.stem.endswith("_quick"):
+            continue
         run = json.loads(path.read_text())
-        found.append((str(path.parent.relative_to(root)) or ".", run))
+        found.append((str(path.relative_to(root).with_suffix("")), run))
     return sorted(found, key=lambda item: item[1]["date_utc"])
+
+
+def _machine(run: dict[str, Any]) -> str:
+    """The GPU a run timed on, or CPU."""
+    if str(run["parameters"].get("device", "cpu")).startswith("cuda"):
+        return str(run.get("machine", {}).get("gpu", "GPU"))
+    return "CPU"
 
 
 def table(root: Path) -> str:
     lines = [
-        "| run (folder) | date (UTC) | model | timed steps per point | memfit points compared "
+        "| run (folder) | date (UTC) | machine | model | timed steps per point | "
+        "memfit points compared "
         "| medians: median, worst | fastest steps: median, worst | one program pooled: median, "
         "worst | pooled, turn by turn: median, worst | turn by turn, slower beyond noise |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for folder, run in runs(root):
+    for stem, run in runs(root):
         for model in run["models"]:
             # before turns, each round timed one step per point: a turn of one
             steps_per_turn = run["parameters"].get("steps_per_turn", 1)
@@ -54,9 +67,10 @@ def table(root: Path) -> str:
             cells = [
                 f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled", "paired")
             ]
-            link = f"[{folder}]({folder}/budget_frontier_inductor.md)"
+            folder = str(Path(stem).parent)
+            link = f"[{folder}]({stem}.md)"
             lines.append(
-                f"| {link} | {run['date_utc'][:16]} | {model['name']} | "
+                f"| {link} | {run['date_utc'][:16]} | {_machine(run)} | {model['name']} | "
                 f"{_timed(run['parameters'])} | {s['compared']} | " + " | ".join(cells) + " | "
                 f"{s['paired_beyond_noise']} |"
             )
@@ -91,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         "points ran in one turn, or one round before turns), the median of those ratios: what "
         'the machine\'s speed drifts between turns divides out. "Slower beyond noise" counts the '
         "memfit points whose turn-by-turn ratio has a 95% interval (a bootstrap over turns) "
-        "wholly above 1.\n\n" + table(args.results) + "\n"
+        "wholly above 1. GPU rows name the GPU: those runs, on a lent device's few minutes, timed "
+        "16-20 steps per point of 7-14 ms.\n\n" + table(args.results) + "\n"
     )
     out = args.results / "frontier_history.md"
     out.write_text(text)

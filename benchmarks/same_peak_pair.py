@@ -13,6 +13,17 @@ around them (AOTAutograd's runtime wrappers, memfit's own). With several memfit 
 answers in minutes what the frontier answers in half an hour: whether the plan a setting chose
 is as fast as another of the same or a lower peak.
 
+On a GPU (``--device cuda``, ``--batch-scale 8`` for the frontier's GPU sizes) it says more: the
+GPU frontiers' steps of 7-14 ms are bound by the host launching a few hundred kernels, and there
+memfit's ``"none"`` measured 1.06-1.09x ``torch.compile``'s no-recompute program on its fastest
+steps in all three GPU runs of the transformer (H200 twice, H100; CPU: 0.66x). So each side's
+profile also counts, per step, the GPU kernels it runs, their busy time, the host's kernel
+launches, and the time until the step's Python returns against the time until the GPU is done
+(``kernel_counts``): whether a difference is in what the GPU runs or in how fast the host issues
+it. On CPU ``--kernel-events`` makes Inductor's C++ kernels profiler events
+(``torch._inductor.config.cpp.enable_kernel_profile``, set before anything compiles; it adds a
+record per kernel call, so time with it off), and the same table counts them.
+
 Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
 torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch.compile:`` an
@@ -32,11 +43,14 @@ import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from contextlib import AbstractContextManager, nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import memfit  # noqa: E402
@@ -57,6 +71,10 @@ WARM_UP = 3
 PROFILED = 5
 #: ops listed per side in the profile
 TOP_OPS = 12
+#: kernels listed per side, by time (GPU) or calls (CPU)
+TOP_KERNELS = 15
+#: what the profiler names a compiled graph's call; on CPU its children are its kernels
+_COMPILED_CALL = "## Call CompiledFxGraph"
 
 
 #: memfit settings given by name rather than as a budget fraction
@@ -105,10 +123,107 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     name = f"{peer} mode {setting}" if mode else f"{peer} budget {float(setting):g}"
     method = Method(name, model, step, record_failures=False)
     with context:
-        warm_up(method)
+        warm_up(method, spec.device)
     for _ in range(WARM_UP):
         method.run_step()
     return method
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
+    """Per step, over ``PROFILED`` profiled steps: the kernels the step runs and how long the
+    host takes to issue them.
+
+    On CUDA: GPU kernels (and copies and fills) per step, their summed busy time, the host's
+    kernel launch calls, and the most frequent kernels by time; then, unprofiled, the median
+    time until the step's Python returns (``issue_ms``) and until the GPU has finished it
+    (``wall_ms``): a step whose GPU is busy for much less than its wall time, issued in about
+    its wall time, is bound by the host. On CPU: the calls made inside compiled graphs (their
+    extern ATen calls, and their C++ kernels with ``--kernel-events``) and the ATen ops called
+    outside them.
+    """
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED):
+            method.run_step()
+        _sync(device)
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy: Counter[str] = Counter()
+        for e in kernels:
+            busy[e.name] += e.time_range.elapsed_us()
+        calls = Counter(e.name for e in kernels)
+        result: dict[str, Any] = {
+            "kernels_per_step": len(kernels) / PROFILED,
+            "gpu_busy_ms_per_step": sum(busy.values()) / PROFILED / 1e3,
+            "launches_per_step": sum(
+                1 for e in events if e.device_type == DeviceType.CPU and "LaunchKernel" in e.name
+            )
+            / PROFILED,
+            "top_kernels": [
+                {
+                    "kernel": name,
+                    "calls_per_step": calls[name] / PROFILED,
+                    "ms_per_step": us / PROFILED / 1e3,
+                }
+                for name, us in busy.most_common(TOP_KERNELS)
+            ],
+        }
+        issue, wall = [], []
+        for _ in range(PROFILED):
+            method.zero_grad()
+            _sync(device)
+            t0 = time.perf_counter()
+            method.step()
+            issue.append(time.perf_counter() - t0)
+            _sync(device)
+            wall.append(time.perf_counter() - t0)
+        result["issue_ms"] = statistics.median(issue) * 1e3
+        result["wall_ms"] = statistics.median(wall) * 1e3
+        return result
+    compiled = [e for e in events if e.name.startswith(_COMPILED_CALL)]
+    inside = Counter(c.name for e in compiled for c in e.cpu_children)
+    outside = Counter(
+        e.name
+        for e in events
+        if e.name.startswith("aten::")
+        and not _within(e, _COMPILED_CALL)
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+    return {
+        "compiled_graph_calls_per_step": len(compiled) / PROFILED,
+        "calls_inside_compiled_per_step": sum(inside.values()) / PROFILED,
+        "aten_calls_outside_compiled_per_step": sum(outside.values()) / PROFILED,
+        "top_kernels": [
+            {"kernel": name, "calls_per_step": n / PROFILED}
+            for name, n in inside.most_common(TOP_KERNELS)
+        ],
+    }
+
+
+def _kernels_or_error(method: Method, device: torch.device) -> dict[str, Any]:
+    """``kernel_counts``, or the error it raised: the timings above are the result, and a
+    profiler that cannot trace this device must not lose them (a GPU's minutes are few)."""
+    try:
+        return kernel_counts(method, device)
+    except Exception as err:  # noqa: BLE001 - recorded in the results, the rest goes on
+        return {"error": f"{type(err).__name__}: {err}", "top_kernels": []}
+
+
+def _within(event: Any, prefix: str) -> bool:
+    """Whether a profiler event runs inside one whose name starts with ``prefix``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def profiled(method: Method) -> list[dict[str, Any]]:
@@ -138,13 +253,25 @@ def main(argv: list[str] | None = None) -> int:
         help="peer:setting, the first the reference of the per-round ratios",
     )
     p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--batch-scale", type=int, default=1, help="every batch times N (the GPU frontiers: 8)"
+    )
+    p.add_argument(
+        "--kernel-events",
+        action="store_true",
+        help="CPU: Inductor's C++ kernels as profiler events, counted per side (slows them)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS / "same_peak_pair")
     args = p.parse_args(argv)
-    (spec,) = [s for s in model_specs(False) if s.name == args.model]
+    device = torch.device(args.device)
+    if args.kernel_events:
+        torch._inductor.config.cpp.enable_kernel_profile = True  # before anything compiles
+    (spec,) = [s for s in model_specs(False, device, args.batch_scale) if s.name == args.model]
     load_start = load_average()
     methods = [side(spec, peer, setting) for peer, setting in args.sides]
-    measure_peaks(methods)
-    time_interleaved(methods, rounds=args.rounds)  # the start rotates each round
+    measure_peaks(methods, device)
+    time_interleaved(methods, rounds=args.rounds, device=device)  # the start rotates each round
     reference = methods[0]
     results: dict[str, Any] = {}
     for method in methods:
@@ -158,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "round_ratio_interval": list(paired_interval(method.times, reference.times, 1)),
             "times_s": method.times,
             "profile": profiled(method)[:TOP_OPS],
+            "kernels": _kernels_or_error(method, device),
         }
     record = {
         "benchmark": "same_peak_pair",
@@ -167,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": {"start": load_start, "end": load_average()},
         "model": spec.name,
         "description": spec.description,
+        "device": str(device),
+        "batch_scale": args.batch_scale,
+        "kernel_events": args.kernel_events,
         "rounds": args.rounds,
         "reference": reference.name,
         "sides": results,
@@ -179,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {spec.name}: {title}, head to head ({record['date_utc']})",
         "",
         f"{spec.description}. {args.rounds} rounds in one process, each side one step per round "
-        f"in an order rotating each round, torch {torch.__version__}, "
+        f"in an order rotating each round, on {_device_name(device)}, torch {torch.__version__}, "
         f'{torch.get_num_threads()} threads, load average {load_start} at start. "per round": '
         f"the median over rounds of the side's step time over {reference.name}'s in the same "
         "round, with its 95% interval (a bootstrap over rounds).",
@@ -197,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['step_min_s'] / ref['step_min_s']:.3f} | {r['median_round_ratio']:.3f} | "
             f"{lo:.3f}-{hi:.3f} |"
         )
+    lines += ["", *kernel_table(results, device)]
     for name, r in results.items():
         lines += ["", f"## {name}: profile, per step", "", "| op | calls | self ms |"]
         lines.append("|---|---:|---:|")
@@ -204,10 +336,73 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['op'][:70]} | {row['calls_per_step']:g} | {row['self_ms_per_step']:.2f} |"
             for row in r["profile"]
         ]
+    for name, r in results.items():
+        lines += ["", f"## {name}: kernels, per step", "", *kernel_list(r["kernels"])]
     text = "\n".join(lines) + "\n"
     (args.out_dir / f"{spec.name}.md").write_text(text)
     print(text)
     return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU"
+
+
+#: ``kernel_counts``'s figures per device type, as (column, key), and what the table says of them
+_KERNEL_COLUMNS = {
+    "cuda": (
+        ("GPU kernels, copies, fills", "kernels_per_step"),
+        ("GPU busy ms", "gpu_busy_ms_per_step"),
+        ("launch calls seen", "launches_per_step"),
+        ("issued in ms", "issue_ms"),
+        ("done in ms", "wall_ms"),
+    ),
+    "cpu": (
+        ("compiled graphs", "compiled_graph_calls_per_step"),
+        ("calls inside them", "calls_inside_compiled_per_step"),
+        ("ATen calls outside", "aten_calls_outside_compiled_per_step"),
+    ),
+}
+_KERNEL_CAPTION = {
+    "cuda": "Per step (`kernel_counts`): the GPU's kernels, copies and fills and their busy time, "
+    "the kernel launch calls the profiler saw on the host; then, unprofiled, the time until the "
+    "step's Python returns and until the GPU is done.",
+    "cpu": "Per step (`kernel_counts`): compiled graphs called, the calls inside them (extern ATen "
+    "ops; Inductor's C++ kernels only with `--kernel-events`), ATen ops called outside them.",
+}
+
+
+def kernel_table(results: dict[str, Any], device: torch.device) -> list[str]:
+    """Each side's ``kernel_counts`` in one table (a side whose profile failed: its error)."""
+    columns = _KERNEL_COLUMNS["cuda" if device.type == "cuda" else "cpu"]
+    lines = [
+        _KERNEL_CAPTION["cuda" if device.type == "cuda" else "cpu"],
+        "",
+        "| side | " + " | ".join(c for c, _ in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for name, r in results.items():
+        k = r["kernels"]
+        if "error" in k:
+            lines.append(f"| {name} | {k['error'][:100]} |")
+            continue
+        lines.append(f"| {name} | " + " | ".join(f"{k[key]:.4g}" for _, key in columns) + " |")
+    return lines
+
+
+def kernel_list(kernels: dict[str, Any]) -> list[str]:
+    """One side's most frequent kernels (GPU: by time), as a table."""
+    timed = any("ms_per_step" in k for k in kernels["top_kernels"])
+    lines = [
+        "| kernel | calls |" + (" ms |" if timed else ""),
+        "|---|---:|" + ("---:|" if timed else ""),
+    ]
+    for k in kernels["top_kernels"]:
+        ms = f" {k['ms_per_step']:.3f} |" if timed else ""
+        lines.append(f"| {k['kernel'][:80]} | {k['calls_per_step']:g} |{ms}")
+    return lines
 
 
 if __name__ == "__main__":

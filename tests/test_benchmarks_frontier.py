@@ -127,9 +127,10 @@ def history(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("frontier_history")
 
 
-def write_run(path: Path, date: str, models: list[dict[str, Any]]) -> None:
+def write_run(path: Path, date: str, models: list[dict[str, Any]], **run: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"date_utc": date, "parameters": {"rounds": 3}, "models": models}))
+    record = {"date_utc": date, "parameters": {"rounds": 3}, "models": models, **run}
+    path.write_text(json.dumps(record))
 
 
 def test_history_lists_every_run_oldest_first_with_each_statistic(
@@ -151,9 +152,22 @@ def test_history_lists_every_run_oldest_first_with_each_statistic(
         "2026-11-26T10:00:00+00:00",
         [{"name": "toy", "points": POINTS}],
     )
+    write_run(  # a GPU run: its file named for its device and sizes, its row for the GPU
+        tmp_path / "gpu" / "budget_frontier_inductor_cuda_batch8x_points.json",
+        "2026-11-27T10:00:00+00:00",
+        [{"name": "toy", "points": POINTS[:4]}],
+        parameters={"rounds": 3, "device": "cuda:0"},
+        machine={"gpu": "NVIDIA H100 80GB HBM3"},
+    )
     rows = [line for line in history.table(tmp_path).splitlines() if line.startswith("| [")]
-    assert len(rows) == 2  # the model with no torch.compile point at its peak has no row
-    assert rows[0].startswith("| [earlier](earlier/budget_frontier_inductor.md) | 2026-11-24T10:00")
+    assert len(rows) == 3  # the model with no torch.compile point at its peak has no row
+    assert rows[0].startswith(
+        "| [earlier](earlier/budget_frontier_inductor.md) | 2026-11-24T10:00 | CPU | toy |"
+    )
+    assert rows[2].startswith(
+        "| [gpu](gpu/budget_frontier_inductor_cuda_batch8x_points.md) | 2026-11-27T10:00 | "
+        "NVIDIA H100 80GB HBM3 | toy | 3 | 1 | 0.90, 0.90 |"
+    )
     # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p"),
     # turn by turn the median of 9/9, 9/11, 9/12
     assert rows[0].endswith(

@@ -1,0 +1,92 @@
+"""``benchmarks/same_peak_pair.py``: its sides, and the kernels it counts per step (what tells
+a GPU step bound by launching kernels from one bound by running them).
+
+The script is not part of the package: imported with ``benchmarks/`` on the path, as it imports
+its sibling ``budget_frontier``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from types import ModuleType
+
+import pytest
+import torch
+from torch import nn
+
+from clitools import ROOT
+from memfit.bench.runner import Method
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("same_peak_pair")
+
+
+def test_sides_parse_and_bad_ones_are_refused(pair: ModuleType) -> None:
+    assert pair.parse_side("torch.compile:0.8") == ("torch.compile", "0.8")
+    assert pair.parse_side("memfit:none") == ("memfit", "none")
+    for bad in ("torch.compile:none", "memfit:", "eager:1.0", "memfit-autotune:speed"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pair.parse_side(bad)
+
+
+def test_cpu_kernel_counts_see_compiled_graphs_their_kernels_and_ops_outside(
+    pair: ModuleType,
+) -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    compiled = torch.compile(model)
+    x = torch.randn(8, 16)
+
+    def step() -> None:
+        (compiled(x) ** 2).mean().backward()  # the loss outside the compiled graph
+
+    method = Method("compiled", model, step, record_failures=False)
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        method.run_step()  # compiles forward and backward with kernels as profiler events
+    k = pair.kernel_counts(method, torch.device("cpu"))
+    assert k["compiled_graph_calls_per_step"] == 2  # the forward graph and the backward graph
+    names = {row["kernel"] for row in k["top_kernels"]}
+    assert any("addmm" in n or n == "aten::mm" for n in names)  # extern matmuls inside them
+    assert any("cpp_fused" in n for n in names)  # Inductor's own kernels
+    # pow, mean and their gradients run eagerly, outside both graphs
+    assert k["aten_calls_outside_compiled_per_step"] >= 4
+
+
+def test_a_failed_kernel_count_keeps_the_timings_and_says_why(
+    pair: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(method: Method, device: torch.device) -> dict:
+        raise RuntimeError("no CUPTI here")
+
+    monkeypatch.setattr(pair, "kernel_counts", broken)
+    method = Method("m", nn.Linear(2, 2), lambda: None)
+    counts = pair._kernels_or_error(method, torch.device("cpu"))
+    assert counts["error"] == "RuntimeError: no CUPTI here"
+    table = pair.kernel_table({"m": {"kernels": counts}}, torch.device("cuda"))
+    assert table[-1] == "| m | RuntimeError: no CUPTI here |"
+    assert pair.kernel_list(counts)[2:] == []  # no kernels listed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_kernel_counts_see_the_gpu_kernels_and_the_host_issuing_them(
+    pair: ModuleType,
+) -> None:
+    device = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    x = torch.randn(32, 64, device=device)
+
+    def step() -> None:
+        (model(x) ** 2).mean().backward()
+
+    method = Method("eager", model, step, record_failures=False)
+    method.run_step()
+    k = pair.kernel_counts(method, device)
+    # forward: 2 matmuls + relu; backward: their gradients; far more than a handful
+    assert k["kernels_per_step"] >= 6
+    assert k["gpu_busy_ms_per_step"] > 0
+    assert k["launches_per_step"] >= 1
+    assert 0 < k["issue_ms"] <= k["wall_ms"]
+    assert k["top_kernels"] and all(row["ms_per_step"] >= 0 for row in k["top_kernels"])
