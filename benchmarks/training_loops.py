@@ -15,11 +15,14 @@ Three scenarios, each measured with exact CPU allocator accounting (``memfit.mea
   (none silently eager), and the plan shown is the shape's that ran.
 
 Writes ``benchmarks/results/training_loops.json`` and ``.md`` naming machine, torch and date.
-Run: ``.venv/bin/python benchmarks/training_loops.py``.
+Run: ``.venv/bin/python benchmarks/training_loops.py [--executor inductor]``; with Inductor
+(``training_loops_inductor.*``) every memfit wrapper compiles its plans, and its predictions are
+of what Inductor runs, checked against the same whole steps.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
@@ -45,7 +48,7 @@ def _peak(fn: Any) -> int:
     return int(memfit.measure(fn).peak_bytes or 0)
 
 
-def loss_outside() -> list[dict[str, Any]]:
+def loss_outside(executor: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     model, (x, y) = lm(), batch()
     lm_loss(model, x, y).backward()
@@ -58,14 +61,18 @@ def loss_outside() -> list[dict[str, Any]]:
         for how in ("memfit.checkpoint, loss outside", "memfit.step, loss inside"):
             torch.compiler.reset()
             if how.startswith("memfit.checkpoint"):
-                wrapped = memfit.checkpoint(model, **options)  # type: ignore[arg-type]
+                wrapped = memfit.checkpoint(model, executor=executor, **options)  # type: ignore[arg-type]
 
                 def step(wrapped: Any = wrapped) -> None:
                     lm_loss(wrapped, x, y).backward()
 
                 owner: Any = wrapped
             else:
-                train = memfit.step(lambda x, y: lm_loss(model, x, y), **options)  # type: ignore[arg-type]
+                train = memfit.step(
+                    lambda x, y: lm_loss(model, x, y),
+                    executor=executor,
+                    **options,  # type: ignore[arg-type]
+                )
 
                 def step(train: Any = train) -> None:
                     train(x, y).backward()
@@ -126,7 +133,7 @@ def _wide_mlp() -> tuple[str, Any, Any]:
     return "mlp-8x1024", make, inputs
 
 
-def accumulation() -> list[dict[str, Any]]:
+def accumulation(executor: str) -> list[dict[str, Any]]:
     """Three micro-batches into the same ``.grad`` (gradient accumulation), the loss outside a
     ``memfit.checkpoint`` wrapper: each micro-batch's peak, plain against memfit, and memfit
     with the backward returning every gradient at once (memfit before it accumulated in the
@@ -151,7 +158,7 @@ def accumulation() -> list[dict[str, Any]]:
         row: dict[str, Any] = {"model": name, "plain": micro_batches(model)}
         for policy in ("none", "memory"):
             torch.compiler.reset()
-            wrapped = memfit.checkpoint(model, policy)
+            wrapped = memfit.checkpoint(model, policy, executor=executor)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 micro_batches(wrapped)  # capture, plan, measure the loss outside, plan again
@@ -169,7 +176,7 @@ def accumulation() -> list[dict[str, Any]]:
     return rows
 
 
-def fractions() -> list[dict[str, Any]]:
+def fractions(executor: str) -> list[dict[str, Any]]:
     rows = []
     cases: list[tuple[str, Any, Any]] = [
         (c.name, c.make_model, c.make_inputs)
@@ -195,7 +202,11 @@ def fractions() -> list[dict[str, Any]]:
             ("0.5", {"budget": 0.5}),
         ):
             torch.compiler.reset()
-            train = memfit.step(lambda model=model: loss(model), **options)  # type: ignore[arg-type]
+            train = memfit.step(
+                lambda model=model: loss(model),
+                executor=executor,
+                **options,  # type: ignore[arg-type]
+            )
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -218,7 +229,7 @@ def fractions() -> list[dict[str, Any]]:
     return rows
 
 
-def shapes() -> dict[str, Any]:
+def shapes(executor: str) -> dict[str, Any]:
     torch.manual_seed(0)
     models = [
         nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
@@ -230,7 +241,7 @@ def shapes() -> dict[str, Any]:
         warnings.simplefilter("always")
         torch.compiler.reset()
         for index, model in enumerate(models):
-            wrapped = memfit.checkpoint(model, "memory")
+            wrapped = memfit.checkpoint(model, "memory", executor=executor)
             for size in sizes:
                 x = torch.randn(size, 128)
                 if size not in [c["batch"] for c in calls if c["model"] == index]:
@@ -259,7 +270,8 @@ def markdown(result: dict[str, Any]) -> str:
         "# Training loops (benchmarks/training_loops.py)",
         "",
         f"{result['machine'].get('processor', '')}, torch {result['software']['torch']}, "
-        f"{result['date']}; exact CPU allocator accounting; MiB.",
+        f"{result['date']}; memfit's executor: {result.get('executor', 'eager')}; exact CPU "
+        "allocator accounting; MiB.",
         "",
         "## A loss outside the model (LM, 2,000-word vocabulary, batch 16 x 64)",
         "",
@@ -341,22 +353,27 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--executor", choices=("eager", "inductor"), default="eager")
+    args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result: dict[str, Any] = {
         "benchmark": "training_loops",
+        "executor": args.executor,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "software": software_info(),
         "load_average": load_average(),
     }
-    result["loss_outside"] = loss_outside()
-    result["fractions"] = fractions()
-    result["accumulation"] = accumulation()
-    result["shapes"] = shapes()
+    result["loss_outside"] = loss_outside(args.executor)
+    result["fractions"] = fractions(args.executor)
+    result["accumulation"] = accumulation(args.executor)
+    result["shapes"] = shapes(args.executor)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training_loops.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "training_loops.md").write_text(markdown(result))
+    stem = "training_loops" + ("" if args.executor == "eager" else f"_{args.executor}")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
 
 
