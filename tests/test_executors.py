@@ -460,6 +460,32 @@ def test_accumulation_and_unused_outputs() -> None:
     _assert_same_training(model, ref)
 
 
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_unused_output_whose_gradient_needs_real_zeros(executor: str) -> None:
+    """An output the loss does not read, whose backward runs through an op that zeros do not
+    pass through symbolically (cumsum's flip): the specialized backward makes a real zero
+    tensor there. Inductor refused the ``aten.zeros`` memfit first made (the zoo's GPT-2 crashed
+    on its first step with the loss reading the logits only)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    model = copy.deepcopy(ref)
+
+    class TwoOutputs(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.inner(x)
+            return h, h.cumsum(-1)
+
+    wrapped = memfit.checkpoint(TwoOutputs(model), "none", executor=executor)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    wrapped(x)[0].pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    _assert_same_training(model, ref)
+
+
 def test_step_with_inductor() -> None:
     x, y = _batch()
     ref = _net()

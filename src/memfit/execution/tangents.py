@@ -105,12 +105,16 @@ def _zero_result(n: fx.Node, zero: set[fx.Node]) -> fx.Node | bool:
 
 
 def _zeros(graph: fx.Graph, like: fx.Node) -> fx.Node:
+    """A zero tensor shaped like ``like``, as ``aten.full``: the graph may go to Inductor, which
+    compiles graphs decomposed by its own table and refuses ``aten.zeros`` (which that table
+    decomposes) with "both a fallback and a decomp"; measured on the zoo's GPT-2 under
+    ``executor="inductor"``, whose cache tangents reach an op that needs real zeros."""
     value = _val(like)
     assert value is not None
     node = graph.call_function(
-        aten.zeros.default,
-        (list(value.shape),),
-        {"dtype": value.dtype, "device": value.device},
+        aten.full.default,
+        (list(value.shape), 0),
+        {"dtype": value.dtype, "layout": torch.strided, "device": value.device},
     )
     node.meta["val"] = value
     return node
