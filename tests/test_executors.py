@@ -435,6 +435,32 @@ def test_budget_unmeasured_under_a_profiler_says_so() -> None:
     assert "Inductor's schedule" in wrapped.plan.graphs[0].note
 
 
+def test_planned_inside_a_profiler_is_measured_on_the_next_call_outside_one() -> None:
+    """Compiled inside ``memfit.measure``, a plan's peaks are Inductor's schedule's estimate;
+    the next call outside a profiler session plans again and measures the compiled graphs, and
+    from then on the prediction is the step's measured peak. A call still inside a session
+    keeps the estimate (and says the plan is pending)."""
+    x, y = _batch()
+    model = _net()
+    wrapped = memfit.checkpoint(model, "memory", executor="inductor")
+
+    def step() -> None:
+        F.cross_entropy(wrapped(x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    memfit.measure(step)
+    assert "Inductor's schedule" in wrapped.plan.graphs[0].note
+    assert wrapped.replan_pending
+    memfit.measure(step)  # inside a session again: nothing to measure with yet
+    assert "Inductor's schedule" in wrapped.plan.graphs[0].note
+    assert wrapped.replan_pending
+    step()  # outside: captured and planned again, the compiled graphs measured
+    assert "measured once" in wrapped.plan.graphs[0].note
+    assert not wrapped.replan_pending
+    measured = memfit.measure(step).peak_bytes
+    assert measured == pytest.approx(wrapped.plan.predicted_peak_bytes, rel=0.02)
+
+
 def test_accumulation_and_unused_outputs() -> None:
     """Two micro-batches add into ``.grad`` (the backward specialized to existing gradients,
     compiled again by Inductor); an output the loss does not read gets no gradient."""

@@ -55,6 +55,7 @@ from memfit.execution.partition import split_joint_graph
 from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
+from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.timing import CompiledStep, inputs_device, step_time_ratios
 from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.frontier import MIN_GAP
@@ -236,7 +237,9 @@ UNMEASURED_BUDGET_WARNING = (
     "executor='inductor' with a budget: the compiled graphs could not be measured while they "
     "were planned (a CPU profiler session was running, such as memfit.measure around the first "
     "call), so the budget is checked against Inductor's own buffer-lifetime estimate, which can "
-    "be off (measured 1.38x low on a transformer encoder): the budget is not guaranteed"
+    "be off (measured 1.38x low on a transformer encoder): the budget is not guaranteed for this "
+    "call; memfit plans again, measuring the compiled graphs, on its first call outside a "
+    "profiler session"
 )
 
 
@@ -650,6 +653,7 @@ def make_backend(
     on_compile: Callable[[], None] | None = None,
     on_budget_miss: Callable[[GraphPlan], None] | None = None,
     executor: str = EAGER,
+    on_unmeasured: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -672,6 +676,10 @@ def make_backend(
     the plan at the sizes that call ran (NOTE [One capture for many sizes] in
     ``planning.resize``); ``on_budget_miss`` receives it where the budget does not hold at
     those sizes (between the sizes the range was checked at), for the wrapper to plan again.
+    ``on_unmeasured`` is called where a graph compiled by Inductor could not be measured because
+    a CPU profiler session was running (a ``memfit.measure`` around the first call): its peaks
+    are then Inductor's schedule's estimate, and the wrapper plans again, measured, on its first
+    call outside such a session.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -912,6 +920,14 @@ def make_backend(
                         f"budget is the least peak of a plan keeping that fraction, once compiled"
                     ),
                 )
+        if (
+            measured_fit
+            and not measured
+            and on_unmeasured is not None
+            and _activation_device(jg).type == "cpu"
+            and cpu_recording_blocked() is not None
+        ):
+            on_unmeasured()
         by_size: PlansBySize | None = None
         if jg.symbols:
             # A measured plan's other sizes move the simulation by what its compiled graphs held
