@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -461,23 +462,31 @@ def test_planned_inside_a_profiler_is_measured_on_the_next_call_outside_one() ->
     assert measured == pytest.approx(wrapped.plan.predicted_peak_bytes, rel=0.02)
 
 
+class _TwoOutputs(nn.Module):
+    """``inner``'s output and ``second`` of it: the loss reads only the first, so the second's
+    tangent is missing and the backward is specialized without it (``execution.tangents``)."""
+
+    def __init__(self, inner: nn.Module, second: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.second = second
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inner(x)
+        return h, self.second(h)
+
+
+def _mlp_and_copy() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return ref, copy.deepcopy(ref)
+
+
 def test_accumulation_and_unused_outputs() -> None:
     """Two micro-batches add into ``.grad`` (the backward specialized to existing gradients,
     compiled again by Inductor); an output the loss does not read gets no gradient."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    model = copy.deepcopy(ref)
-
-    class TwoOutputs(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.inner(x)
-            return h, h.sin()
-
-    wrapped = memfit.checkpoint(TwoOutputs(model), "memory", executor="inductor")
+    ref, model = _mlp_and_copy()
+    wrapped = memfit.checkpoint(_TwoOutputs(model, torch.sin), "memory", executor="inductor")
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(16, 32, generator=g) for _ in range(2)]
     for x in batches:
@@ -492,20 +501,9 @@ def test_unused_output_whose_gradient_needs_real_zeros(executor: str) -> None:
     pass through symbolically (cumsum's flip): the specialized backward makes a real zero
     tensor there. Inductor refused the ``aten.zeros`` memfit first made (the zoo's GPT-2 crashed
     on its first step with the loss reading the logits only)."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    model = copy.deepcopy(ref)
-
-    class TwoOutputs(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.inner(x)
-            return h, h.cumsum(-1)
-
-    wrapped = memfit.checkpoint(TwoOutputs(model), "none", executor=executor)
+    ref, model = _mlp_and_copy()
+    cumsum = _TwoOutputs(model, lambda h: h.cumsum(-1))
+    wrapped = memfit.checkpoint(cumsum, "none", executor=executor)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     wrapped(x)[0].pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
