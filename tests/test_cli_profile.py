@@ -158,6 +158,9 @@ def test_next_step_names_the_python_call_of_the_lowest_policy() -> None:
         result("memory", 40 * 2**20),
     ]
     assert "memfit.checkpoint(model, 'memory')" in _next_step(results, searched=True)
+    # measured with --executor inductor: the call runs the plan that was measured
+    inductor = _next_step(results, searched=True, executor="inductor")
+    assert "memfit.checkpoint(model, 'memory', executor='inductor')" in inductor
     assert "--budget" in _next_step(results, searched=False)
     assert "small part" in _next_step([results[0], result("memory", 95 * 2**20)], True)
     assert "--policies" in _next_step(results[:1], True)

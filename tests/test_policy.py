@@ -57,6 +57,13 @@ def test_labels_and_calls() -> None:
         Policy(BUDGET, budget=Budget(fraction=0.5)).call("m") == "memfit.checkpoint(m, budget=0.5)"
     )
     assert Policy("collection", modules=("a",)).call() == "memfit.checkpoint(model, ['a'])"
+    # measured under Inductor, the call says so: the other executor's plan peaks elsewhere
+    assert Policy("memory").call(executor="inductor") == (
+        "memfit.checkpoint(model, 'memory', executor='inductor')"
+    )
+    assert Policy(BUDGET, budget=Budget(fraction=0.5), autotune=True).call(executor="inductor") == (
+        "memfit.checkpoint(model, budget=0.5, executor='inductor', autotune=True)"
+    )
 
 
 def test_only_automatic_policies_fall_back_to_plain_autograd() -> None:

@@ -388,7 +388,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             "buffers_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
             "inputs": _input_entries(work.args, work.kwargs),
             "activations": rep.activations_entry(acts, ACTIVATIONS_METHOD, none_kept),
-            "policies": [rep.policy_entry(r, base) for r in results],
+            "policies": [rep.policy_entry(r, base, args.executor) for r in results],
             "max_batch": None
             if budget is None
             else {
@@ -420,12 +420,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
         f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
         f"({time.perf_counter() - started:.0f} s)."
     )
-    console.print(_next_step(results, budget is not None))
+    console.print(_next_step(results, budget is not None, args.executor))
     return 0
 
 
-def _next_step(results: list[PolicyResult], searched: bool) -> str:
-    """One line on what to try next, from what was measured."""
+def _next_step(results: list[PolicyResult], searched: bool, executor: str = "eager") -> str:
+    """One line on what to try next, from what was measured (with memfit's ``executor``)."""
     base, others = results[0], results[1:]
     best = min(others, key=lambda r: r.peak_bytes, default=None)
     if best is None:
@@ -438,7 +438,8 @@ def _next_step(results: list[PolicyResult], searched: bool) -> str:
         )
     hint = "" if searched else ", or add --budget 2GiB to find the largest batch that fits"
     return (
-        f"Next: train with [bold]{best.policy.call()}[/bold] ({mib(best.peak_bytes)} instead "
+        f"Next: train with [bold]{best.policy.call(executor=executor)}[/bold] "
+        f"({mib(best.peak_bytes)} instead "
         f"of {mib(base.peak_bytes)} per step){hint}."
     )
 

@@ -235,15 +235,16 @@ def _ratio(value: float, base: float) -> float:
     return value / base if base else 0.0
 
 
-def policy_entry(r: PolicyResult, base: PolicyResult) -> dict[str, Any]:
-    """One ``policies`` entry from a ``memfit.cli.steps.PolicyResult`` and the ``none`` result."""
+def policy_entry(r: PolicyResult, base: PolicyResult, executor: str = "eager") -> dict[str, Any]:
+    """One ``policies`` entry from a ``memfit.cli.steps.PolicyResult`` and the ``none`` result,
+    measured with memfit's ``executor``."""
     plan, budget = r.plan, r.policy.budget
     return {
         "label": r.policy.label,
         "policy": r.policy.name,
         "budget_bytes": budget.bytes if budget else None,
         "budget_fraction": budget.fraction if budget else None,
-        "call": r.policy.call(),
+        "call": r.policy.call(executor=executor),
         "peak_bytes": r.peak_bytes,
         "predicted_peak_bytes": int(plan.predicted_peak_bytes),
         "peak_ratio": _ratio(r.peak_bytes, base.peak_bytes),

@@ -101,17 +101,19 @@ class Policy:
         """Automatic named policies fall back to plain autograd where they would peak above it."""
         return self.name in _NEVER_WORSE_THAN_NONE
 
-    def call(self, model: str = "model") -> str:
-        """The Python call that wraps ``model`` with this policy."""
+    def call(self, model: str = "model", executor: str = "eager") -> str:
+        """The Python call that wraps ``model`` with this policy, run by ``executor`` (the plan
+        measured under one executor is not the other's: the call names it)."""
+        inductor = ", executor='inductor'" if executor == "inductor" or self.autotune else ""
         if self.budget is not None:
             value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
             extra = ", offload=True" if self.offload else ""
-            extra += ", executor='inductor', autotune=True" if self.autotune else ""
+            extra += inductor + (", autotune=True" if self.autotune else "")
             return f"memfit.checkpoint({model}, budget={value!r}{extra})"
         if self.modules:
-            return f"memfit.checkpoint({model}, {list(self.modules)!r})"
+            return f"memfit.checkpoint({model}, {list(self.modules)!r}{inductor})"
         extra = ", offload=True" if self.offload and self.name != "swap" else ""
-        return f"memfit.checkpoint({model}, {self.name!r}{extra})"
+        return f"memfit.checkpoint({model}, {self.name!r}{extra}{inductor})"
 
     def __str__(self) -> str:
         return self.label
