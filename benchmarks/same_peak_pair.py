@@ -64,6 +64,7 @@ from memfit.bench.runner import (  # noqa: E402
     time_interleaved,
     warm_up,
 )
+from memfit.measurement.timing import synchronize  # noqa: E402
 
 #: warm-up steps per side after the first
 WARM_UP = 3
@@ -129,11 +130,6 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     return method
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
     """Per step, over ``PROFILED`` profiled steps: the kernels the step runs and how long the
     host takes to issue them.
@@ -151,7 +147,7 @@ def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         for _ in range(PROFILED):
             method.run_step()
-        _sync(device)
+        synchronize(device)
     events = prof.events()
     if cuda:
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -178,11 +174,11 @@ def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
         issue, wall = [], []
         for _ in range(PROFILED):
             method.zero_grad()
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             method.step()
             issue.append(time.perf_counter() - t0)
-            _sync(device)
+            synchronize(device)
             wall.append(time.perf_counter() - t0)
         result["issue_ms"] = statistics.median(issue) * 1e3
         result["wall_ms"] = statistics.median(wall) * 1e3
@@ -350,35 +346,38 @@ def _device_name(device: torch.device) -> str:
     return "CPU"
 
 
-#: ``kernel_counts``'s figures per device type, as (column, key), and what the table says of them
-_KERNEL_COLUMNS = {
+#: per device type, what ``kernel_table`` says of ``kernel_counts``'s figures, and its columns as
+#: (column, key)
+_KERNEL_TABLES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     "cuda": (
-        ("GPU kernels, copies, fills", "kernels_per_step"),
-        ("GPU busy ms", "gpu_busy_ms_per_step"),
-        ("launch calls seen", "launches_per_step"),
-        ("issued in ms", "issue_ms"),
-        ("done in ms", "wall_ms"),
+        "Per step (`kernel_counts`): the GPU's kernels, copies and fills and their busy time, the "
+        "kernel launch calls the profiler saw on the host; then, unprofiled, the time until the "
+        "step's Python returns and until the GPU is done.",
+        (
+            ("GPU kernels, copies, fills", "kernels_per_step"),
+            ("GPU busy ms", "gpu_busy_ms_per_step"),
+            ("launch calls seen", "launches_per_step"),
+            ("issued in ms", "issue_ms"),
+            ("done in ms", "wall_ms"),
+        ),
     ),
     "cpu": (
-        ("compiled graphs", "compiled_graph_calls_per_step"),
-        ("calls inside them", "calls_inside_compiled_per_step"),
-        ("ATen calls outside", "aten_calls_outside_compiled_per_step"),
+        "Per step (`kernel_counts`): compiled graphs called, the calls inside them (extern ATen "
+        "ops; Inductor's C++ kernels only with `--kernel-events`), ATen ops called outside them.",
+        (
+            ("compiled graphs", "compiled_graph_calls_per_step"),
+            ("calls inside them", "calls_inside_compiled_per_step"),
+            ("ATen calls outside", "aten_calls_outside_compiled_per_step"),
+        ),
     ),
-}
-_KERNEL_CAPTION = {
-    "cuda": "Per step (`kernel_counts`): the GPU's kernels, copies and fills and their busy time, "
-    "the kernel launch calls the profiler saw on the host; then, unprofiled, the time until the "
-    "step's Python returns and until the GPU is done.",
-    "cpu": "Per step (`kernel_counts`): compiled graphs called, the calls inside them (extern ATen "
-    "ops; Inductor's C++ kernels only with `--kernel-events`), ATen ops called outside them.",
 }
 
 
 def kernel_table(results: dict[str, Any], device: torch.device) -> list[str]:
     """Each side's ``kernel_counts`` in one table (a side whose profile failed: its error)."""
-    columns = _KERNEL_COLUMNS["cuda" if device.type == "cuda" else "cpu"]
+    caption, columns = _KERNEL_TABLES["cuda" if device.type == "cuda" else "cpu"]
     lines = [
-        _KERNEL_CAPTION["cuda" if device.type == "cuda" else "cpu"],
+        caption,
         "",
         "| side | " + " | ".join(c for c, _ in columns) + " |",
         "|---|" + "---:|" * len(columns),

@@ -54,6 +54,7 @@ from torch import nn
 import memfit
 from memfit._compat import unique_graph_count
 from memfit.bench.failure import record_failure
+from memfit.measurement.timing import synchronize
 from memfit.planning.plan import Plan
 
 __all__ = [
@@ -153,18 +154,13 @@ def attempt(method: Method, phase: str, action: Callable[[], object]) -> bool:
     return True
 
 
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def first_step(method: Method, device: torch.device | None = None) -> float:
     """Run ``method``'s first step and record its seconds as ``first_step_s``; raises on error."""
     method.zero_grad()
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     method.step()
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
     method.record["first_step_s"] = seconds
     _settle(method, device)
@@ -186,7 +182,7 @@ def _settle(method: Method, device: torch.device | None) -> None:
     if method.module.replan_pending:
         method.zero_grad()
         method.step()
-        _sync(device)
+        synchronize(device)
 
 
 def plan_record(plan: Plan) -> dict[str, Any]:

@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from memfit.analysis.transfers import Link
+from memfit.measurement.timing import synchronize
 from memfit.planning.budget import parse_budget
 
 #: ``node.meta`` key (set by ``execution.partition``): the joint-graph name of a node that took
@@ -777,10 +778,10 @@ def copy_overlap(device: torch.device) -> float:
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -799,8 +800,3 @@ def _round_trips(store: OffloadStore, x: torch.Tensor, device: torch.device) -> 
         outs.append(_timed(out, device))
         ins.append(_timed(back, device))
     return sorted(outs)[1], sorted(ins)[1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledStep", "step_time_ratios", "inputs_device", "cuda_index"]
+__all__ = ["CompiledStep", "step_time_ratios", "inputs_device", "cuda_index", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,19 @@ def step_time_ratios(steps: Sequence[CompiledStep], rounds: int) -> list[float]:
 
 def _run(step: CompiledStep, device: torch.device | None) -> float:
     """Seconds one forward and backward take, the device's queued work included."""
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     outputs = step.forward(list(step.inputs))
     args = step.backward_inputs(outputs)
     del outputs
     grads = step.backward(args)
     del grads, args
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def _synchronize(device: torch.device | None) -> None:
+def synchronize(device: torch.device | None) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing to wait for on CPU or None."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
