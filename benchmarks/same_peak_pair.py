@@ -8,7 +8,7 @@ pair) and measures them by the frontier's own protocol (``memfit.bench.runner``:
 exact peak, interleaved timing, the order rotating every round), and reports the median and the
 fastest step of each and the median over rounds of its step time over the first side's in the
 same round (which cancels the drift of a shared machine's speed), then profiles a few steps of
-each (``torch.profiler``, CPU) to say where a difference lies: in the kernels, or in the Python
+each (``torch.profiler``) to say where a difference lies: in the kernels, or in the Python
 around them (AOTAutograd's runtime wrappers, memfit's own). With several memfit settings it
 answers in minutes what the frontier answers in half an hour: whether the plan a setting chose
 is as fast as another of the same or a lower peak.
@@ -18,11 +18,14 @@ GPU frontiers' steps of 7-14 ms are bound by the host launching a few hundred ke
 memfit's ``"none"`` measured 1.06-1.09x ``torch.compile``'s no-recompute program on its fastest
 steps in all three GPU runs of the transformer (H200 twice, H100; CPU: 0.66x). So each side's
 profile also counts, per step, the GPU kernels it runs, their busy time, the host's kernel
-launches, and the time until the step's Python returns against the time until the GPU is done
-(``kernel_counts``): whether a difference is in what the GPU runs or in how fast the host issues
-it. On CPU ``--kernel-events`` makes Inductor's C++ kernels profiler events
-(``torch._inductor.config.cpp.enable_kernel_profile``, set before anything compiles; it adds a
-record per kernel call, so time with it off), and the same table counts them.
+launches (``kernel_counts``), and, without the profiler, the time until the step's Python returns
+against the time until the GPU is done and the GPU's own time for the step's kernels run back to
+back (``host_and_gpu_times``): whether a difference is in what the GPU runs or in how fast the
+host issues it. (On the H100 the profiler's later sessions of a process saw no GPU event; the
+back-to-back time needs only CUDA events.) On CPU ``--kernel-events`` makes Inductor's C++
+kernels profiler events (``torch._inductor.config.cpp.enable_kernel_profile``, set before
+anything compiles; it adds a record per kernel call, so time with it off), and the same table
+counts them.
 
 Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
@@ -42,6 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as budget_frontier.py: be
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -70,6 +74,10 @@ from memfit.measurement.timing import synchronize  # noqa: E402
 WARM_UP = 3
 #: profiled steps per side
 PROFILED = 5
+#: CUDA: unprofiled steps per side timed for ``host_and_gpu_times``, each of its two ways
+UNPROFILED = 20
+#: CUDA: the side of the square matrices whose products keep the GPU busy while a step is issued
+FILLER = 4096
 #: ops listed per side in the profile
 TOP_OPS = 12
 #: kernels listed per side, by time (GPU) or calls (CPU)
@@ -130,32 +138,71 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     return method
 
 
-def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
-    """Per step, over ``PROFILED`` profiled steps: the kernels the step runs and how long the
-    host takes to issue them.
+def profile_side(method: Method, device: torch.device) -> dict[str, Any]:
+    """One profiler session over ``PROFILED`` steps of ``method``: its ops by self CPU time
+    (``"profile"``) and what ``kernel_counts`` reads of the same events (``"kernels"``); on CUDA
+    then, unprofiled, ``host_and_gpu_times``.
 
-    On CUDA: GPU kernels (and copies and fills) per step, their summed busy time, the host's
-    kernel launch calls, and the most frequent kernels by time; then, unprofiled, the median
-    time until the step's Python returns (``issue_ms``) and until the GPU has finished it
-    (``wall_ms``): a step whose GPU is busy for much less than its wall time, issued in about
-    its wall time, is bound by the host. On CPU: the calls made inside compiled graphs (their
-    extern ATen calls, and their C++ kernels with ``--kernel-events``) and the ATen ops called
-    outside them.
+    One session a side, the GPU's activity in it: the H100 run of 2026-11-27 profiled each side
+    twice, CPU alone then CPU and CUDA, and its second sessions recorded no GPU event at all
+    (``kernel_counts`` read 0 kernels and 0 launches on both sides), while the CUDA test of
+    ``kernel_counts`` passed on the same machine in a process whose first session was the one
+    with CUDA; later sessions of a process are known to lose GPU events (pytorch/pytorch#175790,
+    #192021). So each side's kernels also get a count that needs no profiler
+    (``queued_gpu_ms``), and ``"events"`` records how many events of each device type the
+    session saw. A side whose profile fails keeps its timings and says why (a GPU's minutes are
+    few).
     """
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(PROFILED):
-            method.run_step()
-        synchronize(device)
-    events = prof.events()
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(PROFILED):
+                method.run_step()
+            synchronize(device)
+        ops = sorted(
+            (
+                {
+                    "op": e.key,
+                    "calls_per_step": e.count / PROFILED,
+                    "self_ms_per_step": e.self_cpu_time_total / PROFILED / 1e3,
+                }
+                for e in prof.key_averages()
+            ),
+            key=lambda r: -r["self_ms_per_step"],
+        )
+        kernels = kernel_counts(prof.events(), cuda)
+    except Exception as err:  # noqa: BLE001 - recorded in the results, the rest goes on
+        return {"profile": [], "kernels": _error(err)}
+    if cuda:
+        try:
+            kernels.update(host_and_gpu_times(method, device))
+        except Exception as err:  # noqa: BLE001 - as above
+            kernels["error"] = _error(err)["error"]
+    return {"profile": ops[:TOP_OPS], "kernels": kernels}
+
+
+def _error(err: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(err).__name__}: {err}", "top_kernels": []}
+
+
+def kernel_counts(events: Any, cuda: bool) -> dict[str, Any]:
+    """Per step, from a profile of ``PROFILED`` steps: the kernels the steps ran.
+
+    On CUDA: GPU kernels (and copies and fills) per step, their summed busy time, the host's
+    kernel launch calls, and the kernels by time. On CPU: the calls made inside compiled graphs
+    (their extern ATen calls, and their C++ kernels with ``--kernel-events``) and the ATen ops
+    called outside them. Both: ``"events"``, the session's events per device type.
+    """
+    by_device = Counter(str(e.device_type).rpartition(".")[2] for e in events)
     if cuda:
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         busy: Counter[str] = Counter()
         for e in kernels:
             busy[e.name] += e.time_range.elapsed_us()
         calls = Counter(e.name for e in kernels)
-        result: dict[str, Any] = {
+        return {
+            "events": dict(by_device),
             "kernels_per_step": len(kernels) / PROFILED,
             "gpu_busy_ms_per_step": sum(busy.values()) / PROFILED / 1e3,
             "launches_per_step": sum(
@@ -171,18 +218,6 @@ def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
                 for name, us in busy.most_common(TOP_KERNELS)
             ],
         }
-        issue, wall = [], []
-        for _ in range(PROFILED):
-            method.zero_grad()
-            synchronize(device)
-            t0 = time.perf_counter()
-            method.step()
-            issue.append(time.perf_counter() - t0)
-            synchronize(device)
-            wall.append(time.perf_counter() - t0)
-        result["issue_ms"] = statistics.median(issue) * 1e3
-        result["wall_ms"] = statistics.median(wall) * 1e3
-        return result
     compiled = [e for e in events if e.name.startswith(_COMPILED_CALL)]
     inside = Counter(c.name for e in compiled for c in e.cpu_children)
     outside = Counter(
@@ -193,6 +228,7 @@ def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
     )
     return {
+        "events": dict(by_device),
         "compiled_graph_calls_per_step": len(compiled) / PROFILED,
         "calls_inside_compiled_per_step": sum(inside.values()) / PROFILED,
         "aten_calls_outside_compiled_per_step": sum(outside.values()) / PROFILED,
@@ -203,13 +239,63 @@ def kernel_counts(method: Method, device: torch.device) -> dict[str, Any]:
     }
 
 
-def _kernels_or_error(method: Method, device: torch.device) -> dict[str, Any]:
-    """``kernel_counts``, or the error it raised: the timings above are the result, and a
-    profiler that cannot trace this device must not lose them (a GPU's minutes are few)."""
-    try:
-        return kernel_counts(method, device)
-    except Exception as err:  # noqa: BLE001 - recorded in the results, the rest goes on
-        return {"error": f"{type(err).__name__}: {err}", "top_kernels": []}
+def host_and_gpu_times(method: Method, device: torch.device) -> dict[str, Any]:
+    """Medians over ``UNPROFILED`` steps each, no profiler running: the time until the step's
+    Python returns (``issue_ms``) and until the GPU has finished it (``wall_ms``); then the GPU's
+    own time for the step's work, its kernels run back to back (``queued_gpu_ms``).
+
+    For the last, each step is issued while the GPU is still busy with matrix products queued
+    before it, long enough to outlast the host's issuing of the whole step (three times the
+    step's ``issue_ms``); CUDA events recorded just before and after the step then time only
+    the GPU's work on it. ``queued_starved`` counts the steps whose start the GPU had reached
+    before the host finished issuing them (then the GPU may have waited on the host inside the
+    step, and the time includes that wait). A step bound by the host has ``wall_ms`` near
+    ``issue_ms`` and ``queued_gpu_ms`` well below both; a difference between two sides in
+    ``queued_gpu_ms`` is a difference in what the GPU runs, one only in ``issue_ms`` is the
+    host's.
+    """
+    issue, wall = [], []
+    for _ in range(UNPROFILED):
+        method.zero_grad()
+        synchronize(device)
+        t0 = time.perf_counter()
+        method.step()
+        issue.append(time.perf_counter() - t0)
+        synchronize(device)
+        wall.append(time.perf_counter() - t0)
+    issue_ms = statistics.median(issue) * 1e3
+
+    a = torch.randn(FILLER, FILLER, device=device)
+    b = torch.empty_like(a)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for n in (1, 4):  # the first warms cuBLAS up; the second is timed
+        start.record()
+        for _ in range(n):
+            torch.mm(a, a, out=b)
+        end.record()
+        end.synchronize()
+    product_ms = start.elapsed_time(end) / 4
+    products = math.ceil(3 * issue_ms / product_ms) + 1
+    gpu, starved = [], 0
+    for _ in range(UNPROFILED):
+        method.zero_grad()
+        synchronize(device)
+        for _ in range(products):
+            torch.mm(a, a, out=b)
+        start.record()
+        method.step()
+        end.record()
+        starved += int(start.query())  # the GPU got to the step before the host had issued it
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return {
+        "issue_ms": issue_ms,
+        "wall_ms": statistics.median(wall) * 1e3,
+        "queued_gpu_ms": statistics.median(gpu),
+        "queued_starved": starved,
+        "filler_products": products,
+    }
 
 
 def _within(event: Any, prefix: str) -> bool:
@@ -220,22 +306,6 @@ def _within(event: Any, prefix: str) -> bool:
             return True
         parent = parent.cpu_parent
     return False
-
-
-def profiled(method: Method) -> list[dict[str, Any]]:
-    """Per-step self CPU time and calls of each op over ``PROFILED`` steps, largest first."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(PROFILED):
-            method.run_step()
-    rows = [
-        {
-            "op": e.key,
-            "calls_per_step": e.count / PROFILED,
-            "self_ms_per_step": e.self_cpu_time_total / PROFILED / 1e3,
-        }
-        for e in prof.key_averages()
-    ]
-    return sorted(rows, key=lambda r: -r["self_ms_per_step"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             # each round one step per side: a round is what is resampled
             "round_ratio_interval": list(paired_interval(method.times, reference.times, 1)),
             "times_s": method.times,
-            "profile": profiled(method)[:TOP_OPS],
-            "kernels": _kernels_or_error(method, device),
+            **profile_side(method, device),
         }
     record = {
         "benchmark": "same_peak_pair",
@@ -351,14 +420,18 @@ def _device_name(device: torch.device) -> str:
 _KERNEL_TABLES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
     "cuda": (
         "Per step (`kernel_counts`): the GPU's kernels, copies and fills and their busy time, the "
-        "kernel launch calls the profiler saw on the host; then, unprofiled, the time until the "
-        "step's Python returns and until the GPU is done.",
+        "kernel launch calls the profiler saw on the host; then, unprofiled "
+        "(`host_and_gpu_times`), the time until the step's Python returns and until the GPU is "
+        "done, and the GPU's time for the step issued behind queued work, its kernels back to "
+        "back (of 20 steps, `starved` the ones the GPU reached before the host had issued them).",
         (
             ("GPU kernels, copies, fills", "kernels_per_step"),
             ("GPU busy ms", "gpu_busy_ms_per_step"),
             ("launch calls seen", "launches_per_step"),
             ("issued in ms", "issue_ms"),
             ("done in ms", "wall_ms"),
+            ("GPU ms back to back", "queued_gpu_ms"),
+            ("starved", "queued_starved"),
         ),
     ),
     "cpu": (
