@@ -504,10 +504,11 @@ def count_eager_flops(p: Point) -> None:
 
 def measure_and_time(
     spec: ModelSpec, points: list[Point], args: argparse.Namespace, phases: dict[str, float]
-) -> tuple[int | None, list[Any]]:
+) -> tuple[int | None, list[Any], dict[str, Any]]:
     """Peaks, FLOPs and interleaved timing of warmed-up points: what the timing lock spans.
 
-    Returns plain eager's step FLOPs and the load average at the start and end of the timing.
+    Returns plain eager's step FLOPs, the load average at the start and end of the timing, and
+    ``time_interleaved``'s account of the heap it collected before each step.
     """
     print(f"  {spec.name}: measuring peaks and FLOPs", flush=True)
     t_phase = time.perf_counter()
@@ -539,12 +540,30 @@ def measure_and_time(
     print(f"  {spec.name}: timing {args.rounds} interleaved rounds", flush=True)
     t_phase = time.perf_counter()
     load_timing = [load_average()]
-    time_interleaved(
-        points, args.rounds, spec.device, settle=args.settle, steps=args.steps_per_turn
+    reported = [-1]
+
+    def progress(point: Point, rnd: int) -> None:
+        # a run cut while timing says how far it got, and how fast
+        if rnd > reported[0] and rnd % 5 == 0:
+            reported[0] = rnd
+            print(f"    round {rnd}: {time.perf_counter() - t_phase:.0f} s", flush=True)
+
+    heap = time_interleaved(
+        points,
+        args.rounds,
+        spec.device,
+        progress,
+        settle=args.settle,
+        steps=args.steps_per_turn,
     )
     phases["timing"] = time.perf_counter() - t_phase
+    print(
+        f"  {spec.name}: timed in {phases['timing']:.0f} s; a collection before a step took "
+        f"{heap['collect_s'] * 1e3:.1f} ms ({heap['frozen_objects']} objects frozen)",
+        flush=True,
+    )
     load_timing.append(load_average())
-    return eager_flops, load_timing
+    return eager_flops, load_timing, heap
 
 
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -597,7 +616,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         if lock:
             phases["waited_for_timing_lock"] = waited
             print(f"  {spec.name}: waited {waited:.0f} s for the timing lock", flush=True)
-        eager_flops, load_timing = measure_and_time(spec, points, args, phases)
+        eager_flops, load_timing, heap = measure_and_time(spec, points, args, phases)
     graphs_during = before.graphs_compiled()
     eager = points[0]
 
@@ -633,6 +652,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - t_model, 1),
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "load_average_during_timing": {"start": load_timing[0], "end": load_timing[1]},
+        # what a collection before each timed step costs (``time_interleaved``)
+        "timing_heap": heap,
         "points": out_points,
     }
 

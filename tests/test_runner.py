@@ -92,16 +92,19 @@ def test_timing_freezes_the_heap_so_each_steps_collection_scans_only_new_objects
     method = _method()
     step = method.step
     method.step = lambda: (frozen_in_steps.append(gc.get_freeze_count()), step())
-    time_interleaved([method], rounds=3, device=CPU)
+    heap = time_interleaved([method], rounds=3, device=CPU)
     # the objects alive at the start (the model among them) were out of every step's collection
     assert len(frozen_in_steps) == 3 and min(frozen_in_steps) > 0
+    assert heap["frozen_objects"] >= max(frozen_in_steps)  # objects die, none are added
+    assert heap["collect_s"] > 0
     assert gc.get_freeze_count() == 0  # thawed afterwards
 
 
 def test_timing_leaves_a_heap_frozen_by_someone_else_as_it_was() -> None:
     gc.freeze()
     try:
-        time_interleaved([_method()], rounds=2, device=CPU)
+        heap = time_interleaved([_method()], rounds=2, device=CPU)
+        assert heap["frozen_objects"] is None  # not frozen here
         assert gc.get_freeze_count() > 0  # not thawed (its count drops as frozen objects die)
     finally:
         gc.unfreeze()
@@ -117,6 +120,10 @@ def test_a_turn_settles_untimed_then_times_its_steps_in_a_row() -> None:
         assert len(m.times) == len(m.faults) == 4  # the settling steps are not recorded
         assert min(m.times) > 0 and min(m.faults) >= 0
         assert m.record["faults"] is m.faults
+        # each turn's whole time: its two timed steps and its untimed one
+        turns = m.record["turns_s"]
+        assert len(turns) == 2
+        assert turns[0] > m.times[0] + m.times[1] and turns[1] > m.times[2] + m.times[3]
 
 
 def test_a_step_that_touches_fresh_memory_counts_its_page_faults() -> None:

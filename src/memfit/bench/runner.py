@@ -101,6 +101,7 @@ class Method:
         self.record: dict[str, Any] = {} if record is None else record
         self.record.setdefault("times_s", [])
         self.record.setdefault("faults", [])
+        self.record.setdefault("turns_s", [])
         #: On an exception: record it and skip this method from then on (a benchmark sweep), or
         #: raise it (the CLI).
         self.record_failures = record_failures
@@ -248,6 +249,7 @@ def _minor_faults() -> int:
 
 
 def _time_turn(method: Method, device: torch.device | None, settle: int, steps: int) -> None:
+    start = time.perf_counter()
     for _ in range(settle):  # untimed: no collection before it (``measure`` collects once)
         method.run_step()
     for _ in range(steps):
@@ -256,6 +258,7 @@ def _time_turn(method: Method, device: torch.device | None, settle: int, steps: 
         seconds = memfit.measure(method.step, device=device, profile_memory=False).time_s
         method.faults.append(_minor_faults() - before)
         method.times.append(seconds)
+    method.record["turns_s"].append(time.perf_counter() - start)
 
 
 def time_interleaved(
@@ -266,17 +269,26 @@ def time_interleaved(
     *,
     settle: int = 0,
     steps: int = 1,
-) -> None:
+) -> dict[str, Any]:
     """``rounds`` turns of every method not failed so far, interleaved (see the module): each
     turn ``settle`` untimed steps, then ``steps`` timed ones.
 
-    Appends to each method's ``times_s`` and ``faults``; a method that fails is recorded and not
+    Appends to each method's ``times_s``, ``faults`` and ``turns_s`` (each whole turn's
+    seconds: its settling steps and collections too); a method that fails is recorded and not
     timed again. ``before_step(method, round)`` is called before each turn (progress reporting).
+
+    Returns what the time outside the steps depends on: ``frozen_objects``, the objects frozen
+    when the timing began (None if someone else had frozen the heap, which is left as it was),
+    and ``collect_s``, the seconds of one collection then, as each timed step's takes. (On an
+    H100 the frontier's transformer took over 170 s to time what its steps ran in under 15.)
     """
     if settle < 0 or steps < 1:
         raise ValueError(f"need settle >= 0 and steps >= 1, got settle={settle}, steps={steps}")
     live = [m for m in methods if not m.failed]
-    with _frozen_heap():
+    with _frozen_heap() as frozen:
+        start = time.perf_counter()
+        gc.collect()
+        heap = {"frozen_objects": frozen, "collect_s": time.perf_counter() - start}
         for rnd, order in enumerate(rotation(len(live), rounds)):
             gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -291,19 +303,21 @@ def time_interleaved(
             finally:
                 if gc_was_enabled:
                     gc.enable()
+    return heap
 
 
 @contextmanager
-def _frozen_heap() -> Iterator[None]:
+def _frozen_heap() -> Iterator[int | None]:
     """The objects alive now left out of every collection until the block ends (see the
-    module). A heap someone else froze is left as it is: unfreezing would thaw theirs too."""
+    module); yields how many were frozen. A heap someone else froze is left as it is:
+    unfreezing would thaw theirs too (yields None)."""
     if gc.get_freeze_count():
-        yield
+        yield None
         return
     gc.collect()
     gc.freeze()
     try:
-        yield
+        yield gc.get_freeze_count()
     finally:
         gc.unfreeze()
 
