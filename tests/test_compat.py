@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
@@ -165,6 +166,28 @@ def test_accumulated_recompile_limit_is_raised_only_inside_the_context() -> None
     assert dynamo_config.accumulated_recompile_limit == before
 
 
+@pytest.mark.parametrize("entry", ["context variable", "attributes"])
+def test_accumulated_limit_restores_the_config_exactly(
+    entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set through the config entry's context variable (checked 2.13.0), the limit is reset, not
+    written back: a config the user never set reads as unset afterwards, as a default. Where the
+    entry is laid out otherwise, attributes are read and written."""
+    import torch._dynamo.config as dynamo_config
+
+    if entry == "attributes":
+        monkeypatch.setattr(_compat, "_LIMIT_ENTRY", None)
+    name = "accumulated_recompile_limit"
+    before = dynamo_config.accumulated_recompile_limit
+    was_default = dynamo_config._is_default(name)
+    with _compat.accumulated_recompile_limit(before + 1000):
+        assert dynamo_config.accumulated_recompile_limit == before + 1000
+        assert not dynamo_config._is_default(name)
+    assert dynamo_config.accumulated_recompile_limit == before
+    if entry == "context variable":
+        assert dynamo_config._is_default(name) == was_default
+
+
 def test_accumulated_limit_never_lowers_a_users_limit_and_restores_after_an_error() -> None:
     import torch._dynamo.config as dynamo_config
 
@@ -193,6 +216,8 @@ def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             def run(args: list[Any]) -> Any:
                 found[kind] = _compat.compiled_function_ctx(frames=5)
+                running = _compat.compiled_backward_ctx()
+                assert running is (found[kind] if kind == "backward" else None)
                 if kind == "backward":
                     asked.append(_compat.will_engine_accumulate(w))
                     # The same answer from the leaf's node read off the running backward's node.

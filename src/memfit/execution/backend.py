@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from memfit._compat import (
     aot_autograd,
+    compiled_backward_ctx,
     compiled_function_ctx,
     disable_current_modes,
     size_hint,
@@ -201,8 +202,11 @@ def _boxed_backward(
             base = without_tangents(gm, set(missing)) if missing else gm
             bases[missing] = (base, output_values(base))
         base, values = bases[missing]
-        # AOTAutograd calls this graph from _backward_impl(ctx, ...), a few frames up.
-        positions, grads = accumulating(compiled_function_ctx(frames=5), values)
+        # The node the engine runs, or AOTAutograd's _backward_impl(ctx, ...) a few frames up.
+        ctx = compiled_backward_ctx()
+        if ctx is None:
+            ctx = compiled_function_ctx(frames=5)
+        positions, grads = accumulating(ctx, values)
         key = (missing, positions)
         if key not in graphs:
             specialized = accumulate_into_grads(base, positions) if positions else base
