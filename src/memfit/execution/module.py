@@ -168,7 +168,7 @@ class CheckpointedModule(nn.Module):
                 self._model(*args, **kwargs)
         _capturing += 1
         try:
-            return self._planned(*args, **kwargs)
+            return self._planned.run(*args, **kwargs)  # this method steps around Dynamo
         finally:
             _capturing -= 1
 

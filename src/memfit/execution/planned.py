@@ -309,6 +309,11 @@ class PlannedCall:
     # compiled, by memfit's own torch.compile.
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The call, for a caller Dynamo already steps around (``CheckpointedModule._call``):
+        each ``torch.compiler.disable`` entered costs a step microseconds."""
         if self._window is not None:  # the last call's backward never started
             self._window.abandon()
             self._window = None
