@@ -21,11 +21,11 @@ profile also counts, per step, the GPU kernels it runs, their busy time, the hos
 launches (``kernel_counts``), and, without the profiler, the time until the step's Python returns
 against the time until the GPU is done and the GPU's own time for the step's kernels run back to
 back (``host_and_gpu_times``): whether a difference is in what the GPU runs or in how fast the
-host issues it. (On the H100 the profiler's later sessions of a process saw no GPU event; the
-back-to-back time needs only CUDA events.) On CPU ``--kernel-events`` makes Inductor's C++
-kernels profiler events (``torch._inductor.config.cpp.enable_kernel_profile``, set before
-anything compiles; it adds a record per kernel call, so time with it off), and the same table
-counts them.
+host issues it. (On the H100 the profiler's sessions asking for the GPU's activity, each side's
+second, saw no GPU event; the back-to-back time needs only CUDA events.) On CPU
+``--kernel-events`` makes Inductor's C++ kernels profiler events
+(``torch._inductor.config.cpp.enable_kernel_profile``, set before anything compiles; it adds a
+record per kernel call, so time with it off), and the same table counts them.
 
 Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
