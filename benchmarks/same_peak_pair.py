@@ -31,9 +31,10 @@ Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``).
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
 torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch.compile:`` an
 ``activation_memory_budget``, ``memfit:`` a budget fraction or a mode (``none``, ``speed``,
-``memory``), or ``memfit-autotune:`` a budget fraction timed against ``"speed"``'s plan
-(``autotune=True``). Two sides take about two minutes on 2 cores for the ResNet, each further side
-about one more.
+``memory``), ``memfit-autotune:`` a budget fraction timed against ``"speed"``'s plan
+(``autotune=True``), or ``memfit-bare:`` a memfit setting whose compiled program is stepped
+without memfit's Python per call (a diagnostic: ``side``). Two sides take about two minutes on
+2 cores for the ResNet, each further side about one more.
 """
 
 from __future__ import annotations
@@ -91,18 +92,21 @@ MODES = ("none", "speed", "memory")
 
 
 def parse_side(text: str) -> tuple[str, str]:
-    """``"torch.compile:0.8"``, ``"memfit:0.6"`` / ``"memfit:none"`` or
-    ``"memfit-autotune:0.6"`` (a budget with ``autotune=True``) as (peer, setting)."""
+    """``"torch.compile:0.8"``, ``"memfit:0.6"`` / ``"memfit:none"``, ``"memfit-autotune:0.6"``
+    (a budget with ``autotune=True``) or ``"memfit-bare:none"`` / ``"memfit-bare:0.6"`` (see
+    ``side``) as (peer, setting)."""
     peer, _, setting = text.partition(":")
-    if peer not in ("torch.compile", "memfit", "memfit-autotune") or not setting:
+    if peer not in ("torch.compile", "memfit", "memfit-autotune", "memfit-bare") or not setting:
         raise argparse.ArgumentTypeError(
-            "a side is torch.compile:<budget>, memfit:<setting> or memfit-autotune:<budget>"
+            "a side is torch.compile:<budget>, memfit:<setting>, memfit-autotune:<budget> or "
+            "memfit-bare:<setting>"
         )
-    if not (peer == "memfit" and setting in MODES):
+    takes_modes = peer in ("memfit", "memfit-bare")
+    if not (takes_modes and setting in MODES):
         try:
             float(setting)
         except ValueError:
-            modes = f" or a mode {MODES}" if peer == "memfit" else ""
+            modes = f" or a mode {MODES}" if takes_modes else ""
             raise argparse.ArgumentTypeError(f"{text}: not a budget fraction{modes}") from None
     return peer, setting
 
@@ -110,7 +114,16 @@ def parse_side(text: str) -> tuple[str, str]:
 def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     """One side as a ``memfit.bench.runner`` method on its own copy of the model (``spec.build``
     is seeded), after its first step: for ``torch.compile`` under ``activation_memory_budget``,
-    which must span compilation and the lazily compiled backward."""
+    which must span compilation and the lazily compiled backward.
+
+    ``memfit-bare`` plans and compiles as ``memfit`` does, through the wrapper, then steps by
+    calling the wrapper's compiled program itself, without memfit's Python around each call
+    (``PlannedCall.run``: contexts, bookkeeping, checks). A diagnostic, not a way to train (no
+    budget check, no graph-break watch, no shape limit): where memfit's step is slower than
+    ``torch.compile``'s on a step bound by the host, it says whether the time is memfit's Python
+    per call (the bare side as fast as ``torch.compile``) or its compiled program (as slow as
+    memfit's).
+    """
     model = spec.build()
     entry = entry_point(model, f"pair_{peer}_{setting}")
     context: AbstractContextManager[Any] = nullcontext()
@@ -135,7 +148,23 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
         warm_up(method, spec.device)
     for _ in range(WARM_UP):
         method.run_step()
+    if peer == "memfit-bare":
+        method.step = _bare_step(spec, module)
+        method.run_step()
     return method
+
+
+def _bare_step(spec: ModelSpec, module: Any) -> Any:
+    """A training step calling ``module``'s compiled program (``PlannedCall.compiled``, as it
+    stands after the warm-up steps) without ``PlannedCall.run`` around it (see ``side``)."""
+    planned = module._planned
+    compiled = planned.compiled
+
+    def step() -> None:
+        spec.loss(compiled(*spec.inputs)).backward()
+        planned._ran.clear()  # what run() clears before each call: the graphs the call ran
+
+    return step
 
 
 def profile_side(method: Method, device: torch.device) -> dict[str, Any]:

@@ -28,9 +28,49 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def test_sides_parse_and_bad_ones_are_refused(pair: ModuleType) -> None:
     assert pair.parse_side("torch.compile:0.8") == ("torch.compile", "0.8")
     assert pair.parse_side("memfit:none") == ("memfit", "none")
-    for bad in ("torch.compile:none", "memfit:", "eager:1.0", "memfit-autotune:speed"):
+    assert pair.parse_side("memfit-bare:none") == ("memfit-bare", "none")
+    assert pair.parse_side("memfit-bare:0.6") == ("memfit-bare", "0.6")
+    for bad in (
+        "torch.compile:none",
+        "memfit:",
+        "eager:1.0",
+        "memfit-autotune:speed",
+        "memfit-bare:fast",
+    ):
         with pytest.raises(argparse.ArgumentTypeError):
             pair.parse_side(bad)
+
+
+def test_a_bare_side_steps_memfits_compiled_program_without_its_call_around_it(
+    pair: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The diagnostic side: after the wrapper's warm-up its steps call the compiled program
+    itself (memfit's per-call Python never runs) and train as the wrapper's steps do."""
+    from budget_frontier import ModelSpec
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    spec = ModelSpec("mlp", "MLP", build, (x,), lambda out: out.square().mean(), {}, None)
+    wrapped = pair.side(spec, "memfit", "none")
+    bare = pair.side(spec, "memfit-bare", "none")
+    assert bare.name == "memfit-bare mode none"
+
+    from memfit.execution.planned import PlannedCall
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("memfit's call ran")
+
+    monkeypatch.setattr(PlannedCall, "run", never)
+    bare.run_step()
+    with pytest.raises(AssertionError, match="memfit's call ran"):
+        wrapped.run_step()
+    monkeypatch.undo()
+    wrapped.run_step()
+    for a, b in zip(bare.model.parameters(), wrapped.model.parameters(), strict=True):
+        assert a.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_cpu_kernel_counts_see_compiled_graphs_their_kernels_and_ops_outside(
