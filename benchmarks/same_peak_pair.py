@@ -175,12 +175,11 @@ def profile_side(method: Method, device: torch.device) -> dict[str, Any]:
     One session a side, the GPU's activity in it: the H100 run of 2026-11-27 profiled each side
     twice, CPU alone then CPU and CUDA, and its second sessions recorded no GPU event at all
     (``kernel_counts`` read 0 kernels and 0 launches on both sides), while the CUDA test of
-    ``kernel_counts`` passed on the same machine in a process whose first session was the one
-    with CUDA; later sessions of a process are known to lose GPU events (pytorch/pytorch#175790,
-    #192021). So each side's kernels also get a count that needs no profiler
-    (``queued_gpu_ms``), and ``"events"`` records how many events of each device type the
-    session saw. A side whose profile fails keeps its timings and says why (a GPU's minutes are
-    few).
+    ``kernel_counts`` passed on the same machine, in another process; later sessions of a
+    process are known to lose GPU events (pytorch/pytorch#175790, #192021). So each side's
+    kernels also get a time that needs no profiler (``queued_gpu_ms``), and ``"events"`` records
+    how many events of each device type the session saw. A side whose profile fails keeps its
+    timings and says why (a GPU's minutes are few).
     """
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
