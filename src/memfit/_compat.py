@@ -363,11 +363,16 @@ def compiled_function_ctx(frames: int = 3) -> Any:
         code = frame.f_code
         if "ctx" in code.co_varnames or "ctx" in code.co_cellvars or "ctx" in code.co_freevars:
             ctx = frame.f_locals.get("ctx")
-            forward_cls = getattr(type(ctx), "_forward_cls", None)
-            if forward_cls is not None and forward_cls.__name__ == "CompiledFunction":
+            if _is_compiled_function_ctx(ctx):
                 return ctx
         frame = frame.f_back
     return None
+
+
+def _is_compiled_function_ctx(obj: Any) -> bool:
+    """Whether ``obj`` is the ctx (autograd node) of an AOTAutograd ``CompiledFunction``."""
+    forward_cls = getattr(type(obj), "_forward_cls", None)
+    return forward_cls is not None and forward_cls.__name__ == "CompiledFunction"
 
 
 def compiled_backward_ctx() -> Any:
@@ -380,10 +385,7 @@ def compiled_backward_ctx() -> Any:
     node whose backward is running, not its own ctx.
     """
     node = torch._C._current_autograd_node()
-    forward_cls = getattr(type(node), "_forward_cls", None)
-    if forward_cls is not None and forward_cls.__name__ == "CompiledFunction":
-        return node
-    return None
+    return node if _is_compiled_function_ctx(node) else None
 
 
 def eager_module_calls() -> list[torch.nn.Module]:
