@@ -603,3 +603,60 @@ def test_dropout_draws_eagers_masks(policy: str) -> None:
     expected.backward()
     assert torch.allclose(loss, expected, rtol=RTOL)
     _assert_same_training(model, ref)
+
+
+def test_static_inputs_reach_inductor_at_their_positions_after_unread_inputs_go(
+    monkeypatch,
+) -> None:
+    """The positions Inductor gets as static are those of the marked inputs among the ones
+    passed, after the inputs the graph does not read are dropped."""
+    from memfit.execution import executors
+
+    seen: list[tuple[list[str], list[int]]] = []
+    original = executors.inductor_compile
+
+    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        seen.append((names, list(kwargs["static_inputs"])))
+        return original(gm, examples, **kwargs)
+
+    monkeypatch.setattr(executors, "inductor_compile", spy)
+    graph = torch.fx.Graph()
+    unread, a, b = (graph.placeholder(name) for name in ("unread", "a", "b"))
+    unread.meta[executors.STATIC_INPUT] = True
+    b.meta[executors.STATIC_INPUT] = True
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (a, b)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    x, y = torch.randn(4), torch.randn(4)
+    run = compile_graph(gm, [torch.randn(4), x, y], "inductor", "inference")
+    assert seen == [(["a", "b"], [1])]
+    (out,) = run([torch.randn(4), x, y])
+    torch.testing.assert_close(out, x * y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_cuda_graphs_check_the_alignment_of_the_callers_inputs_only(monkeypatch) -> None:
+    """On a GPU Inductor checks, every call, the alignment of each input not static: memfit's
+    compiled graphs check the caller's input and the tangent, not the parameters (forward) or the
+    saved values (backward), as torch.compile's do."""
+    from memfit.execution import executors
+
+    checked: list[tuple[bool, int, set[int], set[int]]] = []
+    original = executors.inductor_compile
+
+    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
+        compiled = original(gm, examples, **kwargs)
+        inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        static = set(kwargs["static_inputs"])
+        checked.append((kwargs["is_backward"], inputs, static, set(compiled.inputs_to_check)))
+        return compiled
+
+    monkeypatch.setattr(executors, "inductor_compile", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    memfit.checkpoint(model, "none", executor="inductor")(x).sum().backward()
+    assert {backward for backward, *_ in checked} == {False, True}
+    for _, inputs, static, to_check in checked:
+        assert static and not static & to_check
+        assert to_check == set(range(inputs)) - static  # the caller's input, the tangent

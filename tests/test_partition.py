@@ -289,3 +289,50 @@ def test_symbolically_sized_view_of_an_input_stays_saved() -> None:
         wrapped(x).sum().backward()
         plain(x).sum().backward()
         torch.testing.assert_close(model.w.grad, plain.w.grad, rtol=1e-4, atol=1e-5)
+
+
+def _marked(gm: torch.fx.GraphModule) -> set[str]:
+    return {
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.meta.get(partition.STATIC_INPUT)
+    }
+
+
+def test_static_inputs_are_parameters_and_what_the_forward_computes(
+    split_graphs: list[Split],
+) -> None:
+    """As torch.compile tells Inductor: the forward's parameters, and the backward's saved values
+    that the forward computes or that are parameters, do not move between calls (on a GPU the
+    rest have their alignment checked every call). The caller's input and the tangent stay
+    unmarked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    memfit.checkpoint(model, "none", executor="inductor")(torch.randn(4, 8)).sum().backward()
+    (split,) = split_graphs
+    joint_inputs = [n for n in split.joint.graph.nodes if n.op == "placeholder"]
+    fixed = {joint_inputs[i].name for i in split.kwargs["static_lifetime_input_indices"]}
+    assert len(fixed) == len(list(model.parameters()))
+    assert _marked(split.fw) == fixed
+    bw_inputs = {n.name: n for n in split.bw.graph.nodes if n.op == "placeholder"}
+    caller = {n.name for n in joint_inputs if n.name not in fixed and "tangents" not in n.name}
+    assert caller and caller <= set(bw_inputs)  # the first Linear's input is saved
+    computed = {name for name in bw_inputs if name.split("_")[0] not in ("primals", "tangents")}
+    assert computed  # the ReLU's output
+    assert _marked(split.bw) == computed | (fixed & set(bw_inputs))
+
+
+def test_offloaded_values_are_not_static(split_graphs: list[Split]) -> None:
+    """An offloaded value comes back through memfit's transfers: left to Inductor's check."""
+    from memfit.execution.offload import OffloadOptions
+    from memfit.planning.decision import Decision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    options = OffloadOptions(bandwidth=1e18, min_bytes=1)
+    memfit.checkpoint(model, "swap", offload=options)(torch.randn(16, 8)).sum().backward()
+    (split,) = split_graphs
+    offloaded = {n for n, d in split.plan.decisions.items() if d is Decision.OFFLOAD}
+    assert offloaded
+    assert not offloaded & _marked(split.bw)
+    assert _marked(split.bw)  # what is kept on the device is still marked

@@ -780,6 +780,7 @@ def inductor_compile(
     is_inference: bool,
     layout_opt: bool | None = None,
     schedules: list[tuple[list[tuple[str, bool, int, int, int, int]], list[str]]] | None = None,
+    static_inputs: Sequence[int] = (),
 ) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by Inductor as one forward, backward or inference graph.
 
@@ -799,6 +800,13 @@ def inductor_compile(
     ``compile_fx`` passes it to ``compile_fx_inner`` as an argument (the config alone does not
     reach the graph's code generation), so memfit does the same. Without this a user who set it
     got Python wrappers from memfit and C++ ones from ``torch.compile``.
+
+    ``static_inputs``: positions of inputs whose storage does not move between calls, passed as
+    ``compile_fx_inner``'s ``static_input_idxs`` (checked 2.13.0), which ``torch.compile``'s
+    forward compiler fills with the parameters' and buffers' positions and its backward compiler
+    with the saved values'. Outside CUDA graphs it decides one thing: on a GPU, each input not
+    listed there (or not aligned in its example) has its alignment checked on every call
+    (``get_input_idxs_to_check``; a ``copy_if_misaligned`` per input in the generated code).
     """
     import torch._inductor.config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -819,6 +827,7 @@ def inductor_compile(
             is_inference=is_inference,
             layout_opt=layout_opt,
             cpp_wrapper=bool(torch._inductor.config.cpp_wrapper),
+            static_input_idxs=list(static_inputs),
         )
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "EXECUTORS",
     "EAGER",
     "INDUCTOR",
+    "STATIC_INPUT",
     "CompiledPair",
     "compile_graph",
     "compile_pair",
@@ -56,6 +57,13 @@ EXECUTORS = (EAGER, INDUCTOR)
 #: 1.15x, predictions within -3% (ResNet, measured above) to +50% (U-Net, measured below)
 #: (benchmarks/results/before_fusion/budget_frontier_inductor.md).
 LAYOUT_OPTIMIZATION: bool | None = None
+
+#: Placeholder meta marking a graph input whose storage stays where it is from call to call:
+#: parameters and buffers in a forward graph, the saved values in a backward graph
+#: (``execution.partition``). Inductor is told (its ``static_input_idxs``, as ``torch.compile``'s
+#: AOTAutograd compilers tell it) and on a GPU then skips the check of each such input's
+#: alignment it otherwise makes on every call.
+STATIC_INPUT = "memfit_static_input"
 
 #: The kinds of graph AOTAutograd hands a compiler.
 _KINDS = ("forward", "backward", "inference")
@@ -196,6 +204,7 @@ def _inductor(
         gm.graph.erase_node(placeholders[i])
     read = [i for i in range(len(placeholders)) if i not in set(unread)]
     examples = [example_inputs[i] for i in read]
+    static = [j for j, i in enumerate(read) if placeholders[i].meta.get(STATIC_INPUT)]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     (outs,) = output.args
     if kind == "inference":
@@ -212,6 +221,7 @@ def _inductor(
         is_inference=kind == "inference",
         layout_opt=LAYOUT_OPTIMIZATION,
         schedules=scheduled,
+        static_inputs=static,
     )
     if schedules is not None and scheduled:
         buffers, outputs = scheduled[-1]

@@ -35,6 +35,7 @@ from memfit._compat import extract_fwd_bwd_modules, is_tangent
 from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
+from memfit.execution.executors import STATIC_INPUT
 from memfit.execution.offload import JOINT_NAME, OffloadStore, insert_transfers
 from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
@@ -101,7 +102,41 @@ def split_joint_graph(
             store,
             num_fwd_outputs=num_fwd_outputs,
         )
+    _mark_static_inputs(joint, fw, bw, saved, plan, static_lifetime_input_indices)
     return fw, bw
+
+
+def _mark_static_inputs(
+    joint: fx.GraphModule,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    saved: list[fx.Node],
+    plan: GraphPlan,
+    static_lifetime_input_indices: Iterable[int] | None,
+) -> None:
+    """Mark (``STATIC_INPUT``) the inputs whose storage stays put from call to call: in ``fw``
+    the parameters and buffers, in ``bw`` the saved values the forward computes or that are
+    parameters or buffers.
+
+    Why: ``torch.compile``'s compilers tell Inductor the same, and on a GPU Inductor checks the
+    alignment of every input not so marked on every call, a Python line per input in a step bound
+    by the host (the frontier's encoder passes about 270). Left unmarked, and checked, as
+    ``torch.compile`` does not: saved forward inputs that are the caller's (a new tensor each
+    step, which may start anywhere in its storage), offloaded values (they come back through
+    memfit's transfers), tangents and the gradients added into.
+    """
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    fixed = {placeholders[i].name for i in static_lifetime_input_indices or ()}
+    passed_on = {
+        n.name
+        for n in saved
+        if (n.op != "placeholder" or n.name in fixed)
+        and plan.decisions.get(n.name) is not Decision.OFFLOAD
+    }
+    for graph, names in ((fw, fixed), (bw, passed_on)):
+        for n in graph.graph.nodes:
+            if n.op == "placeholder" and n.name in names and not is_tangent(n):
+                n.meta[STATIC_INPUT] = True
 
 
 def bases_of_input_views(
