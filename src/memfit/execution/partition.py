@@ -31,7 +31,7 @@ from collections.abc import Set as AbstractSet
 
 import torch.fx as fx
 
-from memfit._compat import extract_fwd_bwd_modules, is_tangent
+from memfit._compat import extract_fwd_bwd_modules, is_sym_node, is_tangent
 from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
@@ -123,7 +123,7 @@ def _mark_static_inputs(
     by the host (the frontier's encoder passes about 270). Left unmarked, and checked, as
     ``torch.compile`` does not: saved forward inputs that are the caller's (a new tensor each
     step, which may start anywhere in its storage), offloaded values (they come back through
-    memfit's transfers), tangents and the gradients added into.
+    memfit's transfers), tangents and the gradients added into; sizes are not tensors.
     """
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     fixed = {placeholders[i].name for i in static_lifetime_input_indices or ()}
@@ -132,6 +132,7 @@ def _mark_static_inputs(
         for n in saved
         if (n.op != "placeholder" or n.name in fixed)
         and plan.decisions.get(n.name) is not Decision.OFFLOAD
+        and not is_sym_node(n)
     }
     for graph, names in ((fw, fixed), (bw, passed_on)):
         for n in graph.graph.nodes:
