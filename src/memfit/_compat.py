@@ -733,9 +733,7 @@ def automatic_dynamic_shapes(enabled: bool) -> AbstractContextManager[Any]:
     captured again with static shapes, as memfit did before one capture served many sizes
     (``benchmarks/variable_shapes.py`` times both).
     """
-    import torch._dynamo.config as dynamo_config
-
-    return dynamo_config.patch(automatic_dynamic_shapes=enabled)
+    return _dynamo_config.patch(automatic_dynamic_shapes=enabled)
 
 
 def inductor_post_grad_pass(
