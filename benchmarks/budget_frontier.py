@@ -559,7 +559,8 @@ def measure_and_time(
     phases["timing"] = time.perf_counter() - t_phase
     print(
         f"  {spec.name}: timed in {phases['timing']:.0f} s; a collection before a step took "
-        f"{heap['collect_s'] * 1e3:.1f} ms ({heap['frozen_objects']} objects frozen)",
+        f"{heap['collect_s'] * 1e3:.1f} ms ({heap['frozen_objects']} objects frozen, "
+        f"{heap['frozen_before']} of them before the timing)",
         flush=True,
     )
     load_timing.append(load_average())

@@ -96,16 +96,25 @@ def test_timing_freezes_the_heap_so_each_steps_collection_scans_only_new_objects
     # the objects alive at the start (the model among them) were out of every step's collection
     assert len(frozen_in_steps) == 3 and min(frozen_in_steps) > 0
     assert heap["frozen_objects"] >= max(frozen_in_steps)  # objects die, none are added
-    assert heap["collect_s"] > 0
+    assert heap["collect_s"] > 0 and heap["frozen_before"] == 0
     assert gc.get_freeze_count() == 0  # thawed afterwards
 
 
-def test_timing_leaves_a_heap_frozen_by_someone_else_as_it_was() -> None:
-    gc.freeze()
+def test_timing_freezes_a_heap_someone_else_froze_too_and_leaves_it_frozen() -> None:
+    gc.freeze()  # someone else's freeze, early
+    early = gc.get_freeze_count()
+    made_since = [[i] for i in range(1000)]  # objects alive at the timing's start, not frozen
+    frozen_in_steps: list[int] = []
+    method = _method()
+    step = method.step
+    method.step = lambda: (frozen_in_steps.append(gc.get_freeze_count()), step())
     try:
-        heap = time_interleaved([_method()], rounds=2, device=CPU)
-        assert heap["frozen_objects"] is None  # not frozen here
-        assert gc.get_freeze_count() > 0  # not thawed (its count drops as frozen objects die)
+        heap = time_interleaved([method], rounds=2, device=CPU)
+        assert 0 < heap["frozen_before"] <= early  # (a few early ones die)
+        # what was made since the early freeze is out of each step's collection too
+        assert min(frozen_in_steps) > early + len(made_since) // 2
+        assert heap["frozen_objects"] >= max(frozen_in_steps)
+        assert gc.get_freeze_count() > early  # not thawed: that would thaw the early freeze too
     finally:
         gc.unfreeze()
 

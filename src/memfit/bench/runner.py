@@ -278,17 +278,22 @@ def time_interleaved(
     timed again. ``before_step(method, round)`` is called before each turn (progress reporting).
 
     Returns what the time outside the steps depends on: ``frozen_objects``, the objects frozen
-    when the timing began (None if someone else had frozen the heap, which is left as it was),
-    and ``collect_s``, the seconds of one collection then, as each timed step's takes. (On an
-    H100 the frontier's transformer took over 170 s to time what its steps ran in about 9.)
+    when the timing began, ``frozen_before``, those someone else had frozen before it (see
+    :func:`_frozen_heap`), and ``collect_s``, the seconds of one collection then, as each timed
+    step's takes. (On an H100 the frontier's transformer took over 170 s to time what its steps
+    ran in about 9.)
     """
     if settle < 0 or steps < 1:
         raise ValueError(f"need settle >= 0 and steps >= 1, got settle={settle}, steps={steps}")
     live = [m for m in methods if not m.failed]
-    with _frozen_heap() as frozen:
+    with _frozen_heap() as (before, frozen):
         start = time.perf_counter()
         gc.collect()
-        heap = {"frozen_objects": frozen, "collect_s": time.perf_counter() - start}
+        heap = {
+            "frozen_objects": frozen,
+            "frozen_before": before,
+            "collect_s": time.perf_counter() - start,
+        }
         for rnd, order in enumerate(rotation(len(live), rounds)):
             gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -307,19 +312,23 @@ def time_interleaved(
 
 
 @contextmanager
-def _frozen_heap() -> Iterator[int | None]:
+def _frozen_heap() -> Iterator[tuple[int, int]]:
     """The objects alive now left out of every collection until the block ends (see the
-    module); yields how many were frozen. A heap someone else froze is left as it is:
-    unfreezing would thaw theirs too (yields None)."""
-    if gc.get_freeze_count():
-        yield None
-        return
+    module); yields how many were frozen before (by someone else) and how many are now.
+
+    A heap someone else froze is frozen again, the objects made since added to it, and left
+    frozen afterwards: unfreezing would thaw theirs too. Skipping the freeze instead cost the
+    H200 of 2026-11-27, where something in the process had frozen the heap early, 0.58 s of
+    collection before every timed step of 10 ms (``benchmarks/results/gpu_h200/1127/``).
+    """
+    before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
-        yield gc.get_freeze_count()
+        yield before, gc.get_freeze_count()
     finally:
-        gc.unfreeze()
+        if not before:
+            gc.unfreeze()
 
 
 class Snapshot:
