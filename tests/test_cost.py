@@ -47,10 +47,11 @@ class _TwoLinears(nn.Module):
         return self.b(torch.relu(e * h))
 
 
-def test_keeping_costs_a_write_only_where_the_forward_would_not_write_anyway() -> None:
-    """Under Inductor, keeping a value fused into its readers costs its write at the device's
-    bandwidth; a matrix product's output or input is written whether kept or not, and costs
-    nothing; the eager executor writes everything and is charged nothing."""
+def test_keeping_costs_a_read_and_a_write_only_where_the_forward_would_not_write_anyway() -> None:
+    """Under Inductor, keeping a value costs the backward's read of it at the device's
+    bandwidth, and a value fused into its readers the forward's write too; a matrix product's
+    output or input is written whether kept or not; a step input costs nothing to keep; the
+    eager executor writes everything and is charged nothing."""
     x = torch.randn(8, 32)
     (jg,) = joint_graphs(_TwoLinears(), x, executor="inductor")
     (eager,) = joint_graphs(_TwoLinears(), x)
@@ -58,12 +59,39 @@ def test_keeping_costs_a_write_only_where_the_forward_would_not_write_anyway() -
     exp = next(n for n in jg.forward if n.target is torch.ops.aten.exp.default)
     relu = next(n for n in jg.forward if n.target is torch.ops.aten.relu.default)
     assert any(is_compute_heavy(u) for u in relu.users)  # the next Linear reads it
-    bandwidth = DEVICE_SPEED["cpu"][1]
-    assert keeping_seconds(jg, [exp]) == pytest.approx(8 * 64 * 4 / bandwidth)
-    assert keeping_seconds(jg, [addmm, relu]) == 0.0
-    assert keeping_seconds(jg, [exp, addmm, relu]) == keeping_seconds(jg, [exp])
+    one = 8 * 64 * 4 / DEVICE_SPEED["cpu"][1]  # each of the three: 8x64 fp32
+    assert keeping_seconds(jg, [exp]) == pytest.approx(2 * one)
+    assert keeping_seconds(jg, [addmm]) == keeping_seconds(jg, [relu]) == pytest.approx(one)
+    assert keeping_seconds(jg, [exp, addmm, relu]) == pytest.approx(4 * one)
+    assert keeping_seconds(jg, jg.primals) == 0.0
     eager_exp = next(n for n in eager.forward if n.target is torch.ops.aten.exp.default)
     assert keeping_seconds(eager, [eager_exp]) == 0.0
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.tanh(self.a(x))  # a residual stream: read again after ``b``, which it feeds
+        g = torch.exp(s)  # read by elementwise ops only, before ``b``
+        return self.b(torch.relu(s * g)) + s
+
+
+def test_a_value_read_again_after_a_kernel_it_feeds_is_written_anyway() -> None:
+    """A value the forward reads on both sides of a matrix product depending on it outlives the
+    fused kernel that made it: written whether kept or not, so keeping it costs only its read (a
+    pre-activation ResNet's residual sums); one read only before that product costs its write
+    too."""
+    (jg,) = joint_graphs(_Residual(), torch.randn(8, 32), executor="inductor")
+    tanh = next(n for n in jg.forward if n.target is torch.ops.aten.tanh.default)
+    exp = next(n for n in jg.forward if n.target is torch.ops.aten.exp.default)
+    assert not any(is_compute_heavy(u) for u in tanh.users)  # not a matrix product's input
+    one = 8 * 64 * 4 / DEVICE_SPEED["cpu"][1]
+    assert keeping_seconds(jg, [tanh]) == pytest.approx(one)
+    assert keeping_seconds(jg, [exp]) == pytest.approx(2 * one)
 
 
 class _Chunked(nn.Module):

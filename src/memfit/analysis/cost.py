@@ -183,28 +183,32 @@ _WRITTEN_ANYWAY = "storages_written_anyway"
 
 
 def keeping_seconds(jg: JointGraph, kept: Iterable[fx.Node]) -> float:
-    """Estimated time the forward spends writing ``kept`` for backward under a fusing executor
-    (``jg.fused_elementwise``): each storage it would not write otherwise, once, at the device's
-    bandwidth. Zero for the eager executor, whose kernels write every value anyway.
+    """Estimated time a step spends on keeping ``kept`` for backward under a fusing executor
+    (``jg.fused_elementwise``), at the device's bandwidth: each storage read once by the
+    backward, and written once by the forward where it would not write it otherwise. Zero for
+    the eager executor, whose kernels write every value and whose recomputation is priced at
+    its memory traffic (``node_seconds``) already.
 
     What the forward writes whatever is kept: the outputs and inputs of matrix products and
     convolutions (kernels of their own, which read and write memory), the step's outputs and
-    inputs. The rest, elementwise ops and reductions, Inductor fuses into the kernels that read
-    them, and writes only what is kept.
+    inputs, and the values the forward still reads after a matrix product or convolution that
+    depends on them (:func:`_read_across_kernels`: a residual sum, read by the next block's
+    normalisation and by the next block's sum after its convolutions). The rest, elementwise ops
+    and reductions, Inductor fuses into the kernels that read them, and writes only what is kept.
 
     Why: under Inductor a value the backward recomputes inside its fused kernels costs only its
     arithmetic (``node_seconds``), so by recomputation alone the plan keeping everything is the
     cheapest. On the budget frontier's CPU ResNet it is not: the forward of the plan keeping
-    everything took 1.19x that of ``torch.compile``'s partition keeping 33.7 MiB, the backward
-    0.99x, and memfit's budget plans keeping 47-60 MiB ran 1.5-4.7% slower than that partition
-    (``benchmarks/results/same_peak_pair/interval_1127``). Kept values the forward writes anyway
-    cost nothing here: charged a write and a read as well, they made the U-Net's budget plans
-    recompute convolutions' inputs, and run 5-12% slower (``benchmarks/results/keep_traffic``,
-    six ways of pricing tried). Priced this way, with ``node_seconds``'s price of copies,
-    measured against the same budgets planned without it in one process (CPU, 2 threads,
-    120 rounds; ``benchmarks/results/keep_traffic/in_process_1127``): the ResNet's
-    ``budget=1.0`` and ``0.8`` run ``"speed"``'s 35.3 MiB plan at 1.00x ``torch.compile``'s
-    program, the U-Net's budgets stay within 2% of their plans without it.
+    59.8 MiB took 1.13x that of ``torch.compile``'s partition keeping 33.7 MiB with the same
+    kernels, the backward 0.98x, and the plan ran 1.047x that partition's step
+    (``benchmarks/results/keep_traffic``, forms 7 and 8). Priced at the forward's writes only
+    (form 6), the ResNet's roomy budgets kept four convolutions' outputs to recompute two
+    residual sums from them (35.3 MiB, about 1% slower than that partition); the read makes
+    what a plan keeps cost something wherever it is written, and the sums written anyway make
+    keeping them cheaper than keeping what they are summed from. Charged a write and a read for
+    everything kept (form 1), the U-Net's budget plans recomputed its concatenations and
+    max-pools and ran 5-12% slower; with ``node_seconds``'s price of copies its plans stay
+    those chosen without the read, as do the transformer's.
     """
     if not jg.fused_elementwise:
         return 0.0
@@ -213,11 +217,45 @@ def keeping_seconds(jg: JointGraph, kept: Iterable[fx.Node]) -> float:
         anyway = [n for n in jg.forward if is_compute_heavy(n)]
         anyway += [a for n in anyway for a in n.all_input_nodes]
         anyway += jg.fwd_outputs
-        written = jg.derived[_WRITTEN_ANYWAY] = jg.primal_keys | {
-            k for n in anyway for k in jg.storages.get(n, ())
-        }
-    keys = {k for n in kept for k in jg.storages.get(n, ()) if k not in written}
+        anyway += _read_across_kernels(jg.forward_computed)
+        written = jg.derived[_WRITTEN_ANYWAY] = {k for n in anyway for k in jg.storages.get(n, ())}
+    keys = {k for n in kept for k in jg.storages.get(n, ()) if k not in jg.primal_keys}
     return sum(
-        jg.storage_bytes[k] / DEVICE_SPEED.get(jg.storage_devices[k].type, DEVICE_SPEED["cuda"])[1]
+        jg.storage_bytes[k]
+        * (1 if k in written else 2)
+        / DEVICE_SPEED.get(jg.storage_devices[k].type, DEVICE_SPEED["cuda"])[1]
         for k in keys
     )
+
+
+def _read_across_kernels(forward: list[fx.Node]) -> list[fx.Node]:
+    """The nodes of ``forward`` (in order) that one of their users reads after a matrix product
+    or convolution depending on them has run: such a value outlives the fused kernel that made
+    it, so the forward writes it to memory whether the backward keeps it or not.
+
+    Why: a pre-activation ResNet's residual sum feeds its next block's BatchNorm and, after that
+    block's two convolutions, its next residual sum. Charged as a write only kept values cause,
+    the budget frontier's CPU ResNet recomputed two such sums from the convolutions they add
+    (keeping both) instead of keeping the sums, a 35.3 MiB plan about 1% slower than
+    ``torch.compile``'s 33.7 MiB partition keeping the sums.
+
+    One pass in order with bit sets over the forward's positions: ``reach`` holds a node's
+    ancestors (itself included), ``through`` the nodes with a path to it through a matrix
+    product or convolution; a node is read across a kernel when it is in a user's ``through``.
+    """
+    position = {n: i for i, n in enumerate(forward)}
+    reach: dict[fx.Node, int] = {}
+    through: dict[fx.Node, int] = {}
+    for n in forward:
+        r = t = 0
+        for a in n.all_input_nodes:
+            if a in position:
+                r |= reach[a]
+                t |= through[a]
+        if is_compute_heavy(n):
+            t |= r  # every ancestor reaches what follows n through n
+        reach[n] = r | 1 << position[n]
+        through[n] = t
+    return [
+        n for n in forward if any(u in through and through[u] >> position[n] & 1 for u in n.users)
+    ]

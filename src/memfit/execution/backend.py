@@ -416,7 +416,7 @@ def _faster(
     whose compiled step runs faster (the rival on a tie), where both fit once compiled.
 
     Why: the cost model is an estimate (recomputation at its FLOPs where Inductor fuses it, the
-    forward's writes of what is kept: ``analysis.cost``), and which plan Inductor runs faster
+    traffic of what is kept: ``analysis.cost``), and which plan Inductor runs faster
     depends on how the backward's kernels fuse around the recomputed values, which it does not
     see. Before kept values were priced, on a CPU ResNet with BatchNorm ``budget=1``'s plan,
     keeping almost everything (59.8 MiB), ran 1.04x the step of ``"speed"``'s (35.3 MiB); on a

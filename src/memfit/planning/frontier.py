@@ -96,7 +96,7 @@ class FrontierPoint:
     simulation: StepSimulation
     #: what this plan offloads (``planning.offload``); None for recompute-only plans
     schedule: TransferSchedule | None = None
-    #: under Inductor, the forward's writes of what it keeps (``analysis.cost.keeping_seconds``)
+    #: under Inductor, the traffic of what it keeps (``analysis.cost.keeping_seconds``)
     keep_seconds: float = 0.0
 
     @property

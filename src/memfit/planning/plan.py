@@ -60,7 +60,7 @@ class ParetoPoint:
     #: bytes offloaded and the predicted seconds compute waits for the link (offload plans)
     offloaded_bytes: int = 0
     stall_seconds: float = 0.0
-    #: under Inductor, the forward's writes of what it keeps (``analysis.cost.keeping_seconds``)
+    #: under Inductor, the traffic of what it keeps (``analysis.cost.keeping_seconds``)
     keep_seconds: float = 0.0
 
     @property
@@ -94,7 +94,7 @@ class GraphPlan:
     note: str = ""
     #: estimated time of the recomputation (roofline of FLOPs and bytes; ``analysis.cost``)
     recompute_seconds: float = 0.0
-    #: under Inductor, the forward's writes of what it keeps (``analysis.cost.keeping_seconds``)
+    #: under Inductor, the traffic of what it keeps (``analysis.cost.keeping_seconds``)
     keep_seconds: float = 0.0
     #: the byte budget this graph was planned against (``"budget"`` policy only)
     budget_bytes: int | None = None
