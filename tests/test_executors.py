@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import memfit
 from conftest import Split
+from memfit.analysis.cost import DEVICE_SPEED
 from memfit.execution import backend
 from memfit.execution.executors import compile_graph
 
@@ -294,7 +295,14 @@ def _budget_one_timed(
 ):
     """``budget=1.0`` on ``_net``, whose cheapest plan within it keeps more than ``"speed"``'s,
     which fits too: one step, with the rival's timed ratio set to ``rival_ratio`` (None: timed
-    for real). The planned graph, the model and its plain PyTorch twin after one step each."""
+    for real). The planned graph, the model and its plain PyTorch twin after one step each.
+
+    The CPU's bandwidth is set a thousand times higher for the step, so that keeping costs
+    next to nothing (``analysis.cost.keeping_seconds``) and the cheapest plan keeps what
+    ``"speed"`` recomputes: at the real bandwidth, reading back what it keeps makes ``_net``'s
+    cheapest plan keep no more than ``"speed"``'s, and there is no rival to time."""
+    flops, bandwidth = DEVICE_SPEED["cpu"]
+    monkeypatch.setitem(DEVICE_SPEED, "cpu", (flops, bandwidth * 1000))
     if rival_ratio is not None:
         monkeypatch.setattr(backend, "step_time_ratios", lambda steps, rounds: [1.0, rival_ratio])
     x, y = _batch()
