@@ -358,6 +358,32 @@ def test_inductor_compile_reports_its_schedule() -> None:
         assert strides is None
 
 
+def test_inductor_compile_writes_into_donated_inputs_only() -> None:
+    """A backward input given as donated is storage Inductor may reuse: the result of an
+    elementwise op of its size is written into it (Inductor still reads its donated inputs from
+    ``torch._inductor.graph.get_donated_idxs``). Not given, a new buffer is allocated."""
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.sigmoid(a) * b,)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    examples = [torch.randn(64), torch.randn(64)]
+    for donated in ([0], []):
+        gm = make_fx(f)(*examples)
+        compiled = _compat.inductor_compile(
+            gm, examples, is_backward=True, is_inference=False, donated_inputs=donated
+        )
+        a, b = torch.randn(64), torch.randn(64)
+        expected = torch.sigmoid(a) * b
+        where = a.data_ptr()
+        args = [a, b]
+        del a  # the argument list is its only reference, as in memfit's backward
+        (out,) = compiled(args)
+        torch.testing.assert_close(out, expected)
+        assert (out.data_ptr() == where) == bool(donated), donated
+
+
 def test_min_cut_budgets_solved_together_put_torchs_solver_back_even_on_error() -> None:
     """While budgets are solved together torch's solver and runtime estimate are memoised in
     place and networkx's min-cut uses another max-flow; afterwards (also after an error) they

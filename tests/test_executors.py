@@ -668,3 +668,66 @@ def test_cuda_graphs_check_the_alignment_of_the_callers_inputs_only(monkeypatch)
     for _, inputs, static, to_check in checked:
         assert static and not static & to_check
         assert to_check == set(range(inputs)) - static  # the caller's input, the tangent
+
+
+def _donating_spy(monkeypatch) -> list[list[int]]:
+    """The donated positions each backward Inductor compiles gets."""
+    from memfit.execution import executors
+
+    donated: list[list[int]] = []
+    original = executors.inductor_compile
+
+    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
+        if kwargs["is_backward"]:
+            donated.append(list(kwargs["donated_inputs"]))
+        return original(gm, examples, **kwargs)
+
+    monkeypatch.setattr(executors, "inductor_compile", spy)
+    return donated
+
+
+class _ExpSum(nn.Module):
+    """Saves exp's output, which the backward reads once, in an elementwise product of its size
+    with a broadcast gradient: the buffer Inductor writes into the donated value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.linear(x)).sum(1)
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_a_backward_that_keeps_the_graph_runs_at_any_step_on_the_values_saved(
+    monkeypatch, executor: str, steps_before: int
+) -> None:
+    """As in plain PyTorch, a step may run its backward with retain_graph=True and then again,
+    whether or not an earlier step did (torch.compile refuses it after a step that did not,
+    AOTAutograd's guard for its donated buffers). The Inductor executor's backward compiled while
+    planning reuses its donated saved values' storage, as torch.compile's does; a backward that
+    keeps the graph runs one compiled without donation, so the second backward reads the values
+    the forward saved, and the gradients add up to plain PyTorch's (measured: with the donating
+    backward run for both, they differed)."""
+    donated = _donating_spy(monkeypatch)
+    torch.manual_seed(0)
+    ref = _ExpSum()
+    model = copy.deepcopy(ref)
+    wrapped = memfit.checkpoint(model, "none", executor=executor)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps_before):
+        x = torch.randn(16, 32, generator=g)
+        wrapped(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    x = torch.randn(16, 32, generator=g)
+    loss = wrapped(x).pow(2).mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = ref(x).pow(2).mean()
+    expected.backward(retain_graph=True)
+    expected.backward()
+    _assert_same_training(model, ref)
+    if executor == "inductor":
+        assert donated[0]  # the planned backward donates its saved values
+        assert [] in donated  # the backward that kept the graph was compiled without

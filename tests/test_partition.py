@@ -336,3 +336,38 @@ def test_offloaded_values_are_not_static(split_graphs: list[Split]) -> None:
     assert offloaded
     assert not offloaded & _marked(split.bw)
     assert _marked(split.bw)  # what is kept on the device is still marked
+
+
+def _donated(gm: torch.fx.GraphModule) -> set[str]:
+    return {
+        n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(partition.DONATED)
+    }
+
+
+class _ReturnsSaved(nn.Module):
+    """Saves a ReLU output the user also gets back, and a sigmoid output nobody else holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.third = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.first(x))
+        return self.third(torch.sigmoid(self.second(h))), h
+
+
+def test_donated_inputs_are_saved_values_nothing_else_holds(split_graphs: list[Split]) -> None:
+    """As AOTAutograd's bw_donated_idxs: of the backward's inputs, only saved values the forward
+    computes whose storage no other tensor has. Not a saved value the user also gets (the ReLU
+    output returned), not parameters, not the caller's input, not the tangents."""
+    torch.manual_seed(0)
+    wrapped = memfit.checkpoint(_ReturnsSaved(), "none", executor="inductor")
+    out, h = wrapped(torch.randn(4, 8))
+    (out.sum() + h.sum()).backward()
+    (split,) = split_graphs
+    donated = _donated(split.bw)
+    assert donated == {"sigmoid"}
+    assert "relu" in _marked(split.bw)  # saved and static, but the user holds it
+    assert donated <= _marked(split.bw)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import unittest.mock
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -34,6 +35,8 @@ __all__ = [
     "TorchDispatchMode",
     "StorageWeakRef",
     "aot_autograd",
+    "backward_keeps_graph",
+    "own_donation",
     "boxed_codegen",
     "compiled_backward_ctx",
     "compiled_function_ctx",
@@ -373,6 +376,35 @@ def _is_compiled_function_ctx(obj: Any) -> bool:
     """Whether ``obj`` is the ctx (autograd node) of an AOTAutograd ``CompiledFunction``."""
     forward_cls = getattr(type(obj), "_forward_cls", None)
     return forward_cls is not None and forward_cls.__name__ == "CompiledFunction"
+
+
+def own_donation() -> None:
+    """Tell AOTAutograd, while it compiles a forward graph, that its backward reuses none of the
+    saved values AOTAutograd would count as donated.
+
+    AOTAutograd (checked 2.13.0) finds, after the partition, the saved values nothing else holds
+    (``fw_metadata.bw_donated_idxs``), and where there are any its backward refuses to run with
+    ``retain_graph=True`` unless the first backward of that graph kept it too, since Inductor's
+    backward may have written into them. memfit decides donation itself: the eager executor never
+    donates, and a backward of the Inductor executor that keeps the graph runs a compile without
+    donation (``execution.backend``). So memfit empties that list, on the metadata the tracing
+    context holds (``aot_stage2b``'s ``tracing_context.fw_metadata``, set just before the forward
+    compiler is called: the runtime's own metadata unless tensor subclasses are involved), and a
+    backward keeping the graph runs at any step, as in plain PyTorch.
+    """
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        context.fw_metadata.bw_donated_idxs = []
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the backward running now keeps its graph for another pass (``retain_graph`` or
+    ``create_graph``): ``torch._C._autograd._get_current_graph_task_keep_graph`` (checked
+    2.13.0), what AOTAutograd asks before its backward may reuse donated buffers. True outside a
+    backward."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def compiled_backward_ctx() -> Any:
@@ -779,6 +811,7 @@ def inductor_compile(
     layout_opt: bool | None = None,
     schedules: list[tuple[list[tuple[str, bool, int, int, int, int]], list[str]]] | None = None,
     static_inputs: Sequence[int] = (),
+    donated_inputs: Sequence[int] = (),
 ) -> Callable[[list[Any]], Any]:
     """``gm`` compiled by Inductor as one forward, backward or inference graph.
 
@@ -805,8 +838,17 @@ def inductor_compile(
     with the saved values'. Outside CUDA graphs it decides one thing: on a GPU, each input not
     listed there (or not aligned in its example) has its alignment checked on every call
     (``get_input_idxs_to_check``; a ``copy_if_misaligned`` per input in the generated code).
+
+    ``donated_inputs``: positions of a backward's inputs whose storage Inductor may reuse for its
+    own buffers after their last read (``DonatedBuffer``). Inductor reads them from
+    ``torch._inductor.utils.get_donated_idxs`` (checked 2.13.0: ``GraphLowering.__init__`` calls
+    it, as ``torch._inductor.graph.get_donated_idxs``), which returns AOTAutograd's
+    ``bw_donated_idxs`` from the tracing context; memfit compiles its backward while it
+    partitions, before AOTAutograd has found them, so that name answers with memfit's positions
+    while the graph compiles.
     """
     import torch._inductor.config
+    import torch._inductor.graph as inductor_graph
     from torch._inductor.compile_fx import compile_fx_inner
 
     # Random ops (dropout) run as eager's kernels on eager's generator: the same masks as plain
@@ -817,7 +859,12 @@ def inductor_compile(
     if schedules is not None:
         patch["fx_graph_cache"] = False
         patch["reorder_for_peak_memory"] = True
-    with torch._inductor.config.patch(patch), inductor_schedule(schedules):
+    donated = list(donated_inputs) if is_backward else []
+    with (
+        torch._inductor.config.patch(patch),
+        inductor_schedule(schedules),
+        unittest.mock.patch.object(inductor_graph, "get_donated_idxs", lambda: donated),
+    ):
         return compile_fx_inner(
             gm,
             example_inputs,

@@ -24,9 +24,11 @@ import torch.fx as fx
 
 from memfit._compat import (
     aot_autograd,
+    backward_keeps_graph,
     compiled_backward_ctx,
     compiled_function_ctx,
     disable_current_modes,
+    own_donation,
     size_hint,
 )
 from memfit.analysis.graph import JointGraph, node_tensors
@@ -79,6 +81,7 @@ def _boxed(
     kind: str = "inference",
     user_outputs: int | None = None,
     compiled: Callable[[list[Any]], Any] | None = None,
+    donate: bool = False,
 ) -> Callable[..., Any]:
     """Run ``gm`` with the boxed convention *and* let it drop each input after its last use.
 
@@ -88,9 +91,10 @@ def _boxed(
     the simulator assumes (measured: without this, ``"none"`` peaked 5-20% above eager).
     ``on_run`` is called with the arguments before every run (a planned forward graph reports
     that it ran, and at which sizes). ``compiled``: ``gm`` already compiled (while planning).
+    ``donate``: a backward run once per forward may reuse its donated inputs' storage.
     """
     if compiled is None:
-        compiled = compile_graph(gm, example_inputs, executor, kind, user_outputs)
+        compiled = compile_graph(gm, example_inputs, executor, kind, user_outputs, donate=donate)
 
     if on_run is None:
 
@@ -145,6 +149,7 @@ def _boxed_forward(
     By default autograd hands an ``autograd.Function`` zeros for every output that got no
     gradient; turning that off lets the backward skip them (``execution.tangents``).
     """
+    own_donation()  # memfit's backward decides what it writes into (_boxed_backward)
     user_outputs = gm.meta.get(_USER_OUTPUTS_META)
     run_graph = _boxed(
         gm, example_inputs, on_run, executor, "forward", user_outputs, gm.meta.get(_COMPILED_META)
@@ -192,7 +197,7 @@ def _boxed_backward(
     if shared is not None:
         example_inputs = shared.value
     bases: dict[frozenset[str], tuple[fx.GraphModule, list[torch.Tensor | None]]] = {}
-    graphs: dict[tuple[frozenset[str], frozenset[int]], Callable[..., Any]] = {}
+    graphs: dict[tuple[frozenset[str], frozenset[int], bool], Callable[..., Any]] = {}
 
     def run(args: list[Any]) -> Any:
         if on_run is not None:
@@ -207,7 +212,10 @@ def _boxed_backward(
         if ctx is None:
             ctx = compiled_function_ctx(frames=5)
         positions, grads = accumulating(ctx, values)
-        key = (missing, positions)
+        # A backward that keeps the graph (retain_graph=True) may run again on the same saved
+        # values: it must not write into them (execution.executors.DONATED).
+        once = not backward_keeps_graph()
+        key = (missing, positions, once)
         if key not in graphs:
             specialized = accumulate_into_grads(base, positions) if positions else base
             examples = list(example_inputs) + [values[i] for i in sorted(positions)]
@@ -216,7 +224,8 @@ def _boxed_backward(
                 examples,
                 executor=executor,
                 kind="backward",
-                compiled=None if missing or positions else precompiled,
+                compiled=None if missing or positions or not once else precompiled,
+                donate=once,
             )
         args.extend(grads)  # the trailing inputs of an accumulating graph
         return graphs[key](args)

@@ -38,6 +38,7 @@ __all__ = [
     "EAGER",
     "INDUCTOR",
     "STATIC_INPUT",
+    "DONATED",
     "CompiledPair",
     "compile_graph",
     "compile_pair",
@@ -64,6 +65,13 @@ LAYOUT_OPTIMIZATION: bool | None = None
 #: AOTAutograd compilers tell it) and on a GPU then skips the check of each such input's
 #: alignment it otherwise makes on every call.
 STATIC_INPUT = "memfit_static_input"
+
+#: Placeholder meta marking a backward graph input that is a saved value no other tensor shares a
+#: storage with (``execution.partition``): the argument list is its last reference, so Inductor
+#: may write the backward's own buffers into it after its last read, as ``torch.compile``'s
+#: backward does with AOTAutograd's donated buffers. Honoured only where the caller says the
+#: inputs are used once (``donate``) and ``torch._functorch.config.donated_buffer`` is on.
+DONATED = "memfit_donated"
 
 #: The kinds of graph AOTAutograd hands a compiler.
 _KINDS = ("forward", "backward", "inference")
@@ -93,6 +101,7 @@ def compile_graph(
     kind: str,
     user_outputs: int | None = None,
     schedules: list[Schedule] | None = None,
+    donate: bool = False,
 ) -> Callable[[list[Any]], Any]:
     """``gm`` ready to run under ``executor``, called with its inputs in one list (boxed).
 
@@ -101,6 +110,8 @@ def compile_graph(
     gives those eager's strides and picks the layout of the rest itself. Inputs the graph does
     not read (a tangent that arrives as None) are not passed to Inductor. ``schedules``
     (Inductor only) receives the buffer timeline of the order Inductor runs the graph in.
+    ``donate`` (Inductor, backward): the inputs marked ``DONATED`` are passed once, by a
+    backward that does not keep the graph, and Inductor may reuse their storage.
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
@@ -109,7 +120,7 @@ def compile_graph(
         gm.graph.set_codegen(boxed_codegen())
         gm.recompile()
         return gm
-    return _inductor(gm, list(example_inputs), kind, user_outputs, schedules)
+    return _inductor(gm, list(example_inputs), kind, user_outputs, schedules, donate)
 
 
 @dataclass
@@ -141,7 +152,8 @@ def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> C
     read what Inductor's schedule holds and plan again if it holds more than the budget. The
     examples are the graphs' own fake values, as AOTAutograd passes them, and the backward is
     compiled for the layouts Inductor gave the saved values (the forward's output strides), as
-    AOTAutograd does: the saved values arrive in those layouts.
+    AOTAutograd does: the saved values arrive in those layouts. The backward reuses its donated
+    inputs (``DONATED``): a backward that keeps the graph runs another compile.
     """
     fw_examples = [n.meta.get("val") for n in fw.graph.nodes if n.op == "placeholder"]
     forward_schedule: list[Schedule] = []
@@ -172,7 +184,7 @@ def compile_pair(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> C
                 value = value.as_strided(value.size(), stride)
         bw_examples.append(value)
     backward_schedule: list[Schedule] = []
-    backward = _inductor(bw, list(bw_examples), "backward", None, backward_schedule)
+    backward = _inductor(bw, list(bw_examples), "backward", None, backward_schedule, donate=True)
     return CompiledPair(
         forward,
         backward,
@@ -188,6 +200,7 @@ def _inductor(
     kind: str,
     user_outputs: int | None,
     schedules: list[Schedule] | None = None,
+    donate: bool = False,
 ) -> Callable[[list[Any]], Any]:
     graph = fx.Graph()  # a copy: one backward graph may be compiled for several specializations
     env: dict[fx.Node, fx.Node] = {}
@@ -205,6 +218,9 @@ def _inductor(
     read = [i for i in range(len(placeholders)) if i not in set(unread)]
     examples = [example_inputs[i] for i in read]
     static = [j for j, i in enumerate(read) if placeholders[i].meta.get(STATIC_INPUT)]
+    donated: list[int] = []
+    if donate and kind == "backward" and torch._functorch.config.donated_buffer:
+        donated = [j for j, i in enumerate(read) if placeholders[i].meta.get(DONATED)]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     (outs,) = output.args
     if kind == "inference":
@@ -222,6 +238,7 @@ def _inductor(
         layout_opt=LAYOUT_OPTIMIZATION,
         schedules=scheduled,
         static_inputs=static,
+        donated_inputs=donated,
     )
     if schedules is not None and scheduled:
         buffers, outputs = scheduled[-1]

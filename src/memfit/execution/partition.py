@@ -25,22 +25,26 @@ could need a copy.
 After the split, the inputs whose storage stays put from call to call are marked (``STATIC_INPUT``:
 parameters and buffers, and the saved values the forward computes) for the Inductor executor, as
 ``torch.compile``'s compilers tell Inductor: on a GPU Inductor checks the alignment of every other
-input on every call.
+input on every call. Of the saved values the forward computes, those whose storage nothing else
+holds are marked donated (``DONATED``), as ``torch.compile``'s AOTAutograd finds its
+``bw_donated_idxs``: Inductor may write the backward's own buffers into them once read.
 """
 
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
+import torch
 import torch.fx as fx
 
-from memfit._compat import extract_fwd_bwd_modules, is_sym_node, is_tangent
+from memfit._compat import StorageWeakRef, extract_fwd_bwd_modules, is_sym_node, is_tangent
 from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
-from memfit.execution.executors import STATIC_INPUT
+from memfit.execution.executors import DONATED, STATIC_INPUT
 from memfit.execution.offload import JOINT_NAME, OffloadStore, insert_transfers
 from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
@@ -108,6 +112,7 @@ def split_joint_graph(
             num_fwd_outputs=num_fwd_outputs,
         )
     _mark_static_inputs(joint, fw, bw, saved, plan, static_lifetime_input_indices)
+    _mark_donated(fw, bw, num_fwd_outputs)
     return fw, bw
 
 
@@ -143,6 +148,48 @@ def _mark_static_inputs(
         for n in graph.graph.nodes:
             if n.op == "placeholder" and n.name in names:
                 n.meta[STATIC_INPUT] = True
+
+
+def _mark_donated(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Mark (``DONATED``) the backward's inputs that are saved values no other tensor shares a
+    storage with: not the forward's inputs, not what the user gets from the forward, not what
+    the backward returns, and not another saved value (two views of one buffer).
+
+    Why: ``torch.compile`` tells Inductor the same (AOTAutograd's ``bw_donated_idxs``, the same
+    rule less the last clause), and Inductor then writes a backward buffer into a donated input
+    after its last read instead of allocating one: on the frontier's ResNet (CPU) its backward
+    reused two saved buffers memfit's allocated afresh. The backward's argument list is the only
+    reference left to such a value, since AOTAutograd drops its own before the backward runs;
+    a backward that keeps the graph (``retain_graph=True``) runs a compile without donation
+    (``execution.backend``).
+    """
+    saved = [
+        n
+        for n in bw.graph.nodes
+        if n.op == "placeholder"
+        and n.meta.get(STATIC_INPUT)
+        and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    if not saved:
+        return
+    fw_output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    bw_output = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+    others = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    others += [o for o in fw_output.args[0][:num_fwd_outputs] if isinstance(o, fx.Node)]
+    others += [o for o in bw_output.args[0] if isinstance(o, fx.Node)]
+    held = {_storage(n.meta.get("val")) for n in others}
+    counts = Counter(_storage(n.meta["val"]) for n in saved)
+    for n in saved:
+        key = _storage(n.meta["val"])
+        if key is not None and key not in held and counts[key] == 1:
+            n.meta[DONATED] = True
+
+
+def _storage(value: object) -> StorageWeakRef | None:
+    """The identity of ``value``'s storage (fake or real), or None if it has none to share."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    return StorageWeakRef(value.untyped_storage())
 
 
 def bases_of_input_views(
