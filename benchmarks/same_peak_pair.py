@@ -33,7 +33,9 @@ torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch
 ``activation_memory_budget``, ``memfit:`` a budget fraction or a mode (``none``, ``speed``,
 ``memory``), ``memfit-autotune:`` a budget fraction timed against ``"speed"``'s plan
 (``autotune=True``), or ``memfit-bare:`` a memfit setting whose compiled program is stepped
-without memfit's Python per call (a diagnostic: ``side``). Two sides take about two minutes on
+without memfit's Python per call (a diagnostic: ``side``); any of them as ``<peer>-undonated:``
+compiles with ``torch._functorch.config.donated_buffer`` off, its backward reusing no saved
+value's storage (a diagnostic: what donation is worth). Two sides take about two minutes on
 2 cores for the ResNet, each further side about one more.
 """
 
@@ -91,17 +93,26 @@ _COMPILED_CALL = "## Call CompiledFxGraph"
 MODES = ("none", "speed", "memory")
 
 
+#: the sides' peers
+PEERS = ("torch.compile", "memfit", "memfit-autotune", "memfit-bare")
+
+#: a peer's suffix for a side compiled with ``torch._functorch.config.donated_buffer`` off: its
+#: backward writes no buffer of its own into a saved value (for torch.compile, AOTAutograd's
+#: donated buffers; for memfit, ``execution.executors.DONATED``)
+UNDONATED = "-undonated"
+
+
 def parse_side(text: str) -> tuple[str, str]:
     """``"torch.compile:0.8"``, ``"memfit:0.6"`` / ``"memfit:none"``, ``"memfit-autotune:0.6"``
     (a budget with ``autotune=True``) or ``"memfit-bare:none"`` / ``"memfit-bare:0.6"`` (see
     ``side``) as (peer, setting)."""
     peer, _, setting = text.partition(":")
-    if peer not in ("torch.compile", "memfit", "memfit-autotune", "memfit-bare") or not setting:
+    if peer.removesuffix(UNDONATED) not in PEERS or not setting:
         raise argparse.ArgumentTypeError(
             "a side is torch.compile:<budget>, memfit:<setting>, memfit-autotune:<budget> or "
-            "memfit-bare:<setting>"
+            f"memfit-bare:<setting>, each peer also as <peer>{UNDONATED}"
         )
-    takes_modes = peer in ("memfit", "memfit-bare")
+    takes_modes = peer.removesuffix(UNDONATED) in ("memfit", "memfit-bare")
     if not (takes_modes and setting in MODES):
         try:
             float(setting)
@@ -128,6 +139,9 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     entry = entry_point(model, f"pair_{peer}_{setting}")
     context: AbstractContextManager[Any] = nullcontext()
     mode = setting in MODES
+    name_peer = peer
+    undonated = peer.endswith(UNDONATED)
+    peer = peer.removesuffix(UNDONATED)
     if peer == "torch.compile":
         module: Any = torch.compile(entry)
         context = activation_memory_budget(float(setting))
@@ -142,9 +156,10 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     def step() -> None:
         spec.loss(module(*spec.inputs)).backward()
 
-    name = f"{peer} mode {setting}" if mode else f"{peer} budget {float(setting):g}"
+    name = f"{name_peer} mode {setting}" if mode else f"{name_peer} budget {float(setting):g}"
     method = Method(name, model, step, record_failures=False)
-    with context:
+    donation = torch._functorch.config.patch(donated_buffer=not undonated)
+    with context, donation:
         warm_up(method, spec.device)
     for _ in range(WARM_UP):
         method.run_step()

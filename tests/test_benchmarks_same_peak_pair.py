@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +31,16 @@ def test_sides_parse_and_bad_ones_are_refused(pair: ModuleType) -> None:
     assert pair.parse_side("memfit:none") == ("memfit", "none")
     assert pair.parse_side("memfit-bare:none") == ("memfit-bare", "none")
     assert pair.parse_side("memfit-bare:0.6") == ("memfit-bare", "0.6")
+    assert pair.parse_side("memfit-undonated:0.6") == ("memfit-undonated", "0.6")
+    assert pair.parse_side("torch.compile-undonated:0.8") == ("torch.compile-undonated", "0.8")
     for bad in (
         "torch.compile:none",
         "memfit:",
         "eager:1.0",
         "memfit-autotune:speed",
         "memfit-bare:fast",
+        "torch.compile-undonated:none",
+        "eager-undonated:1.0",
     ):
         with pytest.raises(argparse.ArgumentTypeError):
             pair.parse_side(bad)
@@ -71,6 +76,38 @@ def test_a_bare_side_steps_memfits_compiled_program_without_its_call_around_it(
     wrapped.run_step()
     for a, b in zip(bare.model.parameters(), wrapped.model.parameters(), strict=True):
         assert a.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_undonated_side_compiles_a_backward_that_reuses_no_saved_value(
+    pair: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memfit-undonated`` plans and steps as ``memfit`` does, its backward compiled with no
+    donated input; ``memfit``'s gets its saved values as donated."""
+    from budget_frontier import ModelSpec
+    from memfit.execution import executors
+
+    donated: list[list[int]] = []
+    original = executors.inductor_compile
+
+    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
+        if kwargs["is_backward"]:
+            donated.append(list(kwargs["donated_inputs"]))
+        return original(gm, examples, **kwargs)
+
+    monkeypatch.setattr(executors, "inductor_compile", spy)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    spec = ModelSpec("mlp", "MLP", build, (x,), lambda out: out.square().mean(), {}, None)
+    undonated = pair.side(spec, "memfit-undonated", "none")
+    assert undonated.name == "memfit-undonated mode none"
+    assert donated and not any(donated)
+    donated.clear()
+    pair.side(spec, "memfit", "none")
+    assert donated and all(donated)
 
 
 def test_cpu_kernel_counts_see_compiled_graphs_their_kernels_and_ops_outside(
