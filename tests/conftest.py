@@ -7,7 +7,8 @@ a later test could silently run an earlier test's graphs or hit the recompile li
 Run by ``pytest -n N`` (pytest-xdist, as ``make test`` does), each of the N worker processes
 gets its share of the machine's cores for torch's threads, so the workers do not contend for them.
 
-``split_graphs`` records the forward and backward graphs memfit's backend makes of each plan.
+``split_graphs`` records the forward and backward graphs memfit's backend makes of each plan;
+``backward_donations`` the donated inputs of each backward graph Inductor compiles.
 """
 
 import os
@@ -53,3 +54,21 @@ def split_graphs(monkeypatch: pytest.MonkeyPatch) -> list[Split]:
 
     monkeypatch.setattr(backend, "split_joint_graph", spy)
     return seen
+
+
+@pytest.fixture
+def backward_donations(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The positions given to Inductor as donated for each backward graph it compiles for memfit
+    during the test, in order."""
+    from memfit.execution import executors
+
+    donated: list[list[int]] = []
+    original = executors.inductor_compile
+
+    def spy(gm: fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
+        if kwargs["is_backward"]:
+            donated.append(list(kwargs["donated_inputs"]))
+        return original(gm, examples, **kwargs)
+
+    monkeypatch.setattr(executors, "inductor_compile", spy)
+    return donated

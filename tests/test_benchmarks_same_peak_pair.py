@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -79,22 +78,13 @@ def test_a_bare_side_steps_memfits_compiled_program_without_its_call_around_it(
 
 
 def test_an_undonated_side_compiles_a_backward_that_reuses_no_saved_value(
-    pair: ModuleType, monkeypatch: pytest.MonkeyPatch
+    pair: ModuleType, backward_donations: list[list[int]]
 ) -> None:
     """``memfit-undonated`` plans and steps as ``memfit`` does, its backward compiled with no
     donated input; ``memfit``'s gets its saved values as donated."""
     from budget_frontier import ModelSpec
-    from memfit.execution import executors
 
-    donated: list[list[int]] = []
-    original = executors.inductor_compile
-
-    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
-        if kwargs["is_backward"]:
-            donated.append(list(kwargs["donated_inputs"]))
-        return original(gm, examples, **kwargs)
-
-    monkeypatch.setattr(executors, "inductor_compile", spy)
+    donated = backward_donations
 
     def build() -> nn.Module:
         torch.manual_seed(0)

@@ -670,22 +670,6 @@ def test_cuda_graphs_check_the_alignment_of_the_callers_inputs_only(monkeypatch)
         assert to_check == set(range(inputs)) - static  # the caller's input, the tangent
 
 
-def _donating_spy(monkeypatch) -> list[list[int]]:
-    """The donated positions each backward Inductor compiles gets."""
-    from memfit.execution import executors
-
-    donated: list[list[int]] = []
-    original = executors.inductor_compile
-
-    def spy(gm: torch.fx.GraphModule, examples: Any, **kwargs: Any) -> Any:
-        if kwargs["is_backward"]:
-            donated.append(list(kwargs["donated_inputs"]))
-        return original(gm, examples, **kwargs)
-
-    monkeypatch.setattr(executors, "inductor_compile", spy)
-    return donated
-
-
 class _ExpSum(nn.Module):
     """Saves exp's output, which the backward reads once, in an elementwise product of its size
     with a broadcast gradient: the buffer Inductor writes into the donated value."""
@@ -701,7 +685,7 @@ class _ExpSum(nn.Module):
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 @pytest.mark.parametrize("steps_before", [0, 1])
 def test_a_backward_that_keeps_the_graph_runs_at_any_step_on_the_values_saved(
-    monkeypatch, executor: str, steps_before: int
+    backward_donations: list[list[int]], executor: str, steps_before: int
 ) -> None:
     """As in plain PyTorch, a step may run its backward with retain_graph=True and then again,
     whether or not an earlier step did (torch.compile refuses it after a step that did not,
@@ -710,7 +694,7 @@ def test_a_backward_that_keeps_the_graph_runs_at_any_step_on_the_values_saved(
     keeps the graph runs one compiled without donation, so the second backward reads the values
     the forward saved, and the gradients add up to plain PyTorch's (measured: with the donating
     backward run for both, they differed)."""
-    donated = _donating_spy(monkeypatch)
+    donated = backward_donations
     torch.manual_seed(0)
     ref = _ExpSum()
     model = copy.deepcopy(ref)
