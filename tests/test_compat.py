@@ -358,7 +358,17 @@ def test_inductor_compile_reports_its_schedule() -> None:
         assert strides is None
 
 
-def test_inductor_compile_writes_into_donated_inputs_only() -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+        ),
+    ],
+)
+def test_inductor_compile_writes_into_donated_inputs_only(device: str) -> None:
     """A backward input given as donated is storage Inductor may reuse: the result of an
     elementwise op of its size is written into it (Inductor still reads its donated inputs from
     ``torch._inductor.graph.get_donated_idxs``). Not given, a new buffer is allocated."""
@@ -368,13 +378,13 @@ def test_inductor_compile_writes_into_donated_inputs_only() -> None:
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    examples = [torch.randn(64), torch.randn(64)]
+    examples = [torch.randn(64, device=device), torch.randn(64, device=device)]
     for donated in ([0], []):
         gm = make_fx(f)(*examples)
         compiled = _compat.inductor_compile(
             gm, examples, is_backward=True, is_inference=False, donated_inputs=donated
         )
-        a, b = torch.randn(64), torch.randn(64)
+        a, b = torch.randn(64, device=device), torch.randn(64, device=device)
         expected = torch.sigmoid(a) * b
         where = a.data_ptr()
         args = [a, b]
