@@ -371,3 +371,30 @@ def test_donated_inputs_are_saved_values_nothing_else_holds(split_graphs: list[S
     assert donated == {"sigmoid"}
     assert "relu" in _marked(split.bw)  # saved and static, but the user holds it
     assert donated <= _marked(split.bw)
+
+
+def test_saved_values_sharing_a_storage_are_not_donated() -> None:
+    """Two saved views of one buffer: writing into one after its last read would overwrite the
+    other while the backward still reads it, so neither is donated (AOTAutograd's rule would
+    donate both). A saved value alone in its storage is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4)
+        base = torch.empty(8)
+        values = {"x": x, "first": base[:4], "second": base[4:], "alone": torch.empty(4)}
+    fw, bw = torch.fx.Graph(), torch.fx.Graph()
+    x_node = fw.placeholder("x")
+    x_node.meta["val"] = values["x"]
+    fw.output((x_node,))
+    saved = []
+    for name in ("first", "second", "alone"):
+        node = bw.placeholder(name)
+        node.meta["val"] = values[name]
+        node.meta[partition.STATIC_INPUT] = True
+        saved.append(node)
+    bw.output((bw.call_function(torch.ops.aten.add.Tensor, (saved[0], saved[2])),))
+    fw_module = torch.fx.GraphModule(nn.Module(), fw)
+    bw_module = torch.fx.GraphModule(nn.Module(), bw)
+    partition._mark_donated(fw_module, bw_module, 1)
+    assert _donated(bw_module) == {"alone"}
