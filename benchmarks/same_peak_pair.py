@@ -107,12 +107,13 @@ def parse_side(text: str) -> tuple[str, str]:
     (a budget with ``autotune=True``) or ``"memfit-bare:none"`` / ``"memfit-bare:0.6"`` (see
     ``side``) as (peer, setting)."""
     peer, _, setting = text.partition(":")
-    if peer.removesuffix(UNDONATED) not in PEERS or not setting:
+    base = peer.removesuffix(UNDONATED)
+    if base not in PEERS or not setting:
         raise argparse.ArgumentTypeError(
             "a side is torch.compile:<budget>, memfit:<setting>, memfit-autotune:<budget> or "
             f"memfit-bare:<setting>, each peer also as <peer>{UNDONATED}"
         )
-    takes_modes = peer.removesuffix(UNDONATED) in ("memfit", "memfit-bare")
+    takes_modes = base in ("memfit", "memfit-bare")
     if not (takes_modes and setting in MODES):
         try:
             float(setting)

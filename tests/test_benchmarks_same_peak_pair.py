@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -45,19 +46,24 @@ def test_sides_parse_and_bad_ones_are_refused(pair: ModuleType) -> None:
             pair.parse_side(bad)
 
 
+def _mlp_spec(activation: type[nn.Module]) -> Any:
+    """A two-Linear MLP with ``activation`` between them, as the benchmarks' model spec."""
+    from budget_frontier import ModelSpec
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), activation(), nn.Linear(16, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    return ModelSpec("mlp", "MLP", build, (x,), lambda out: out.square().mean(), {}, None)
+
+
 def test_a_bare_side_steps_memfits_compiled_program_without_its_call_around_it(
     pair: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The diagnostic side: after the wrapper's warm-up its steps call the compiled program
     itself (memfit's per-call Python never runs) and train as the wrapper's steps do."""
-    from budget_frontier import ModelSpec
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    spec = ModelSpec("mlp", "MLP", build, (x,), lambda out: out.square().mean(), {}, None)
+    spec = _mlp_spec(nn.Tanh)
     wrapped = pair.side(spec, "memfit", "none")
     bare = pair.side(spec, "memfit-bare", "none")
     assert bare.name == "memfit-bare mode none"
@@ -82,16 +88,8 @@ def test_an_undonated_side_compiles_a_backward_that_reuses_no_saved_value(
 ) -> None:
     """``memfit-undonated`` plans and steps as ``memfit`` does, its backward compiled with no
     donated input; ``memfit``'s gets its saved values as donated."""
-    from budget_frontier import ModelSpec
-
     donated = backward_donations
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 4))
-
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    spec = ModelSpec("mlp", "MLP", build, (x,), lambda out: out.square().mean(), {}, None)
+    spec = _mlp_spec(nn.Sigmoid)
     undonated = pair.side(spec, "memfit-undonated", "none")
     assert undonated.name == "memfit-undonated mode none"
     assert donated and not any(donated)

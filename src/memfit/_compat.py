@@ -859,7 +859,7 @@ def inductor_compile(
     if schedules is not None:
         patch["fx_graph_cache"] = False
         patch["reorder_for_peak_memory"] = True
-    donated = list(donated_inputs) if is_backward else []
+    donated = list(donated_inputs)
     with (
         torch._inductor.config.patch(patch),
         inductor_schedule(schedules),
@@ -927,11 +927,8 @@ def inductor_schedule(
         schedules.append((timeline, list(V.graph.get_output_names())))
         return order
 
-    inductor_memory.reorder_for_peak_memory = recording
-    try:
+    with unittest.mock.patch.object(inductor_memory, "reorder_for_peak_memory", recording):
         yield
-    finally:
-        inductor_memory.reorder_for_peak_memory = original
 
 
 def forward_output_strides() -> AbstractContextManager[Any]:
