@@ -316,6 +316,20 @@ def test_symbolic_sizes_read_without_guards_and_split_with_the_sizes_saved() -> 
     assert _compat.size_hint(7) == 7 and _compat.size_expr(7) == 7
 
 
+def test_dense_memory_format_names_the_layout_of_dense_strides_only() -> None:
+    x = torch.empty(2, 3, 4, 5)
+    assert _compat.dense_memory_format(x) == torch.contiguous_format
+    assert _compat.dense_memory_format(x.to(memory_format=torch.channels_last)) == (
+        torch.channels_last
+    )
+    volume = torch.empty(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d)
+    assert _compat.dense_memory_format(volume) == torch.channels_last_3d
+    # both layouts at once (one channel): eager's default is the one named
+    assert _compat.dense_memory_format(torch.empty(2, 1, 4, 5)) == torch.contiguous_format
+    assert _compat.dense_memory_format(x.transpose(0, 1)) is None
+    assert _compat.dense_memory_format(torch.empty(3, 1).expand(3, 4)) is None
+
+
 def test_automatic_dynamic_shapes_off_captures_every_size_again() -> None:
     torch.compiler.reset()
     f = torch.compile(lambda x: x * 2, backend="eager")

@@ -715,3 +715,26 @@ def test_a_backward_that_keeps_the_graph_runs_at_any_step_on_the_values_saved(
     if executor == "inductor":
         assert donated[0]  # the planned backward donates its saved values
         assert [] in donated  # the backward that kept the graph was compiled without
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_weight_gradients_arrive_in_the_weights_layout(memory_format: torch.memory_format) -> None:
+    """Inductor lays a convolution graph out channels-last and re-derives the backward's strides
+    from the saved values' layouts, so under torch.compile a contiguous conv weight's gradient
+    comes back channels-last and the autograd engine copies it into the weight's layout every
+    step. memfit's backward gives each gradient the layout eager gives it (measured: without
+    that, every conv weight's gradient here arrived channels-last), in either layout the user
+    chose, and the gradients still equal plain PyTorch's."""
+    ref = _net().to(memory_format=memory_format)
+    model = copy.deepcopy(ref)
+    arrived: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: arrived.__setitem__(name, g.stride()))
+    wrapped = memfit.checkpoint(model, "none", executor="inductor")
+    x, y = _batch()
+    x = x.contiguous(memory_format=memory_format)
+    F.cross_entropy(wrapped(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    _assert_same_training(model, ref)
+    expected = {name: p.stride() for name, p in model.named_parameters()}
+    assert arrived == expected

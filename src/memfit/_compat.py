@@ -64,6 +64,7 @@ __all__ = [
     "accumulated_recompile_limit",
     "compile_with_recompile_limit",
     "is_sym_node",
+    "dense_memory_format",
     "size_hint",
     "size_expr",
     "size_symbols",
@@ -686,6 +687,25 @@ def is_sym_node(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+#: Dense layouts a tensor can have by name, tried in this order: a tensor with a size-1 dimension
+#: can be several at once, and eager's default comes first.
+_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def dense_memory_format(value: torch.Tensor) -> torch.memory_format | None:
+    """The memory format ``value``'s strides are (contiguous, channels-last), or None if none.
+
+    ``torch._prims_common.is_contiguous_for_memory_format_or_false`` (checked 2.13.0): it answers
+    False rather than guard where a stride holds a size symbol.
+    """
+    from torch._prims_common import is_contiguous_for_memory_format_or_false
+
+    for memory_format in _DENSE_FORMATS:
+        if is_contiguous_for_memory_format_or_false(value, memory_format=memory_format):
+            return memory_format
+    return None
+
+
 # ---- the profiler's raw events (checked 2.13.0) --------------------------------------------------
 def profiler_enabled() -> bool:
     """Whether any torch profiler session is active on this thread (``torch._C._autograd``)."""
@@ -818,7 +838,7 @@ def inductor_compile(
     ``torch._inductor.compile_fx.compile_fx_inner`` (checked 2.13.0): the per-graph compiler that
     ``torch.compile``'s own AOTAutograd forward and backward compilers call after partitioning.
     The result takes its inputs as one list (boxed) and clears it, as memfit's FX executor does.
-    Outputs of a forward graph marked ``user_visible_output_idxs`` keep eager's strides.
+    Outputs marked ``user_visible_output_idxs`` keep the strides of their traced values.
     ``layout_opt`` is Inductor's choice of channels-last layouts for convolutions (None: Inductor
     decides per graph); False also turns off ``torch._inductor.config.layout_optimization``
     while the graph compiles. ``torch._inductor.config.fallback_random`` is on while it compiles.

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 
 from memfit._compat import (
     boxed_codegen,
+    dense_memory_format,
     forward_output_strides,
     inductor_compile,
     inductor_decompositions,
@@ -225,6 +226,9 @@ def _inductor(
     (outs,) = output.args
     if kind == "inference":
         user_outputs = len(outs)
+    if kind == "backward":
+        outs = _keep_eager_layouts(gm.graph, output)
+        user_outputs = len(outs)
     visible = range(min(user_outputs or 0, len(outs)))
     # Inductor's name (compile_fx_forward sets it the same way, checked 2.13.0).
     output.meta["user_visible_output_idxs"] = [i for i in visible if isinstance(outs[i], fx.Node)]
@@ -252,3 +256,41 @@ def _inductor(
         return compiled(inputs)
 
     return run
+
+
+def _keep_eager_layouts(graph: fx.Graph, output: fx.Node) -> tuple[Any, ...]:
+    """The backward's outputs, each in the dense layout eager gives it: its traced strides.
+
+    Why: Inductor lays out a convolution graph channels-last, and re-derives the backward's
+    strides from the layouts its forward gave the saved values, so a convolution's weight
+    gradient comes back channels-last while the weight is contiguous, although the backward's
+    outputs are meant to keep eager's strides (``torch._inductor.config.bw_outputs_user_visible``,
+    which ``torch.compile`` honours only with the strides re-derived). The autograd engine then
+    copies each such gradient into the weight's layout (``AccumulateGrad``'s layout contract), an
+    ATen copy per weight per step outside the compiled graph: on the frontier's ResNet (CPU) 26
+    a step, in ``torch.compile``'s step as in memfit's. A ``clone`` to the traced layout, which
+    the re-derivation cannot change, makes Inductor write the gradient in that layout (a fused
+    copy in the graph where it differs; Inductor drops the clone where it does not). Outputs
+    whose traced strides are no dense format, or carry size symbols, are left as Inductor lays
+    them out.
+    """
+    outs = cast("tuple[Any, ...]", output.args[0])
+    pinned: dict[fx.Node, fx.Node] = {}
+    for out in outs:
+        if not isinstance(out, fx.Node) or out.op == "placeholder" or out in pinned:
+            continue
+        value = out.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        layout = dense_memory_format(value)
+        if layout is None:
+            continue
+        with graph.inserting_after(out):
+            clone = graph.call_function(
+                torch.ops.aten.clone.default, (out,), {"memory_format": layout}
+            )
+        clone.meta["val"] = value
+        pinned[out] = clone
+    new_outs = tuple(pinned.get(o, o) if isinstance(o, fx.Node) else o for o in outs)
+    output.args = (new_outs,)
+    return new_outs
