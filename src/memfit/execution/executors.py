@@ -227,6 +227,8 @@ def _inductor(
     if kind == "inference":
         user_outputs = len(outs)
     if kind == "backward":
+        # every gradient is the caller's, as torch.compile's backward compiler tells Inductor
+        # (``bw_outputs_user_visible``), in eager's layout
         outs = _keep_eager_layouts(gm.graph, output)
         user_outputs = len(outs)
     visible = range(min(user_outputs or 0, len(outs)))
