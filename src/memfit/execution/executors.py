@@ -224,12 +224,11 @@ def _inductor(
         donated = [j for j, i in enumerate(read) if placeholders[i].meta.get(DONATED)]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     (outs,) = output.args
-    if kind == "inference":
-        user_outputs = len(outs)
     if kind == "backward":
-        # every gradient is the caller's, as torch.compile's backward compiler tells Inductor
-        # (``bw_outputs_user_visible``), in eager's layout
         outs = _keep_eager_layouts(gm.graph, output)
+    if kind != "forward":
+        # every output of an inference graph is the user's, and every gradient the caller's, as
+        # torch.compile's backward compiler tells Inductor (``bw_outputs_user_visible``)
         user_outputs = len(outs)
     visible = range(min(user_outputs or 0, len(outs)))
     # Inductor's name (compile_fx_forward sets it the same way, checked 2.13.0).
