@@ -27,6 +27,7 @@ RTOL = 1e-4
 #: differently, and a gradient that is zero in exact arithmetic (a bias before BatchNorm) is
 #: rounding noise in both
 ATOL_SCALE = 1e-5
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
 
 def _net() -> nn.Module:
@@ -642,7 +643,7 @@ def test_static_inputs_reach_inductor_at_their_positions_after_unread_inputs_go(
     torch.testing.assert_close(out, x * y)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_graphs_check_the_alignment_of_the_callers_inputs_only(monkeypatch) -> None:
     """On a GPU Inductor checks, every call, the alignment of each input not static: memfit's
     compiled graphs check the caller's input and the tangent, not the parameters (forward) or the
@@ -717,21 +718,25 @@ def test_a_backward_that_keeps_the_graph_runs_at_any_step_on_the_values_saved(
         assert [] in donated  # the backward that kept the graph was compiled without
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_weight_gradients_arrive_in_the_weights_layout(memory_format: torch.memory_format) -> None:
+def test_weight_gradients_arrive_in_the_weights_layout(
+    memory_format: torch.memory_format, device: str
+) -> None:
     """Inductor lays a convolution graph out channels-last and re-derives the backward's strides
     from the saved values' layouts, so under torch.compile a contiguous conv weight's gradient
     comes back channels-last and the autograd engine copies it into the weight's layout every
-    step. memfit's backward gives each gradient the layout eager gives it (measured: without
-    that, every conv weight's gradient here arrived channels-last), in either layout the user
-    chose, and the gradients still equal plain PyTorch's."""
-    ref = _net().to(memory_format=memory_format)
+    step. memfit's backward gives each gradient the layout eager gives it (measured on the CPU:
+    without that, every conv weight's gradient here arrived channels-last; Inductor's layout
+    choice is made for GPUs too), in either layout the user chose, and the gradients still
+    equal plain PyTorch's."""
+    ref = _net().to(device=device, memory_format=memory_format)
     model = copy.deepcopy(ref)
     arrived: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
         p.register_hook(lambda g, name=name: arrived.__setitem__(name, g.stride()))
     wrapped = memfit.checkpoint(model, "none", executor="inductor")
-    x, y = _batch()
+    x, y = (t.to(device) for t in _batch())
     x = x.contiguous(memory_format=memory_format)
     F.cross_entropy(wrapped(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
