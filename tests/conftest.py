@@ -18,6 +18,9 @@ import pytest
 import torch
 import torch.fx as fx
 
+#: Marks a test (or a ``pytest.param``) that needs a GPU: skipped where CUDA is not available.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))

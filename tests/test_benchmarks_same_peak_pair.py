@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from clitools import ROOT
+from conftest import CUDA
 from memfit.bench.runner import Method
 
 
@@ -140,7 +141,7 @@ def test_a_failed_kernel_count_keeps_the_timings_and_says_why(
     assert pair.kernel_list(counts)[2:] == []  # no kernels listed
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_each_sides_profile_sees_the_gpu_kernels_and_the_host_issuing_them(
     pair: ModuleType,
 ) -> None:

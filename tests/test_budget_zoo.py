@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import memfit
+from conftest import CUDA
 from memfit.bench.zoo import ZOO, ZooCase, measured_step_peak, tree_to
 
 FRACTIONS = (1.0, 0.5, 0.25)
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import CUDA
 from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
 
 N = 1 << 14  # floats: 64 KiB per tensor
@@ -104,7 +105,7 @@ def test_user_outputs_are_held_through_the_backward(user_outputs: int) -> None:
     assert _about(peaks.backward_peak_bytes, (4 if user_outputs else 3) * B)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_first_call_allocations_are_not_the_steps() -> None:
     """On CUDA a compiled pair's first call allocates what later calls do not (Triton's autotuning
     copies, cuBLAS's workspace): measured, it made an H200's first plans 1.12-1.29x their

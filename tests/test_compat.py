@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
 
+from conftest import CUDA
 from memfit import _compat
 
 
@@ -378,7 +379,7 @@ def test_inductor_compile_reports_its_schedule() -> None:
         "cpu",
         pytest.param(
             "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+            marks=CUDA,
         ),
     ],
 )

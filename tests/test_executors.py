@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memfit
-from conftest import Split
+from conftest import CUDA, Split
 from memfit.analysis.cost import DEVICE_SPEED
 from memfit.execution import backend
 from memfit.execution.executors import compile_graph
@@ -27,7 +27,6 @@ RTOL = 1e-4
 #: differently, and a gradient that is zero in exact arithmetic (a bias before BatchNorm) is
 #: rounding noise in both
 ATOL_SCALE = 1e-5
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
 
 def _net() -> nn.Module:

@@ -7,11 +7,10 @@ import functools
 import pytest
 import torch
 
+from conftest import CUDA
 from measuring import kept_intermediates, mlp_step, small_mlp
 from memfit.measurement import measure
 from memfit.measurement.cuda import CudaRecording
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
 
 def test_recording_needs_a_cuda_device_with_an_index():
@@ -26,7 +25,7 @@ CUDA_MB = 1 << 20
 CUDA_FLOATS_PER_MB = CUDA_MB // 4
 
 
-@requires_cuda
+@CUDA
 def test_cuda_allocation_kept_is_exact():
     m = measure(lambda: torch.empty(CUDA_FLOATS_PER_MB, device="cuda"), device="cuda")
     assert m.peak_bytes == m.end_bytes == CUDA_MB
@@ -34,7 +33,7 @@ def test_cuda_allocation_kept_is_exact():
     assert m.timeline == [(0.0, 0), (m.time_s, CUDA_MB)]
 
 
-@requires_cuda
+@CUDA
 def test_cuda_sequential_and_concurrent_peaks():
     def sequential():
         a = torch.empty(CUDA_FLOATS_PER_MB, device="cuda")
@@ -53,7 +52,7 @@ def test_cuda_sequential_and_concurrent_peaks():
     assert (con.peak_bytes, con.end_bytes) == (2 * CUDA_MB, 0)
 
 
-@requires_cuda
+@CUDA
 def test_cuda_preexisting_tensor_freed_is_negative():
     holder = [torch.empty(CUDA_FLOATS_PER_MB, device="cuda")]
     m = measure(holder.clear)  # inferred from the tensor in the closure
@@ -62,7 +61,7 @@ def test_cuda_preexisting_tensor_freed_is_negative():
     assert m.peak_bytes == 0
 
 
-@requires_cuda
+@CUDA
 def test_cuda_device_inferred_from_args_and_modules():
     model = small_mlp("cuda")
     x = torch.randn(64, 256, device="cuda")
@@ -75,7 +74,7 @@ def test_cuda_device_inferred_from_args_and_modules():
     assert measure(lambda d: d["x"].sum(), {"x": x}).device.startswith("cuda:")
 
 
-@requires_cuda
+@CUDA
 def test_cuda_kept_intermediates_peak_at_least_their_sum():
     x = torch.randn(CUDA_FLOATS_PER_MB, device="cuda")
     m = measure(kept_intermediates, x, 5)
@@ -83,7 +82,7 @@ def test_cuda_kept_intermediates_peak_at_least_their_sum():
     assert m.end_bytes == 5 * CUDA_MB
 
 
-@requires_cuda
+@CUDA
 def test_cuda_nested_measure_keeps_outer_peak():
     def outer():
         a = torch.empty(2 * CUDA_FLOATS_PER_MB, device="cuda")
@@ -97,20 +96,20 @@ def test_cuda_nested_measure_keeps_outer_peak():
     assert m.end_bytes == CUDA_MB
 
 
-@requires_cuda
+@CUDA
 def test_cuda_cpu_measurement_ignores_cuda_memory():
     m = measure(lambda: torch.empty(CUDA_FLOATS_PER_MB, device="cuda"), device="cpu")
     assert m.peak_bytes < CUDA_MB  # only host-side bookkeeping, if any
 
 
-@requires_cuda
+@CUDA
 def test_cuda_bad_index_raises_value_error():
     bad = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ValueError, match="does not exist"):
         measure(lambda: None, device=bad)
 
 
-@requires_cuda
+@CUDA
 def test_cuda_recordings_nest_directly():
     dev = torch.device("cuda", torch.cuda.current_device())
     with CudaRecording(dev) as outer:

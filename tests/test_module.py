@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from conftest import CUDA
 from memfit._compat import frames_converted
 from memfit.bench.zoo import ZOO, ZooCase, tree_to
 
@@ -35,7 +36,6 @@ INDUCTOR_RTOL, INDUCTOR_ATOL = 1e-4, 1e-5
 STEPS = 20
 CUDA_STEPS = 2
 CUDA_RTOL, CUDA_ATOL = INDUCTOR_RTOL, INDUCTOR_ATOL
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 

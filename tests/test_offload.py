@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import memfit
+from conftest import CUDA
 from memfit.bench.zoo import ZOO, case
 from memfit.execution import offload as off
 from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
@@ -250,7 +251,7 @@ def test_host_budget_caps_what_is_offloaded() -> None:
         OffloadOptions(host_budget=0.5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(monkeypatch) -> None:
     monkeypatch.setattr(off, "DEBUG_POISON", True)  # a missing stream wait would read NaN
     device = torch.device("cuda")

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity
 
 import memfit
+from conftest import CUDA
 from measuring import FLOATS_PER_MB, MB
 from memfit._compat import cpu_memory_device_types, profiler_events
 from memfit.analysis import op_scratch
@@ -218,7 +219,7 @@ def test_user_profiler_around_a_first_call_records_the_step(monkeypatch) -> None
     assert abs(peak - steady) <= 0.1 * steady
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_scratch_nests_inside_measure() -> None:
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1)).cuda()
     (jg,) = joint_graphs(model, torch.randn(4, 8, 32, 32, device="cuda"))
@@ -245,7 +246,7 @@ print(first.baseline_peak_bytes, second.baseline_peak_bytes)
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_first_call_allocations_kept_for_good_are_not_scratch() -> None:
     """In a fresh process the first matmul allocates cuBLAS's workspace (32 MiB on an H200) and
     keeps it. Measured as that op's scratch, it made a 4 KiB MLP's first plan 32 MiB and the next

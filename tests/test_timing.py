@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import CUDA
 from memfit.measurement.timing import CompiledStep, step_time_ratios
 
 
@@ -90,7 +91,7 @@ def test_bad_arguments_are_refused() -> None:
         step_time_ratios([_step(0.0, [], "a")], rounds=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_cuda_work_queued_by_a_step_is_timed() -> None:
     """Kernels launch asynchronously: a step's time includes the work it queued (the device is
     synchronized around each step), so a step of sixteen times the matrix products measures

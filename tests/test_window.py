@@ -7,11 +7,11 @@ could not be stopped safely where the window closes, inside the autograd engine)
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import memfit
+from conftest import CUDA
 from memfit.measurement.window import MemoryWindow
 
 MB = 1_000_000
@@ -63,7 +63,7 @@ def test_no_window_on_cpu_without_a_memfit_recording() -> None:
         assert MemoryWindow.open(torch.device("cpu"), lambda peak: None) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@CUDA
 def test_a_cuda_window_delivers_at_close() -> None:
     got: list[int] = []
     window = MemoryWindow.open(torch.device("cuda"), got.append)
