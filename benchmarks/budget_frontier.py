@@ -72,7 +72,8 @@ its elementwise share.
 
 Outputs (``_quick`` suffix for ``--quick``) in ``benchmarks/results/``:
 ``budget_frontier.json`` (machine, versions, parameters, every point), ``budget_frontier.md``
-(per model: every point, and memfit against the fastest peer point at equal measured peak) and
+(per model: every point, memfit against the fastest peer point at equal measured peak, and an
+A/A check: settings of one peer that ran one program, compared with each other the same way) and
 ``budget_frontier_<model>.png`` (measured peak against step time, the Pareto front).
 
 Run with the Python of the environment memfit is installed in (``pip install -e .``; the
@@ -100,6 +101,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import hashlib  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -818,6 +820,58 @@ def _worst_paired(
     }
 
 
+def same_program_pairs(
+    points: list[dict[str, Any]], steps_per_turn: int = 1
+) -> list[dict[str, Any]]:
+    """Every two settings of one peer that ran one program (one ``program`` digest), the first's
+    steps over the second's turn by turn (``_paired``), with that ratio's interval
+    (``paired_interval``): the frontier's own comparison where nothing differs, an A/A test.
+
+    Why: memfit's ResNet budget plans compile ``torch.compile``'s own partition (the same
+    kernels every step, but one copy: ``results/same_peak_pair/same_program_1128/``), and two
+    frontier runs of the same plans read them 1.05 (1.01-1.10) and 0.98 turn by turn against
+    it. Settings that ran one program differ only by where their memory lies and when their
+    turns ran; how far apart the run puts them is how much less than that it can resolve.
+    Single settings are noisier than the pooled programs the comparison with ``torch.compile``
+    uses (``_program_steps``), so their spread is, if anything, wider than that comparison's
+    noise.
+    """
+    programs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in points:
+        if _usable(r) and r.get("program"):
+            programs.setdefault((r["peer"], str(r["program"])), []).append(r)
+    pairs = []
+    for (peer, _), settings in programs.items():
+        for a, b in itertools.combinations(settings, 2):
+            pairs.append(
+                {
+                    "peer": peer,
+                    "settings": [a["setting"], b["setting"]],
+                    "paired_time_ratio": _paired(a["times_s"], b["times_s"]),
+                    "paired_interval": list(
+                        paired_interval(a["times_s"], b["times_s"], steps_per_turn)
+                    ),
+                }
+            )
+    return pairs
+
+
+def same_program_summary(pairs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Over ``same_program_pairs``: how many, the widest and the median distance of their
+    ratios from 1 (as ``max(r, 1/r)``: which setting is first is arbitrary), and how many have an
+    interval wholly above or below 1 (``beyond_noise``: "slower beyond noise" where nothing
+    differs); None without pairs."""
+    if not pairs:
+        return None
+    spread = [max(p["paired_time_ratio"], 1 / p["paired_time_ratio"]) for p in pairs]
+    return {
+        "pairs": len(pairs),
+        "widest": max(spread),
+        "median": statistics.median(spread),
+        "beyond_noise": sum(lo > 1 or hi < 1 for lo, hi in (p["paired_interval"] for p in pairs)),
+    }
+
+
 # ------------------------------------------------------------------------------------- reporting
 
 
@@ -945,6 +999,24 @@ def comparison_table(res: dict[str, Any], steps_per_turn: int) -> tuple[str, lis
                 )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), losses
+
+
+def same_program_text(pairs: list[dict[str, Any]]) -> str:
+    """What ``same_program_pairs`` found, said under the comparison it calibrates."""
+    s = same_program_summary(pairs)
+    if s is None:
+        return "No two settings of one peer ran one program: this run has no A/A check."
+    each = "; ".join(
+        f"{p['peer']} {p['settings'][0]} / {p['settings'][1]} {p['paired_time_ratio']:.3f} "
+        f"({p['paired_interval'][0]:.2f}-{p['paired_interval'][1]:.2f})"
+        for p in pairs
+    )
+    return (
+        f"A/A check: {s['pairs']} pairs of settings that ran one program, compared turn by turn "
+        f"as above, were up to {s['widest']:.3f}x apart (median {s['median']:.3f}x), "
+        f"{s['beyond_noise']} with an interval excluding 1: differences this small are within "
+        f"what this run resolves. {each}."
+    )
 
 
 def ratio_summary(rows: list[dict[str, Any]], family: str) -> dict[str, Any] | None:
@@ -1328,6 +1400,7 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         res["pareto_front"] = [f"{r['peer']} {r['setting']}" for r in pareto_front(res["points"])]
         res["equal_peak"] = equal_peak_comparison(res["points"], args.steps_per_turn)
+        res["same_program"] = same_program_pairs(res["points"], args.steps_per_turn)
     json_path = stem.with_suffix(".json")
     json_path.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -1348,7 +1421,8 @@ def main(argv: list[str] | None = None) -> int:
             + ".\n\n"
             f"![{res['name']}]({png.name})\n\n"
             f"### Every point\n\n{points_table(res)}\n\n"
-            f"### memfit against the fastest peer at equal measured peak\n\n{table}\n"
+            f"### memfit against the fastest peer at equal measured peak\n\n{table}\n\n"
+            f"{same_program_text(res['same_program'])}\n"
         )
     verdict = (
         "memfit is slower than a peer at equal peak in these rows:\n\n"

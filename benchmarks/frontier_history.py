@@ -25,7 +25,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from budget_frontier import RESULTS, equal_peak_comparison, ratio_summary
+from budget_frontier import (
+    RESULTS,
+    equal_peak_comparison,
+    ratio_summary,
+    same_program_pairs,
+    same_program_summary,
+)
 
 PEER = "torch.compile"
 
@@ -54,8 +60,9 @@ def table(root: Path) -> str:
         "| run (folder) | date (UTC) | machine | model | timed steps per point | "
         "memfit points compared "
         "| medians: median, worst | fastest steps: median, worst | one program pooled: median, "
-        "worst | pooled, turn by turn: median, worst | turn by turn, slower beyond noise |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "worst | pooled, turn by turn: median, worst | turn by turn, slower beyond noise "
+        "| A/A: pairs, widest, beyond noise |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for stem, run in runs(root):
         for model in run["models"]:
@@ -67,12 +74,16 @@ def table(root: Path) -> str:
             cells = [
                 f"{s[k][0]:.2f}, {s[k][1]:.2f}" for k in ("medians", "fastest", "pooled", "paired")
             ]
+            aa = same_program_summary(same_program_pairs(model["points"], steps_per_turn))
+            aa_cell = (
+                "-" if aa is None else f"{aa['pairs']}, {aa['widest']:.2f}, {aa['beyond_noise']}"
+            )
             folder = str(Path(stem).parent)
             link = f"[{folder}]({stem}.md)"
             lines.append(
                 f"| {link} | {run['date_utc'][:16]} | {_machine(run)} | {model['name']} | "
                 f"{_timed(run['parameters'])} | {s['compared']} | " + " | ".join(cells) + " | "
-                f"{s['paired_beyond_noise']} |"
+                f"{s['paired_beyond_noise']} | {aa_cell} |"
             )
     return "\n".join(lines)
 
@@ -105,8 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         "points ran in one turn, or one round before turns), the median of those ratios: what "
         'the machine\'s speed drifts between turns divides out. "Slower beyond noise" counts the '
         "memfit points whose turn-by-turn ratio has a 95% interval (a bootstrap over turns) "
-        "wholly above 1. GPU rows name the GPU: those runs, on a lent device's few minutes, timed "
-        "16-20 steps per point of 7-14 ms.\n\n" + table(args.results) + "\n"
+        'wholly above 1. "A/A" compares, the same way, every two settings of one peer that '
+        "compiled one program (`budget_frontier.same_program_pairs`): how many pairs, the "
+        "widest pair's ratio (as max(r, 1/r)), and how many had an interval excluding 1. Where "
+        "nothing differs, that is what the run reads as a difference; single settings are "
+        "noisier than the pooled programs compared with torch.compile, so their spread is, if "
+        "anything, wider than that comparison's noise. GPU rows name the GPU: those runs, on a "
+        "lent device's few minutes, timed 16-20 steps per point of 7-14 ms.\n\n"
+        + table(args.results)
+        + "\n"
     )
     out = args.results / "frontier_history.md"
     out.write_text(text)

@@ -49,6 +49,7 @@ import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -280,7 +281,41 @@ def kernel_counts(events: Any, cuda: bool) -> dict[str, Any]:
             {"kernel": name, "calls_per_step": n / PROFILED}
             for name, n in inside.most_common(TOP_KERNELS)
         ],
+        # every call, for ``kernel_differences``
+        "calls_inside": {name: n / PROFILED for name, n in sorted(inside.items())},
     }
+
+
+def _kernel_kind(name: str) -> str:
+    """A call's name with what differs between two compiles of one graph taken off: the
+    ``graph_<n>_`` prefix ``torch.compile``'s kernels carry in the profiler and the index
+    Inductor numbers a graph's kernels with (``cpp_fused_relu_3``: ``cpp_fused_relu``)."""
+    return re.sub(r"_\d+$", "", re.sub(r"^graph_\d+_", "", name))
+
+
+def _kinds(calls: dict[str, float]) -> Counter[str]:
+    """Calls per step summed by ``_kernel_kind``."""
+    kinds: Counter[str] = Counter()
+    for name, n in calls.items():
+        kinds[_kernel_kind(name)] += n
+    return kinds
+
+
+def kernel_differences(reference: dict[str, float], other: dict[str, float]) -> list[list[Any]]:
+    """The calls per step (``kernel_counts``' ``calls_inside``, by ``_kernel_kind``) that two
+    sides do not share: ``[kind, reference's calls, other's calls]`` for each kind called a
+    different number of times. Empty: both steps called the same kernels inside their compiled
+    graphs, so they ran one program, and any difference in their times is not in what they
+    compute (the ResNet's ``memfit:0.6`` and ``torch.compile:0.8``, but for one copy kernel).
+    """
+    ref, oth = _kinds(reference), _kinds(other)
+    return [[k, ref[k], oth[k]] for k in sorted(set(ref) | set(oth)) if ref[k] != oth[k]]
+
+
+def common_calls(reference: dict[str, float], other: dict[str, float]) -> float:
+    """How many calls per step of ``kernel_differences``' two sides are shared."""
+    ref, oth = _kinds(reference), _kinds(other)
+    return sum(min(n, oth[k]) for k, n in ref.items())
 
 
 def host_and_gpu_times(method: Method, device: torch.device) -> dict[str, Any]:
@@ -445,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['op'][:70]} | {row['calls_per_step']:g} | {row['self_ms_per_step']:.2f} |"
             for row in r["profile"]
         ]
+    if args.kernel_events:
+        lines += difference_sections(results, reference.name)
     for name, r in results.items():
         lines += ["", f"## {name}: kernels, per step", "", *kernel_list(r["kernels"])]
     text = "\n".join(lines) + "\n"
@@ -505,6 +542,35 @@ def kernel_table(results: dict[str, Any], device: torch.device) -> list[str]:
             lines.append(f"| {name} | {k['error'][:100]} |")
             continue
         lines.append(f"| {name} | " + " | ".join(f"{k[key]:.4g}" for _, key in columns) + " |")
+    return lines
+
+
+def difference_sections(results: dict[str, Any], reference: str) -> list[str]:
+    """Per side, the calls inside its compiled graphs that differ from ``reference``'s
+    (``kernel_differences``), as a section of the report."""
+    lines: list[str] = []
+    ref = results[reference]["kernels"].get("calls_inside")
+    for name, r in results.items():
+        calls = r["kernels"].get("calls_inside")
+        if name == reference or ref is None or calls is None:
+            continue
+        differ = kernel_differences(ref, calls)
+        lines += [
+            "",
+            f"## {name}: calls per step inside its compiled graphs, against {reference}",
+            "",
+        ]
+        same = common_calls(ref, calls)
+        if not differ:
+            lines.append(f"The same {same:g} calls (kernels and extern ATen ops) as {reference}'s.")
+            continue
+        lines += [
+            f"{same:g} calls in common; these differ (kernel names without Inductor's index):",
+            "",
+            f"| call | {reference} | {name} |",
+            "|---|---:|---:|",
+        ]
+        lines += [f"| {kind} | {a:g} | {b:g} |" for kind, a, b in differ]
     return lines
 
 

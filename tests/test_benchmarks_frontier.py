@@ -24,6 +24,8 @@ _FRONTIER = runpy.run_path(str(ROOT / "benchmarks" / "budget_frontier.py"))
 equal_peak_comparison = _FRONTIER["equal_peak_comparison"]
 pooled_medians = _FRONTIER["_pooled_medians"]
 paired_interval = _FRONTIER["paired_interval"]
+same_program_pairs = _FRONTIER["same_program_pairs"]
+same_program_summary = _FRONTIER["same_program_summary"]
 
 
 def point(peer: str, setting: str, peak: int, times: list[float], program: str | None) -> dict:
@@ -121,6 +123,31 @@ def test_the_interval_resamples_whole_turns() -> None:
     assert paired_interval(mine, peer, 4) == (2.0, 2.0)  # one turn: nothing to resample
 
 
+def test_settings_of_one_program_are_compared_with_each_other_as_an_a_a_check() -> None:
+    pairs = same_program_pairs(POINTS, 1)
+    # "p" (torch.compile 0.8 and 0.9) and "m" (memfit 0.6 and 0.5): one pair each; "q" and
+    # eager (no program) have no partner
+    assert [(p["peer"], p["settings"]) for p in pairs] == [
+        ("torch.compile", ["budget 0.8", "budget 0.9"]),
+        ("memfit", ["budget 0.6", "budget 0.5"]),
+    ]
+    # turn by turn: 10/8, 10/12, 12/12 -> median 1.0; 9/13 every turn
+    assert pairs[0]["paired_time_ratio"] == pytest.approx(1.0)
+    assert pairs[1]["paired_time_ratio"] == pytest.approx(9 / 13)
+    summary = same_program_summary(pairs)
+    # the distance from 1 either way round: 13/9 for memfit's pair, whose interval excludes 1
+    assert summary == {
+        "pairs": 2,
+        "widest": pytest.approx(13 / 9),
+        "median": pytest.approx((1 + 13 / 9) / 2),
+        "beyond_noise": 1,
+    }
+    assert same_program_summary(same_program_pairs(POINTS[2:4], 1)) is None
+    # a failed setting's program is not compared
+    failed = {**POINTS[1], "status": "failed"}
+    assert len(same_program_pairs([POINTS[0], failed], 1)) == 0
+
+
 @pytest.fixture
 def history(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -169,13 +196,14 @@ def test_history_lists_every_run_oldest_first_with_each_statistic(
         "NVIDIA H100 80GB HBM3 | toy | 3 | 1 | 0.90, 0.90 |"
     )
     # earlier: one memfit point, ratios 0.90 (medians), 1.12 (fastest), 9/11 (pooled: "p"),
-    # turn by turn the median of 9/9, 9/11, 9/12
+    # turn by turn the median of 9/9, 9/11, 9/12; A/A: "p"'s two settings, 1.00 apart
     assert rows[0].endswith(
-        "| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 | 0.82, 0.82 | 0 |"
+        "| toy | 3 | 1 | 0.90, 0.90 | 1.12, 1.12 | 0.82, 0.82 | 0.82, 0.82 | 0 | 1, 1.00, 0 |"
     )
-    # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled and turn by turn both 1.00
+    # later: budget 0.6 and 0.5, medians 0.90 and 1.30; pooled and turn by turn both 1.00;
+    # A/A: memfit's two settings of "m" too, 13/9 apart every turn
     assert rows[1].endswith(
-        "| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 | 1.00, 1.00 | 0 |"
+        "| toy | 3 | 2 | 1.10, 1.30 | 1.38, 1.62 | 1.00, 1.00 | 1.00, 1.00 | 0 | 2, 1.44, 1 |"
     )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from clitools import ROOT
 from conftest import CUDA
+from memfit.bench.peers import entry_point
 from memfit.bench.runner import Method
 
 
@@ -122,6 +123,46 @@ def test_cpu_kernel_counts_see_compiled_graphs_their_kernels_and_ops_outside(
     assert any("cpp_fused" in n for n in names)  # Inductor's own kernels
     # pow, mean and their gradients run eagerly, outside both graphs
     assert k["aten_calls_outside_compiled_per_step"] >= 4
+
+
+def test_two_compiles_of_one_graph_call_the_same_kernels_and_another_graph_does_not(
+    pair: ModuleType,
+) -> None:
+    """What says two sides ran one program: the same calls inside their compiled graphs, once
+    the names' graph prefix and kernel index are taken off."""
+    x = torch.randn(8, 16)
+
+    def side(name: str, act: nn.Module) -> dict[str, float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), act, nn.Linear(16, 4))
+        compiled = torch.compile(entry_point(model, name))
+        method = Method(name, model, lambda: compiled(x).sum().backward(), record_failures=False)
+        with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+            method.run_step()
+        calls: dict[str, float] = pair.profile_side(method, torch.device("cpu"))["kernels"][
+            "calls_inside"
+        ]
+        return calls
+
+    first, again, other = side("a", nn.ReLU()), side("b", nn.ReLU()), side("c", nn.Tanh())
+    assert any(name.startswith("graph_") for name in again)  # torch.compile's profiler names
+    assert pair.kernel_differences(first, again) == []
+    assert pair.common_calls(first, again) == sum(first.values())
+    differ = pair.kernel_differences(first, other)
+    assert differ and any("tanh" in kind for kind, _, _ in differ)
+    assert all(a != b for _, a, b in differ)
+    assert pair.common_calls(first, other) < sum(first.values())
+
+
+def test_kernel_kinds_drop_the_graph_prefix_and_the_index(pair: ModuleType) -> None:
+    assert pair._kernel_kind("graph_1_cpp_fused_relu_threshold_backward_12") == (
+        "cpp_fused_relu_threshold_backward"
+    )
+    assert pair._kernel_kind("aten::mm") == "aten::mm"
+    ref = {"graph_0_cpp_fused_relu_0": 2.0, "aten::mm": 3.0}
+    other = {"cpp_fused_relu_4": 2.0, "aten::mm": 3.0, "cpp_fused_clone_9": 1.0}
+    assert pair.kernel_differences(ref, other) == [["cpp_fused_clone", 0, 1.0]]
+    assert pair.common_calls(ref, other) == 5.0
 
 
 def test_a_failed_kernel_count_keeps_the_timings_and_says_why(
