@@ -25,7 +25,9 @@ host issues it. (On the H100 the profiler's sessions asking for the GPU's activi
 second, saw no GPU event; the back-to-back time needs only CUDA events.) On CPU
 ``--kernel-events`` makes Inductor's C++ kernels profiler events
 (``torch._inductor.config.cpp.enable_kernel_profile``, set before anything compiles; it adds a
-record per kernel call, so time with it off), and the same table counts them.
+record per kernel call, so time with it off), and the same table counts them; the report then
+also lists, per side, the calls inside its compiled graphs that the first side does not make the
+same number of times (``kernel_differences``): none, and the two ran one program.
 
 Outputs ``benchmarks/results/same_peak_pair/<model>.{json,md}`` (``--out-dir``). Run with the
 Python memfit is installed in: ``python benchmarks/same_peak_pair.py [--model resnet] [--sides
