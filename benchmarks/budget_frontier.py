@@ -831,7 +831,7 @@ def same_program_pairs(
     kernels every step, but one copy: ``results/same_peak_pair/same_program_1128/``), and two
     frontier runs of the same plans read them 1.05 (1.01-1.10) and 0.98 turn by turn against
     it. Settings that ran one program differ only by where their memory lies and when their
-    turns ran; how far apart the run puts them is how much less than that it can resolve.
+    turns ran; a ratio as far from 1 as the run puts them is one the run cannot resolve.
     Single settings are noisier than the pooled programs the comparison with ``torch.compile``
     uses (``_program_steps``), so their spread is, if anything, wider than that comparison's
     noise.
@@ -1014,8 +1014,8 @@ def same_program_text(pairs: list[dict[str, Any]]) -> str:
     return (
         f"A/A check: {s['pairs']} pairs of settings that ran one program, compared turn by turn "
         f"as above, were up to {s['widest']:.3f}x apart (median {s['median']:.3f}x), "
-        f"{s['beyond_noise']} with an interval excluding 1: differences this small are within "
-        f"what this run resolves. {each}."
+        f"{s['beyond_noise']} with an interval excluding 1: a ratio that close to 1 is within "
+        f"this run's noise. {each}."
     )
 
 
