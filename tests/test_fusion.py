@@ -161,6 +161,34 @@ def test_a_value_the_forward_fuses_away_is_not_kept_instead() -> None:
     assert keeping_written(jg, fused) == fused
 
 
+def test_a_sum_of_two_kept_convolutions_is_kept_instead_of_both() -> None:
+    """A widening stage's first residual sum adds the shortcut's convolution and the block's. A
+    plan keeping both only to recompute the sum keeps the sum instead, as torch.compile's plans
+    do: fewer bytes, the sum no longer recomputed, no higher peak. The forward fuses the sum
+    into BatchNorm's kernel (so one value alone would not move to it): two for one pays."""
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(cifar_resnet(2, width=8), torch.randn(4, 3, 16, 16), executor="inductor")
+    conv = torch.ops.aten.convolution.default
+    sums = {  # (the first stage's first sum adds the stem's output, which BatchNorm reads too)
+        n
+        for n in jg.forward
+        if n.target == torch.ops.aten.add.Tensor
+        and all(getattr(a, "target", None) == conv and len(a.users) == 1 for a in n.args[:2])
+    }
+    assert len(sums) == 2, "the two stages that widen"
+    addends = {a for s in sums for a in s.args[:2]}
+    kept = jg.saved_needed(keep_heavy(jg))  # every convolution's output, the rest recomputed
+    assert addends <= kept
+    assert sums <= jg.recomputed_for(kept)
+    written = keeping_written(jg, kept)
+    assert sums <= written
+    assert not addends & written
+    assert jg.bytes_of(written) < jg.bytes_of(kept)
+    assert jg.recomputed_for(written) < jg.recomputed_for(kept)
+    assert simulate_step(jg, written).peak_bytes <= simulate_step(jg, kept).peak_bytes
+    assert sums <= torch_compile_kept(jg, 0.8)
+
+
 def test_random_values_are_not_moved() -> None:
     """A dropout's output, kept whatever the plan (random), is not traded for the ReLU after it."""
     torch.manual_seed(0)
