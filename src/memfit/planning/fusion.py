@@ -121,10 +121,10 @@ def keeping_written(jg: JointGraph, kept: AbstractSet[fx.Node]) -> set[fx.Node]:
 
     Several values kept only to recompute one ``y`` move to it together when ``y``'s bytes are
     at most theirs, written anyway or not: the ResNet's ``"speed"`` kept both convolutions a
-    stage's first residual sum adds (the shortcut's and the block's) where ``torch.compile``'s
-    plans keep the sum, 1.5 MiB more and two more additions recomputed for the same program
-    otherwise. The backward then reads one value where it read several, and the forward writes
-    at most that one more.
+    widening stage's first residual sum adds (the shortcut's and the block's) where
+    ``torch.compile``'s plans keep the sum: 1.5 MiB more, and the two sums recomputed, in what
+    was otherwise the same plan. The backward then reads one value where it read several, and
+    the forward writes at most that one more.
     """
     kept = set(kept)
     forward = set(jg.forward)
