@@ -303,6 +303,13 @@ def _kinds(calls: dict[str, float]) -> Counter[str]:
     return kinds
 
 
+def _compare(reference: dict[str, float], other: dict[str, float]) -> tuple[list[list[Any]], float]:
+    """``kernel_differences`` and ``common_calls`` of two sides, each side summed by kind once."""
+    ref, oth = _kinds(reference), _kinds(other)
+    differ = [[k, ref[k], oth[k]] for k in sorted(set(ref) | set(oth)) if ref[k] != oth[k]]
+    return differ, sum(min(n, oth[k]) for k, n in ref.items())
+
+
 def kernel_differences(reference: dict[str, float], other: dict[str, float]) -> list[list[Any]]:
     """The calls per step (``kernel_counts``' ``calls_inside``, by ``_kernel_kind``) that two
     sides do not share: ``[kind, reference's calls, other's calls]`` for each kind called a
@@ -310,14 +317,12 @@ def kernel_differences(reference: dict[str, float], other: dict[str, float]) -> 
     graphs, so they ran one program, and any difference in their times is not in what they
     compute (the ResNet's ``memfit:0.6`` and ``torch.compile:0.8``, but for one copy kernel).
     """
-    ref, oth = _kinds(reference), _kinds(other)
-    return [[k, ref[k], oth[k]] for k in sorted(set(ref) | set(oth)) if ref[k] != oth[k]]
+    return _compare(reference, other)[0]
 
 
 def common_calls(reference: dict[str, float], other: dict[str, float]) -> float:
     """How many calls per step of ``kernel_differences``' two sides are shared."""
-    ref, oth = _kinds(reference), _kinds(other)
-    return sum(min(n, oth[k]) for k, n in ref.items())
+    return _compare(reference, other)[1]
 
 
 def host_and_gpu_times(method: Method, device: torch.device) -> dict[str, Any]:
@@ -556,13 +561,12 @@ def difference_sections(results: dict[str, Any], reference: str) -> list[str]:
         calls = r["kernels"].get("calls_inside")
         if name == reference or ref is None or calls is None:
             continue
-        differ = kernel_differences(ref, calls)
+        differ, same = _compare(ref, calls)
         lines += [
             "",
             f"## {name}: calls per step inside its compiled graphs, against {reference}",
             "",
         ]
-        same = common_calls(ref, calls)
         if not differ:
             lines.append(f"The same {same:g} calls (kernels and extern ATen ops) as {reference}'s.")
             continue
