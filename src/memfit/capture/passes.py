@@ -2,40 +2,25 @@
 
 Anything that changes which values exist, or which can be recomputed, must happen before memfit
 simulates and plans: a rewrite after planning would leave the plan describing a graph that no
-longer runs. Three such rewrites exist, in this order:
+longer runs. Two such rewrites exist, in this order:
 
 1. ``strip_marks``: ``memfit.mark`` nodes are removed and the values they marked are tagged, so
    the ``"collection"`` policy can keep them and no mark op ever runs;
-2. for the Inductor executor only, what ``torch.compile`` does to a joint graph before it
-   partitions it (``_compat.inductor_joint_graph_passes``: Inductor's joint-graph rewrites, then
-   common-subexpression elimination). Why: Inductor fuses the graph it is given, and the same
-   partition of an unrewritten graph fused differently. On the frontier's ResNet, memfit's
-   ``budget=0.6`` kept exactly what ``torch.compile`` keeps at ``activation_memory_budget=0.8``,
-   yet five of its 19 backward kernels differed from ``torch.compile``'s (each ReLU's zero a
-   ``scalar_tensor`` of its own rather than one folded ``full``, so recomputation was fused into
-   other kernels), and over 24 frontier runs its step read 1.02x ``torch.compile``'s (median;
-   20 of 24 above 1) where ``"none"`` read 1.00x. Rewritten first, the kernels are
-   ``torch.compile``'s. The eager executor runs eager's ops as they are;
-3. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
-   touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
-   decomposed before memfit sees the graph (``executors.decompositions``): nothing to twin.
+2. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
+   touching the running statistics (``capture.batchnorm``).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from memfit._compat import inductor_joint_graph_passes
 from memfit.capture.batchnorm import add_batchnorm_twins
 from memfit.capture.mark import strip_marks
 
 __all__ = ["prepare_joint_graph"]
 
 
-def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> None:
-    """Apply, in place, every rewrite that must precede analysis and planning (see above);
-    ``inductor``: the graph is planned for the Inductor executor."""
+def prepare_joint_graph(joint: fx.GraphModule) -> None:
+    """Apply, in place, every rewrite that must precede analysis and planning (see above)."""
     strip_marks(joint)
-    if inductor:
-        inductor_joint_graph_passes(joint)
     add_batchnorm_twins(joint)
