@@ -822,6 +822,31 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
         return dict(select_decomp_table())
 
 
+def inductor_joint_graph_passes(joint: fx.GraphModule) -> None:
+    """What ``torch.compile`` does to a joint graph before it partitions it, in place.
+
+    Checked 2.13.0: Inductor's ``partition_fn`` (``torch._inductor.compile_fx``) runs
+    ``_recursive_joint_graph_passes`` (ATen canonicalisation, no-op removal, folding of uniform
+    constants, Inductor's pattern rewrites), then ``min_cut_rematerialization_partition`` drops
+    dead code. (It then merges common subexpressions, ``fx_graph_cse``; memfit merges only the
+    backward's, ``capture.merge``.) ``fallback_random`` is on, as when memfit compiles
+    (``inductor_compile``): random ops are left to eager's kernels rather than rewritten into
+    Inductor's.
+    """
+    import torch._inductor.config
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes, get_inputs_devices
+
+    device = get_inputs_devices([], joint)[0]  # from the nodes' values, as compile_fx finds it
+    with torch._inductor.config.patch(fallback_random=True):
+        rewritten = _recursive_joint_graph_passes(
+            joint, skip_invoke_subgraph=True, input_device=device
+        )
+    if rewritten is not joint:
+        joint.graph = rewritten.graph
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+
+
 def inductor_compile(
     gm: fx.GraphModule,
     example_inputs: Any,

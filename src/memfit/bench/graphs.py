@@ -44,7 +44,7 @@ def joint_graphs(
 
     def record(joint: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         if prepared:
-            prepare_joint_graph(joint)
+            prepare_joint_graph(joint, inductor=executor == INDUCTOR)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.fused_elementwise = executor == INDUCTOR
         jg.static_inputs = frozenset(kwargs.get("static_lifetime_input_indices") or ())

@@ -709,7 +709,7 @@ def make_backend(
     current_primals: list[list[Any] | None] = [None]
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        prepare_joint_graph(joint)
+        prepare_joint_graph(joint, inductor=executor == INDUCTOR)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.fused_elementwise = executor == INDUCTOR
         jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=_largest_value(jg) // 64)
