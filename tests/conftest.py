@@ -18,6 +18,24 @@ import pytest
 import torch
 import torch.fx as fx
 
+
+def conv_bn_net() -> torch.nn.Module:
+    """Two seeded Conv-BatchNorm-ReLU layers and a Linear head, for inputs of 2x3x8x8: the
+    smallest model with training BatchNorms between convolutions."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 4),
+    )
+
+
 #: Marks a test (or a ``pytest.param``) that needs a GPU: skipped where CUDA is not available.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn as nn
 
 import memfit
-from conftest import Split
+from conftest import Split, conv_bn_net
 from memfit.analysis.graph import JointGraph
 from memfit.bench.graphs import joint_graphs
 from memfit.capture.batchnorm import FORWARD_TWIN, add_batchnorm_twins, is_training_batchnorm
@@ -17,22 +16,8 @@ FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
 NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(8 * 8 * 8, 4),
-    )
-
-
 def test_every_training_batchnorm_gets_a_twin_sharing_its_storage() -> None:
-    (raw,) = joint_graphs(_net(), torch.randn(2, 3, 8, 8), prepared=False)
+    (raw,) = joint_graphs(conv_bn_net(), torch.randn(2, 3, 8, 8), prepared=False)
     joint, num_fwd_outputs = raw.module, raw.num_fwd_outputs
     bns = [n for n in joint.graph.nodes if is_training_batchnorm(n)]
     assert len(bns) == 2
@@ -55,7 +40,7 @@ def test_forward_runs_one_kernel_per_batchnorm_and_backward_recomputes_twins(
     split_graphs: list[Split],
 ) -> None:
     for policy in ("none", "collection"):  # keep everything / recompute everything
-        model = _net()
+        model = conv_bn_net()
         wrapped = memfit.checkpoint(model, policy)
         wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
     graphs = [(split.fw, split.bw) for split in split_graphs]
@@ -70,9 +55,9 @@ def test_forward_runs_one_kernel_per_batchnorm_and_backward_recomputes_twins(
 
 def test_recomputed_batchnorm_updates_statistics_once_and_matches_eager() -> None:
     x = torch.randn(4, 3, 8, 8)
-    eager = _net()
+    eager = conv_bn_net()
     eager(x).sum().backward()
-    model = _net()
+    model = conv_bn_net()
     wrapped = memfit.checkpoint(model, "collection")  # nothing marked: everything recomputed
     wrapped(x).sum().backward()
     assert any("no_stats" in name or "batch_norm" in name for name in wrapped.plan.recomputed)

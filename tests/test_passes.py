@@ -6,26 +6,12 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 import memfit
+from conftest import conv_bn_net
 from memfit._compat import is_tangent
 from memfit.bench.graphs import joint_graphs
 from memfit.execution.executors import EAGER, INDUCTOR
-
-
-def _bn_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(8 * 8 * 8, 4),
-    )
 
 
 def _backward_repeats(graph: fx.Graph) -> int:
@@ -44,16 +30,16 @@ def test_inductor_plans_the_backward_with_its_repeats_merged() -> None:
     # Inductor's decomposed BatchNorm backward computes x - mean twice; torch.compile merges
     # them before Inductor fuses the graph, and so, under Inductor, does memfit
     x = torch.randn(2, 3, 8, 8)
-    (raw,) = joint_graphs(_bn_net(), x, executor=INDUCTOR, prepared=False)
-    (planned,) = joint_graphs(_bn_net(), x, executor=INDUCTOR)
+    (raw,) = joint_graphs(conv_bn_net(), x, executor=INDUCTOR, prepared=False)
+    (planned,) = joint_graphs(conv_bn_net(), x, executor=INDUCTOR)
     assert _backward_repeats(raw.module.graph) > 0
     assert _backward_repeats(planned.module.graph) == 0
 
 
 def test_the_eager_executor_plans_eagers_ops_as_they_are() -> None:
     x = torch.randn(2, 3, 8, 8)
-    (raw,) = joint_graphs(_bn_net(), x, executor=EAGER, prepared=False)
-    (planned,) = joint_graphs(_bn_net(), x, executor=EAGER)
+    (raw,) = joint_graphs(conv_bn_net(), x, executor=EAGER, prepared=False)
+    (planned,) = joint_graphs(conv_bn_net(), x, executor=EAGER)
     targets = Counter(n.target for n in raw.module.graph.nodes if n.op == "call_function")
     after = Counter(n.target for n in planned.module.graph.nodes if n.op == "call_function")
     # the only rewrite: one BatchNorm twin (and its three getitems) per BatchNorm
@@ -65,9 +51,9 @@ def test_rewritten_graph_trains_as_eager_does() -> None:
     # gradients to fp32 tolerance, and BatchNorm's running statistics, which only a write into
     # the buffers carries out of the graph, kept through dead-code elimination
     x = torch.randn(2, 3, 8, 8)
-    eager = _bn_net()
+    eager = conv_bn_net()
     eager(x).square().sum().backward()
-    model = _bn_net()
+    model = conv_bn_net()
     memfit.checkpoint(model, "memory", executor=INDUCTOR)(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert p.grad is not None, name
