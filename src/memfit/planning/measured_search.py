@@ -15,10 +15,10 @@ shortfall is given back, so a cheaper plan is tried. Once one headroom fitted an
 the next lies between them (bisection); so does a headroom no plan leaves, halfway back towards the
 last that did. Where the limit is the first plan's own compiled peak (``"memory"``, a fraction
 reached only at a plan's peak) and that peak overshot its simulation, half the excess is given
-back: another plan may compile lower than the first. It stops after ``tries`` compiles, when a
-plan repeats, or when nothing cheaper is likely (a plan that fits and whose simulation did not
-overstate it) or worth another compile (a plan that fits and recomputes at most 2% of its
-forward). The cheapest plan that fitted is kept.
+back: another plan may compile lower than the first; where half plans the first plan again, all
+of it. It stops after ``tries`` compiles, when a plan repeats, or when nothing cheaper is likely
+(a plan that fits and whose simulation did not overstate it) or worth another compile (a plan
+that fits and recomputes at most 2% of its forward). The cheapest plan that fitted is kept.
 
 It is pure: compiling and measuring is the caller's ``measured`` function, planning its ``plan``.
 """
@@ -71,6 +71,7 @@ def search_plans(
     fit_h: int | None = None  # the least headroom whose plan fitted
     over_h: int | None = None  # the most headroom whose plan did not
     headroom = 0
+    further: int | None = None  # a headroom to try where the last one planned a plan again
     current = first
     while True:
         tried = measured(current)
@@ -98,6 +99,7 @@ def search_plans(
                 # back (bisection goes on from there): the frontier's CPU transformer's least
                 # simulated plan compiled at 1.38x (20.4 MB), the next one up at 1.05x (17.4).
                 headroom = fit_h - gap // 2
+                further = fit_h - gap  # all of it, if half plans the first plan again
             elif gap >= 0 or not _worth_a_compile(tried.plan):
                 break  # nothing cheaper is likely to fit, or to be worth compiling
             else:
@@ -107,6 +109,12 @@ def search_plans(
                 break
             headroom = (fit_h + over_h) // 2
         again = _replan(plan, headroom, over_h if fit_h is None else None, resolution_bytes)
+        if (again is None or again.decisions in seen) and further is not None:
+            # Half the excess planned nothing new: the next plan up is further off. Give all
+            # of it back (a plan simulated up to the first one's compiled peak) before stopping.
+            headroom, further = further, None
+            again = _replan(plan, headroom, None, resolution_bytes)
+        further = None
         if again is None or again.decisions in seen:
             break
         current = again
