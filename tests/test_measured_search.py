@@ -183,28 +183,35 @@ def test_a_first_plan_measured_far_above_its_simulation_is_not_the_last_word() -
     assert chosen is not None and chosen.predicted_peak_bytes == 126
 
 
+def _least_measured_high(frontier: list[tuple[int, float]], others: float):
+    """A search for ``"memory"`` on ``frontier`` (simulated peak, cost; the least first): the
+    least plan measures 1.4x its simulation, every other ``others`` x; the compiles in order."""
+    calls: list[int] = []
+    least = frontier[0][0]
+
+    def plan(headroom: int) -> GraphPlan:
+        fits = [(p, c) for p, c in frontier if p <= least - headroom]
+        if not fits:
+            raise BudgetError("nothing fits", budget_bytes=least, smallest_bytes=least)
+        return _plan(*min(fits, key=lambda pc: pc[1]))
+
+    def measured(plan: GraphPlan) -> Tried[None]:
+        calls.append(plan.predicted_peak_bytes)
+        sim = plan.predicted_peak_bytes
+        peak = int(sim * (1.4 if sim == least else others))
+        return Tried(dataclasses.replace(plan, predicted_peak_bytes=peak), None)
+
+    done, limit = search_plans(plan(0), measured, plan, None, tries=4, at_least_peak=True)
+    return done, limit, calls
+
+
 def test_where_half_the_excess_plans_the_first_plan_again_all_of_it_is_given_back() -> None:
     """The next plan up from the least (100, measured 1.4x: 140) is simulated at 125: half the
     excess back (budget 120) plans the least plan again. All of it (budget 140) reaches the
     125 plan, measured 1.05x (131), lower than the first. Before, the search stopped at the
     first plan (with ``torch.compile``'s whole CSE, the transformer's ``"memory"`` stayed at its
     least plan's 19.1 MiB where the next one compiled lower)."""
-    frontier = [(100, 10.0), (125, 5.0), (160, 1.0)]
-    calls: list[int] = []
-
-    def plan(headroom: int) -> GraphPlan:
-        fits = [(p, c) for p, c in frontier if p <= 100 - headroom]
-        if not fits:
-            raise BudgetError("nothing fits", budget_bytes=100, smallest_bytes=100)
-        return _plan(*min(fits, key=lambda pc: pc[1]))
-
-    def measured(plan: GraphPlan) -> Tried[None]:
-        calls.append(plan.predicted_peak_bytes)
-        sim = plan.predicted_peak_bytes
-        peak = int(sim * (1.4 if sim == 100 else 1.05))
-        return Tried(dataclasses.replace(plan, predicted_peak_bytes=peak), None)
-
-    done, limit = search_plans(plan(0), measured, plan, None, tries=4, at_least_peak=True)
+    done, limit, calls = _least_measured_high([(100, 10.0), (125, 5.0), (160, 1.0)], 1.05)
     assert limit == 140
     assert calls == [100, 125]
     chosen = _chosen(done, limit)
@@ -215,22 +222,7 @@ def test_where_all_the_excess_back_compiles_higher_the_first_plan_is_kept() -> N
     """As above, but the 125 plan measures 1.2x (150, over the first's 140): it is not kept,
     and bisecting back to half the excess would plan the first plan again, so the search ends
     after two compiles."""
-    frontier = [(100, 10.0), (125, 5.0), (160, 1.0)]
-    calls: list[int] = []
-
-    def plan(headroom: int) -> GraphPlan:
-        fits = [(p, c) for p, c in frontier if p <= 100 - headroom]
-        if not fits:
-            raise BudgetError("nothing fits", budget_bytes=100, smallest_bytes=100)
-        return _plan(*min(fits, key=lambda pc: pc[1]))
-
-    def measured(plan: GraphPlan) -> Tried[None]:
-        calls.append(plan.predicted_peak_bytes)
-        sim = plan.predicted_peak_bytes
-        peak = int(sim * (1.4 if sim == 100 else 1.2))
-        return Tried(dataclasses.replace(plan, predicted_peak_bytes=peak), None)
-
-    done, limit = search_plans(plan(0), measured, plan, None, tries=4, at_least_peak=True)
+    done, limit, calls = _least_measured_high([(100, 10.0), (125, 5.0), (160, 1.0)], 1.2)
     assert calls == [100, 125]
     chosen = _chosen(done, limit)
     assert chosen is not None and chosen.predicted_peak_bytes == 140
