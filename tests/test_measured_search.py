@@ -210,7 +210,7 @@ def test_where_half_the_excess_plans_the_first_plan_again_all_of_it_is_given_bac
     excess back (budget 120) plans the least plan again. All of it (budget 140) reaches the
     125 plan, measured 1.05x (131), lower than the first. Before, the search stopped at the
     first plan (with ``torch.compile``'s whole CSE, the transformer's ``"memory"`` stayed at its
-    least plan's 19.1 MiB where the next one compiled lower)."""
+    least plan's 19.1 MiB compiled, its next plan up never tried)."""
     done, limit, calls = _least_measured_high([(100, 10.0), (125, 5.0), (160, 1.0)], 1.05)
     assert limit == 140
     assert calls == [100, 125]
