@@ -71,9 +71,9 @@ def search_plans(
     fit_h: int | None = None  # the least headroom whose plan fitted
     over_h: int | None = None  # the most headroom whose plan did not
     headroom = 0
-    further: int | None = None  # a headroom to try where the last one planned a plan again
     current = first
     while True:
+        further: int | None = None  # a headroom to try if ``headroom`` plans a plan again
         tried = measured(current)
         done.append(tried)
         seen.append(current.decisions)
@@ -112,9 +112,8 @@ def search_plans(
         if (again is None or again.decisions in seen) and further is not None:
             # Half the excess planned nothing new: the next plan up is further off. Give all
             # of it back (a plan simulated up to the first one's compiled peak) before stopping.
-            headroom, further = further, None
+            headroom = further
             again = _replan(plan, headroom, None, resolution_bytes)
-        further = None
         if again is None or again.decisions in seen:
             break
         current = again
