@@ -1,14 +1,19 @@
-"""attn_implementation="memfit" trains HuggingFace models as their eager attention does."""
+"""attn_implementation="memfit" trains HuggingFace models as their eager attention does, and is
+registered whatever the import order of memfit and transformers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+from clitools import cli_env
 from hf_models import tiny_hf
-from memfit.nn.huggingface import register_huggingface
+from memfit.nn.huggingface import _RegisterOnImport, register_huggingface
 
 pytest.importorskip("transformers")
 
@@ -54,3 +59,75 @@ def test_output_attentions_is_refused_with_the_way_out() -> None:
     ids = torch.randint(0, 100, (1, 8))
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
         model(input_ids=ids, output_attentions=True)
+
+
+# Each order runs in a fresh process: in this one transformers is loaded already. The GPT-2 is
+# then built the three ways transformers checks the name: from_config, its config's
+# _attn_implementation, set_attn_implementation.
+_IMPORTS = {
+    "memfit-first": """
+import sys
+import memfit
+assert "transformers" not in sys.modules, "import memfit imported transformers"
+import transformers
+""",
+    "transformers-first": """
+import sys
+import transformers
+import memfit
+""",
+}
+_TINY_GPT2 = """
+import torch
+import memfit.nn.huggingface as hf
+calls = []
+attention = hf.attention
+hf.attention = lambda *args, **kwargs: calls.append(1) or attention(*args, **kwargs)
+config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="memfit")
+assert model.config._attn_implementation == "memfit", model.config._attn_implementation
+assert model(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+assert calls, "the forward did not run memfit's attention"
+config._attn_implementation = "memfit"
+assert transformers.GPT2LMHeadModel(config).config._attn_implementation == "memfit"
+model.set_attn_implementation("eager")
+model.set_attn_implementation("memfit")
+assert model.config._attn_implementation == "memfit"
+assert not any(type(f).__module__ == hf.__name__ for f in sys.meta_path), sys.meta_path
+assert type(transformers.modeling_utils.__loader__).__name__ == "SourceFileLoader"
+"""
+
+
+@pytest.mark.parametrize("order", list(_IMPORTS))
+def test_attn_implementation_memfit_whatever_the_import_order(order: str) -> None:
+    """memfit first must also leave transformers unimported: it costs seconds."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS[order] + _TINY_GPT2],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_failed_registration_warns_and_never_breaks_the_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "memfit_hook_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def register(module):  # type: ignore[no-untyped-def]
+        seen.append(module.VALUE)
+        raise RuntimeError("registry moved")
+
+    hook = _RegisterOnImport({"memfit_hook_probe": register})
+    monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "memfit_hook_probe", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"registry moved.*register_huggingface\(\)"):
+        import memfit_hook_probe  # type: ignore[import-not-found]
+    assert memfit_hook_probe.VALUE == 1 and seen == [1]
+    assert hook not in sys.meta_path
+    assert type(memfit_hook_probe.__loader__).__name__ == "SourceFileLoader"
+    monkeypatch.delitem(sys.modules, "memfit_hook_probe")

@@ -7,8 +7,6 @@ plan, the wrapper module) → ``measurement`` (exact peak memory and time). Priv
 reached only through ``memfit._compat``.
 """
 
-import sys
-
 from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.executors import EXECUTORS
@@ -47,5 +45,5 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-if "transformers" in sys.modules:  # attn_implementation="memfit"; see memfit.nn.huggingface
-    nn.register_huggingface()
+# attn_implementation="memfit" whatever the import order; see memfit.nn.huggingface
+nn.huggingface.register_when_imported()
