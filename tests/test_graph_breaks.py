@@ -3,6 +3,7 @@ and tells the user once where the graph broke."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -111,3 +112,160 @@ def test_watcher_reports_each_conversions_breaks_and_reads_reasons_only_after_on
             compiled(torch.ones(3))
         assert not report.broke
         assert not reads
+
+
+_LOG = logging.getLogger(__name__)
+
+
+class Chatty(nn.Module):
+    """Two Linear-tanh stacks with a logger call and a ``warnings.warn`` between them."""
+
+    def __init__(self, depth: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.first = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        )
+        self.second = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        _LOG.warning("chatty: halfway through, width %d", x.shape[-1])
+        warnings.warn("chatty: a user's warning", stacklevel=2)
+        return self.second(x)
+
+
+def _user_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("chatty")]
+
+
+def _memfit_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "memfit could not capture" in str(w.message)]
+
+
+def test_logging_and_warnings_in_a_forward_do_not_break_the_graph() -> None:
+    """A logger call and ``warnings.warn`` in a forward leave a step one graph, with plain
+    PyTorch's gradients, and a ``warnings.warn`` in the step function itself still fires on every
+    step (Dynamo replays it after the graph). The others are dropped inside a compiled step:
+    Dynamo 2.13 replays only calls in the frame it compiles, not in the model's forward it inlines
+    into it, and it can only drop a ``logging.Logger`` method call, never replay it (NOTE
+    [logging without graph breaks] in ``memfit._compat``)."""
+    torch.manual_seed(0)
+    model = Chatty()
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _grads(model, x)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        warnings.warn("chatty: the step's own warning", stacklevel=2)
+        return model(x).square().mean()
+
+    step = memfit.step(loss, policy="memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step(x).backward()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+    assert len(step.plan.graphs) == 1
+    assert not _memfit_warnings(caught), _memfit_warnings(caught)
+    assert _user_warnings(caught).count("chatty: the step's own warning") == 2
+
+
+def test_a_checkpointed_model_that_logs_trains_exactly_without_a_break_warning() -> None:
+    """The forward memfit compiles is the frame Dynamo replays ``warnings.warn`` in: the user's
+    warning fires as in plain PyTorch."""
+    torch.manual_seed(0)
+    model = Chatty()
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _grads(model, x)
+    wrapped = memfit.checkpoint(model, "memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _grads(wrapped, x)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert not _memfit_warnings(caught), _memfit_warnings(caught)
+    assert _user_warnings(caught) == ["chatty: a user's warning"]
+
+
+def test_huggingface_warning_once_does_not_break_the_graph() -> None:
+    """transformers' ``logger.warning_once`` (a ``functools.lru_cache`` set on
+    ``logging.Logger``), as HF GPT-2's loss calls it each step, leaves a step one graph. Like
+    any logger call in a compiled forward it is dropped, not replayed (see above)."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    logger = hf_logging.get_logger("memfit.tests.graph_breaks")
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x @ x.T)
+        logger.warning_once("memfit test: a once-only warning")
+        logger.info_once("memfit test: a once-only note")
+        return torch.tanh(y @ x).square().mean()
+
+    x = torch.randn(16, 16, requires_grad=True)
+    expected = torch.autograd.grad(loss(x), x)[0]
+    step = memfit.step(loss, policy="memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.autograd.grad(step(x), x)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert len(step.plan.graphs) == 1
+    assert not _memfit_warnings(caught), _memfit_warnings(caught)
+
+
+class Scalar(nn.Module):
+    """A ``.item()`` mid-forward: a break that is not control flow on a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        scale = x.abs().max().item()
+        return self.b(x / scale)
+
+
+def test_break_warning_names_dynamos_reason_and_suggests_torch_where_only_for_branching() -> None:
+    model = memfit.checkpoint(Scalar(), "memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(8, 16)).sum().backward()
+    (message,) = _memfit_warnings(caught)
+    assert "Tensor.item()" in message and "capture_scalar_outputs" in message, message
+    assert "torch.where" not in message and "torch.cond" not in message, message
+
+
+def test_is_data_dependent_and_summarize_reason_read_dynamos_reasons() -> None:
+    branching = (
+        "Data-dependent branching\n"
+        "  Explanation: Detected data-dependent branching (e.g. `if my_tensor.sum() > 0:`). "
+        "Dynamo does not support tracing dynamic control flow.\n\n"
+        "      The branch condition involves a tensor computed as follows:\n"
+        '        # File "/m/model.py", line 27, in forward, code: if x.sum() > 0:\n'
+        "  Hint: Use `torch.cond` to express dynamic control flow.\n"
+    )
+    builtin = (
+        "Failed to trace builtin operator\n"
+        "  Explanation: Dynamo does not know how to trace builtin operator `print` with "
+        "argument types ['str'] (has_kwargs False)\n"
+        "  Hint: Avoid calling builtin `print` with argument types ['str'].\n"
+    )
+    assert graph_breaks.is_data_dependent(branching)
+    assert graph_breaks.is_data_dependent("generic_jump TensorVariable()")
+    assert not graph_breaks.is_data_dependent(builtin)
+    assert (
+        graph_breaks.summarize_reason(branching)
+        == "Data-dependent branching at /m/model.py:27 in forward"
+    )
+    assert graph_breaks.summarize_reason(builtin) == (
+        "Failed to trace builtin operator: Dynamo does not know how to trace builtin operator "
+        "`print` with argument types ['str'] (has_kwargs False)"
+    )
+    assert graph_breaks.summarize_reason("") == "unknown reason"

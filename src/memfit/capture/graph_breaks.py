@@ -18,17 +18,38 @@ from memfit.warn import warn_user
 __all__ = ["GraphBreakWatcher", "GraphBreakReport"]
 
 _LOCATION = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\w+))?')
+_EXPLANATION = re.compile(r"^\s*Explanation:\s*(.+)$", re.MULTILINE)
+#: Dynamo's words for data-dependent control flow (2.13: "Data-dependent branching"; earlier
+#: releases: "generic_jump"), the one cause ``torch.where``/``torch.cond`` removes.
+_DATA_DEPENDENT = re.compile(r"data-dependent branching|generic_jump|dynamic control flow", re.I)
 
 
 def summarize_reason(reason: str) -> str:
-    """First line of Dynamo's reason, plus the user's source location when it names one."""
+    """Dynamo's reason in one line: its kind (the reason's first line), what it explained, and
+    the user's source location when it names one.
+
+    Dynamo 2.13 writes a reason as its kind, then ``Explanation:``, ``Hint:`` and debug lines,
+    e.g. ``Failed to trace builtin operator`` / ``Dynamo does not know how to trace builtin
+    operator `print` ...``. For data-dependent branching the kind says it all.
+    """
     first = reason.strip().splitlines()[0] if reason.strip() else "unknown reason"
+    explained = _EXPLANATION.search(reason)
+    if explained and not is_data_dependent(first):
+        first = f"{first}: {explained.group(1).strip()}"
     found = _LOCATION.findall(reason)
     if found:
         path, line, func = found[-1]
         where = f"{path}:{line}" + (f" in {func}" if func else "")
         return f"{first} at {where}"
     return first
+
+
+def is_data_dependent(reason: str) -> bool:
+    """Whether Dynamo broke the graph at control flow on a tensor's value (an ``if`` or ``while``
+    on a tensor): the break ``torch.where`` or ``torch.cond`` removes."""
+    head = reason.strip().splitlines()[0] if reason.strip() else ""
+    explained = _EXPLANATION.search(reason)
+    return bool(_DATA_DEPENDENT.search(head + " " + (explained.group(1) if explained else "")))
 
 
 @dataclass
@@ -51,10 +72,12 @@ class GraphBreakReport:
         action = action or (
             "Each piece is checkpointed on its own and values that cross a break are kept"
         )
+        remove = "Remove the break"
+        if any(is_data_dependent(r) for r in self.reasons):
+            remove += " (e.g. torch.where or torch.cond instead of a Python `if` on a tensor)"
         warn_user(
             f"memfit could not capture {self.model_name} as one graph (graph break: {where}). "
-            f"It still trains correctly. {action}. Remove the break (e.g. torch.where or "
-            "torch.cond instead of a Python `if` on a tensor) to save more."
+            f"It still trains correctly. {action}. {remove} to save more."
         )
 
 

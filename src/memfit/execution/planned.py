@@ -36,6 +36,7 @@ import torch.nn as nn
 from memfit._compat import (
     accumulated_recompile_limit,
     compile_with_recompile_limit,
+    traced_logging,
     tree_flatten,
 )
 from memfit.capture.graph_breaks import GraphBreakWatcher
@@ -337,6 +338,7 @@ class PlannedCall:
             with (
                 self.watcher.watch() as report,
                 accumulated_recompile_limit(DYNAMO_RECOMPILE_LIMIT),
+                traced_logging(),
                 _no_new(full),
                 regions,
             ):
