@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append(row)
                 continue
-            plan = wrapped.plan
+            plan = wrapped.memfit.plan
             predicted = plan.predicted_peak_bytes
             row.update(
                 feasible=True,

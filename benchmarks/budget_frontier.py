@@ -402,7 +402,7 @@ def budget_record(budget: float | int, executor: str, autotune: bool) -> dict[st
 
 def _record_plan(p: Point) -> None:
     assert isinstance(p.module, memfit.CheckpointedModule), p.module
-    plan = p.module.plan
+    plan = p.module.memfit.plan
     p.record.update(plan_record(plan))
     p.record["recompute_flops_method"] = (
         "memfit plan.recompute_flops (flop_counter formulas "
@@ -439,7 +439,7 @@ def memfit_predicted_frontier(points: list[Point]) -> list[dict[str, Any]] | Non
                         "recompute_seconds": q.recompute_seconds,
                         "kept_bytes": q.kept_bytes,
                     }
-                    for q in p.module.plan.pareto()
+                    for q in p.module.memfit.plan.pareto()
                 ]
             except Exception as err:  # noqa: BLE001 - informative only
                 return [{"error": f"{type(err).__name__}: {err}"}]

@@ -157,7 +157,7 @@ def child(model_name: str, config: str) -> dict[str, Any]:
         named = spent["op_scratch"] + spent["plan"] + spent["split"] + spent["compile"]
         record["phases_s"]["rest"] = total - named
         record["plans_compiled"] = calls["compile_pair"]
-        plan = wrapped.plan
+        plan = wrapped.memfit.plan
         record["joint_nodes"] = sum(g.num_nodes for g in plan.graphs)
         record["predicted_peak_bytes"] = plan.predicted_peak_bytes
     return record

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             rule.elements.clear()
             bf.warm_up(p)
             if p.peer == "memfit" and p.ok():
-                kept = {name for g in p.module.plan.graphs for name in g.kept}
+                kept = {name for g in p.module.memfit.plan.graphs for name in g.kept}
                 p.record["kept_mask_elements"] = sum(
                     e for name, e in rule.elements.items() if name in kept
                 )

@@ -165,7 +165,7 @@ def run_frontier(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         method = Method(label, model, step, module, record)
         print(f"  {spec['name']}: {label}: first step", flush=True)
         if warm_up(method, args.device) and policy is not None:
-            plan = module.plan  # type: ignore[union-attr]
+            plan = module.memfit.plan  # type: ignore[union-attr]
             record.update(
                 predicted_peak_bytes=plan.predicted_peak_bytes,
                 offloaded_bytes=plan.offloaded_bytes,

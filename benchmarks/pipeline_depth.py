@@ -106,7 +106,7 @@ def memfit_fits(depth: int, budget: int) -> tuple[bool, dict[str, Any]]:
     measured = memfit.measure(lambda: loss_fn(wrapped(x), t).backward())
     total = static_bytes(model) + (measured.peak_bytes or 0)
     return total <= budget, {
-        "predicted_total_bytes": static_bytes(model) + wrapped.plan.predicted_peak_bytes,
+        "predicted_total_bytes": static_bytes(model) + wrapped.memfit.plan.predicted_peak_bytes,
         "measured_total_bytes": total,
     }
 

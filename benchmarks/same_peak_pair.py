@@ -176,7 +176,7 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
 def _bare_step(spec: ModelSpec, module: Any) -> Any:
     """A training step calling ``module``'s compiled program (``PlannedCall.compiled``, as it
     stands after the warm-up steps) without ``PlannedCall.run`` around it (see ``side``)."""
-    planned = module._planned
+    planned = module.memfit._planned
     compiled = planned.compiled
 
     def step() -> None:

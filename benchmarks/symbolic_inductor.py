@@ -96,13 +96,13 @@ def run_case(case: Case, setting: dict[str, Any]) -> list[dict[str, Any]]:
         model.zero_grad(set_to_none=True)
         step = memfit.measure(lambda x=x: _loss(wrapped(x)).backward())
         model.zero_grad(set_to_none=True)
-        graph = wrapped.plan.graphs[0]
-        predicted = wrapped.plan.predicted_peak_bytes
+        graph = wrapped.memfit.plan.graphs[0]
+        predicted = wrapped.memfit.plan.predicted_peak_bytes
         row.update(
             measured_bytes=step.peak_bytes,
             predicted_bytes=predicted,
             measured_over_predicted=round(step.peak_bytes / predicted, 4),
-            graphs=len(wrapped.plan.graphs),
+            graphs=len(wrapped.memfit.plan.graphs),
             sizes=[list(s) for s in graph.sizes],
             planned_sizes=[list(s) for s in graph.planned_sizes],
             note=graph.note,

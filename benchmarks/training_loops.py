@@ -71,8 +71,10 @@ def loss_outside(executor: str) -> list[dict[str, Any]]:
                 def step(wrapped: Any = wrapped) -> None:
                     lm_loss(wrapped, x, y).backward()
 
-                owner: Any = wrapped
+                owner: Any = wrapped.memfit
             else:
+                if isinstance(model, memfit.CheckpointedModule):
+                    memfit.remove(model)  # the step captures the plain model
                 train = memfit.step(
                     lambda x, y: lm_loss(model, x, y),
                     executor=executor,
@@ -183,7 +185,7 @@ def accumulation(executor: str) -> list[dict[str, Any]]:
                     row[f"{policy} (all gradients at once)"] = micro_batches(wrapped)
                 finally:
                     backend.accumulating = original
-            row[f"{policy} predicted"] = wrapped.plan.predicted_peak_bytes
+            row[f"{policy} predicted"] = wrapped.memfit.plan.predicted_peak_bytes
         model.zero_grad(set_to_none=True)
         rows.append(row)
         print(name, row, flush=True)
@@ -268,7 +270,7 @@ def shapes(executor: str) -> dict[str, Any]:
                         "model": index,
                         "batch": size,
                         "measured": measured,
-                        "predicted": wrapped.plan.predicted_peak_bytes,
+                        "predicted": wrapped.memfit.plan.predicted_peak_bytes,
                     }
                 )
     unplanned = [str(w.message) for w in caught if "plain PyTorch" in str(w.message)]

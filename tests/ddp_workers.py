@@ -96,7 +96,7 @@ def _predicted(rank: int) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
     measured = memfit.measure(lambda: ddp(x).square().mean().backward()).peak_bytes
     model.zero_grad(set_to_none=True)
-    plan = wrapped.plan
+    plan = wrapped.memfit.plan
     return {
         "graphs": len(plan.graphs),
         "predicted": plan.predicted_peak_bytes,

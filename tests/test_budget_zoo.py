@@ -49,7 +49,7 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase, device: str) -> 
             assert err.smallest_bytes is not None and err.smallest_bytes > err.budget_bytes
             assert err.smallest_bytes == pytest.approx(smallest, rel=0.01)
             continue
-        plan = wrapped.plan
+        plan = wrapped.memfit.plan
         predicted = plan.predicted_peak_bytes
         budget_bytes = plan.budget_bytes
         assert budget_bytes is not None and budget_bytes >= in_bytes(budget)

@@ -9,6 +9,7 @@ quadratic tensors are really gone from what the step keeps.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -70,7 +71,7 @@ def test_each_variant_is_found_and_matches_plain_pytorch(variant: AttentionVaria
     ref_out, ref_grads, ref_rng = _step(model, inputs)
     wrapped = memfit.checkpoint(model, "none")
     out, grads, rng = _step(wrapped, inputs)
-    (site,) = wrapped.plan.attention
+    (site,) = wrapped.memfit.plan.attention
     assert site.kernel == variant.expected_kernel, site
     assert site.scores_shape[-2:] == (T, T)
     assert "attention_layers.py:" in site.where
@@ -86,18 +87,19 @@ def test_a_rewritten_attention_serves_every_sequence_length() -> None:
     variant = next(v for v in VARIANTS if v.name == "causal_masked_fill_dropout")
     torch.manual_seed(0)
     model = variant.make()
+    plain = copy.deepcopy(model)
     wrapped = memfit.checkpoint(model, "none")
     g = torch.Generator().manual_seed(0)
     for length in (T, 40, 33, 17):
         x = torch.randn(B, length, D, generator=g)
-        ref_out, ref_grads, ref_rng = _step(model, (x,))
+        ref_out, ref_grads, ref_rng = _step(plain, (x,))
         out, grads, rng = _step(wrapped, (x,))
-        (site,) = wrapped.plan.attention
+        (site,) = wrapped.memfit.plan.attention
         assert site.kernel == MEMFIT
         assert _close(out, ref_out, 1e-5)
         _grads_close(grads, ref_grads, 1e-4)
         assert torch.equal(rng, ref_rng)
-    assert wrapped._planned.shapes_planned == 2
+    assert wrapped.memfit._planned.shapes_planned == 2
 
 
 def test_attention_off_leaves_the_graph_as_written() -> None:
@@ -108,7 +110,7 @@ def test_attention_off_leaves_the_graph_as_written() -> None:
     ref_out, ref_grads, _ = _step(model, inputs)
     wrapped = memfit.checkpoint(model, "none", attention="off")
     out, grads, _ = _step(wrapped, inputs)
-    assert wrapped.plan.attention == ()
+    assert wrapped.memfit.plan.attention == ()
     assert torch.equal(out, ref_out)
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
 
@@ -127,7 +129,7 @@ def test_probabilities_read_elsewhere_are_left_alone_and_reported() -> None:
 
     wrapped = memfit.checkpoint(Both(), "none")
     _step(wrapped, (torch.randn(B, T, D),))
-    (site,) = wrapped.plan.attention
+    (site,) = wrapped.memfit.plan.attention
     assert site.kernel is None
     assert "probabilities" in site.reason and "attn" in site.where
 
@@ -146,7 +148,7 @@ def test_the_quadratic_tensors_are_no_longer_kept() -> None:
     for mode in ("off", "auto"):
         wrapped = memfit.checkpoint(model, "none", attention=mode)
         _step(wrapped, (x,))
-        kept[mode] = wrapped.plan.kept_bytes
+        kept[mode] = wrapped.memfit.plan.kept_bytes
     scores_bytes = 1 * 4 * 256 * 256 * 4
     assert kept["off"] > 2 * scores_bytes  # naive keeps probabilities and the dropout output
     # what is left: the layer's inputs and outputs, q, k, v, logsumexp and a packed mask
@@ -182,7 +184,7 @@ def test_huggingface_eager_attention_is_matched(name: str, kernel: str) -> None:
         warnings.simplefilter("ignore")
         wrapped = memfit.checkpoint(model, "none")
         out, grads = loss(wrapped)
-    sites = wrapped.plan.attention
+    sites = wrapped.memfit.plan.attention
     assert [s.kernel for s in sites] == [kernel], sites
     assert _close(out, ref_out, 1e-5)
     _grads_close(grads, ref_grads, 1e-4)
@@ -196,7 +198,7 @@ def test_huggingface_output_attentions_is_left_alone() -> None:
         wrapped = memfit.checkpoint(model, "none")
         out = wrapped(**inputs, output_attentions=True)
         out.logits.sum().backward()
-    (site,) = wrapped.plan.attention
+    (site,) = wrapped.memfit.plan.attention
     assert site.kernel is None and "probabilities" in site.reason
 
 
@@ -215,7 +217,7 @@ def test_additive_attention_is_found_and_matches_plain_pytorch(all_steps: bool) 
     ref_out, ref_grads, _ = _step(model, inputs)
     wrapped = memfit.checkpoint(model, "none")
     out, grads, _ = _step(wrapped, inputs)
-    sites = wrapped.plan.attention
+    sites = wrapped.memfit.plan.attention
     assert [s.kernel for s in sites] == [ADDITIVE] * (1 if all_steps else 4), sites
     assert _close(out, ref_out, 1e-5)
     _grads_close(grads, ref_grads, 1e-4)
@@ -230,7 +232,7 @@ def test_additive_decoder_keeps_no_tanh_per_step() -> None:
     for mode in ("off", "auto"):
         wrapped = memfit.checkpoint(model, "none", attention=mode)
         _step(wrapped, inputs)
-        kept[mode] = wrapped.plan.kept_bytes
+        kept[mode] = wrapped.memfit.plan.kept_bytes
     tanh_per_step = 2 * 64 * 32 * 4
     assert kept["off"] - kept["auto"] >= 7 * tanh_per_step  # all steps but the last, at least
 
@@ -255,12 +257,13 @@ def test_an_sdpa_call_on_its_math_path_is_rewritten_and_trains(dropout: float) -
     passed query=/key=/value= and every such call failed to compile)."""
     torch.manual_seed(0)
     model = _ThreeDimSdpa(dropout)
+    plain = copy.deepcopy(model)
     (x,) = _inputs(VARIANTS[0])
     wrapped = memfit.checkpoint(model, "none")
     out, grads, _ = _step(wrapped, (x,))
-    assert [s.kernel for s in wrapped.plan.attention] == [MEMFIT]
+    assert [s.kernel for s in wrapped.memfit.plan.attention] == [MEMFIT]
     assert all(torch.isfinite(g).all() for g in grads)
     if dropout == 0.0:
-        ref_out, ref_grads, _ = _step(model, (x,))
+        ref_out, ref_grads, _ = _step(plain, (x,))
         assert _close(out, ref_out, 1e-5)
         _grads_close(grads, ref_grads, 1e-4)

@@ -7,6 +7,7 @@ Plain PyTorch running the same loop is the oracle: losses and gradients equal it
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -74,25 +75,26 @@ def test_bf16_parameters_train_as_plain() -> None:
 
 def test_validation_between_steps_runs_plain_and_keeps_the_plan() -> None:
     model, (x, y) = _net(), _data()
+    plain = copy.deepcopy(model)
     wrapped = memfit.checkpoint(model, "memory")
     F.cross_entropy(wrapped(x), y).backward()
     model.zero_grad(set_to_none=True)
-    plan = wrapped.plan
+    plan = wrapped.memfit.plan
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: validation is not a training call
         wrapped.eval()
         with torch.no_grad():
             val = wrapped(x)
         wrapped.train()
-    model.eval()
+    plain.eval()
     with torch.no_grad():
-        torch.testing.assert_close(val, model(x), rtol=0, atol=0)
-    model.train()
-    assert wrapped.plan is plan
+        torch.testing.assert_close(val, plain(x), rtol=0, atol=0)
+    plain.train()
+    assert wrapped.memfit.plan is plan
     F.cross_entropy(wrapped(x), y).backward()
     got = _grads(model)
-    F.cross_entropy(model(x), y).backward()
-    _equal(got, _grads(model))
+    F.cross_entropy(plain(x), y).backward()
+    _equal(got, _grads(plain))
 
 
 def test_torch_compile_around_a_step_still_plans() -> None:
@@ -119,5 +121,5 @@ def test_torch_compile_around_a_wrapper_still_plans() -> None:
     for _ in range(2):
         F.cross_entropy(outer(x), y).backward()
         _equal(_grads(model), expected)
-    assert wrapped.plan.policy == "memory"
-    assert wrapped.plan.recomputed  # memfit's plan ran: the tanh/GELU outputs are recomputed
+    assert wrapped.memfit.plan.policy == "memory"
+    assert wrapped.memfit.plan.recomputed  # memfit's plan ran: the tanh/GELU outputs are recomputed

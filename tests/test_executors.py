@@ -73,10 +73,11 @@ def test_gradients_and_batchnorm_match_plain_pytorch(policy: str) -> None:
     expected.backward()
     assert torch.allclose(loss, expected, rtol=RTOL)
     _assert_same_training(model, ref)
-    assert wrapped.plan.graphs, "the step ran no planned graph"
+    assert wrapped.memfit.plan.graphs, "the step ran no planned graph"
     if policy != "none":
         # "speed" recomputes what Inductor fuses (BatchNorm's normalisation, activations)
-        assert wrapped.plan.recomputed, f"{policy} recomputed nothing on a conv/BN/activation net"
+        recomputed = wrapped.memfit.plan.recomputed
+        assert recomputed, f"{policy} recomputed nothing on a conv/BN/activation net"
 
 
 def test_batchnorm_statistics_are_updated_inside_the_compiled_forward(
@@ -120,10 +121,10 @@ def test_peak_within_prediction_and_budget_held() -> None:
     F.cross_entropy(wrapped(x), y).backward()  # capture, plan, compile, measure
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
-    predicted = wrapped.plan.predicted_peak_bytes
+    predicted = wrapped.memfit.plan.predicted_peak_bytes
     assert step.peak_bytes <= budget
     assert abs(step.peak_bytes - predicted) <= 0.1 * predicted, (step.peak_bytes, predicted)
-    assert "measured once" in wrapped.plan.graphs[0].note
+    assert "measured once" in wrapped.memfit.plan.graphs[0].note
     # the least peak a refusal names is one memfit can then be asked for (measured, compiled)
     at_least = memfit.checkpoint(model, budget=smallest, executor="inductor")
     F.cross_entropy(at_least(x), y).backward()
@@ -149,7 +150,7 @@ def _half_at_batch_one(monkeypatch, scale: float):
     x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
     wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()
-    (graph,) = wrapped.plan.graphs
+    (graph,) = wrapped.memfit.plan.graphs
     return graph, (x, y)
 
 
@@ -201,7 +202,7 @@ def test_a_fraction_no_compiled_plan_meets_in_bytes_is_met_as_a_smaller_one_is(
     torch.compiler.reset()
     wrapped = memfit.checkpoint(_net(), budget=fraction, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()
-    (held,) = wrapped.plan.graphs
+    (held,) = wrapped.memfit.plan.graphs
     assert held.kept_bytes <= fraction * held.baseline_kept_bytes
     assert held.budget_bytes == held.predicted_peak_bytes > target
     assert "a plan keeping that fraction, once compiled" in held.note
@@ -263,14 +264,14 @@ def test_memory_and_a_budget_look_past_a_least_simulated_plan_that_compiles_high
     _least_compiling_high(monkeypatch)
     memory = memfit.checkpoint(_net(), "memory", executor="inductor")
     F.cross_entropy(memory(x), y).backward()
-    (graph,) = memory.plan.graphs
+    (graph,) = memory.memfit.plan.graphs
     assert graph.predicted_peak_bytes < 1.5 * least_simulated  # not the 2.5x plan (1.63x)
     torch.compiler.reset()
     monkeypatch.undo()  # a fresh "least so far"
     _least_compiling_high(monkeypatch)
     at_least = memfit.checkpoint(_net(), budget=least_simulated, executor="inductor")
     F.cross_entropy(at_least(x), y).backward()
-    (held,) = at_least.plan.graphs
+    (held,) = at_least.memfit.plan.graphs
     assert held.budget_bytes == least_simulated
     assert held.predicted_peak_bytes <= least_simulated
 
@@ -311,7 +312,7 @@ def _budget_one_timed(
     wrapped = memfit.checkpoint(model, budget=1.0, executor="inductor", autotune=autotune)
     F.cross_entropy(wrapped(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
-    (graph,) = wrapped.plan.graphs
+    (graph,) = wrapped.memfit.plan.graphs
     return graph, model, ref
 
 
@@ -331,7 +332,7 @@ def test_a_budget_keeps_the_faster_of_its_cheapest_plan_and_speeds(
     assert graph.policy == "budget" and graph.budget_bytes is not None
     assert graph.predicted_peak_bytes <= graph.budget_bytes
     rival_kept = rival_ratio <= 1 + backend.TIMED_TIE
-    assert (set(graph.kept) == set(speed.plan.graphs[0].kept)) == rival_kept
+    assert (set(graph.kept) == set(speed.memfit.plan.graphs[0].kept)) == rival_kept
     _assert_same_training(model, ref)
 
 
@@ -350,7 +351,7 @@ def test_without_autotune_a_budget_compiles_and_times_no_rival(
     assert len(compiled) == 1  # the budget's plan, fitting at once
     speed = memfit.checkpoint(_net(), "speed", executor="inductor")
     speed(_batch()[0])
-    assert set(graph.kept) != set(speed.plan.graphs[0].kept)  # "speed"'s would have won
+    assert set(graph.kept) != set(speed.memfit.plan.graphs[0].kept)  # "speed"'s would have won
     _assert_same_training(model, ref)
 
 
@@ -414,7 +415,7 @@ def _train_with_cpp_wrapper(wrapped_sources: list[str]) -> None:
     assert all("cpp_wrapper_src" in source for source in wrapped_sources)
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: wrapped(x).square().mean().backward())
-    predicted = wrapped.plan.predicted_peak_bytes
+    predicted = wrapped.memfit.plan.predicted_peak_bytes
     assert abs(step.peak_bytes - predicted) <= 0.1 * predicted, (step.peak_bytes, predicted)
 
 
@@ -429,7 +430,7 @@ def test_transformer_prediction_within_ten_percent() -> None:
     wrapped(x).square().mean().backward()
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: wrapped(x).square().mean().backward())
-    predicted = wrapped.plan.predicted_peak_bytes
+    predicted = wrapped.memfit.plan.predicted_peak_bytes
     assert abs(step.peak_bytes - predicted) <= 0.1 * predicted, (step.peak_bytes, predicted)
 
 
@@ -441,7 +442,7 @@ def test_budget_unmeasured_under_a_profiler_says_so() -> None:
     wrapped = memfit.checkpoint(model, budget=0.9, executor="inductor")
     with pytest.warns(UserWarning, match="could not be measured"):
         memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
-    assert "Inductor's schedule" in wrapped.plan.graphs[0].note
+    assert "Inductor's schedule" in wrapped.memfit.plan.graphs[0].note
 
 
 def test_planned_inside_a_profiler_is_measured_on_the_next_call_outside_one() -> None:
@@ -458,16 +459,16 @@ def test_planned_inside_a_profiler_is_measured_on_the_next_call_outside_one() ->
         model.zero_grad(set_to_none=True)
 
     memfit.measure(step)
-    assert "Inductor's schedule" in wrapped.plan.graphs[0].note
-    assert wrapped.replan_pending
+    assert "Inductor's schedule" in wrapped.memfit.plan.graphs[0].note
+    assert wrapped.memfit.replan_pending
     memfit.measure(step)  # inside a session again: nothing to measure with yet
-    assert "Inductor's schedule" in wrapped.plan.graphs[0].note
-    assert wrapped.replan_pending
+    assert "Inductor's schedule" in wrapped.memfit.plan.graphs[0].note
+    assert wrapped.memfit.replan_pending
     step()  # outside: captured and planned again, the compiled graphs measured
-    assert "measured once" in wrapped.plan.graphs[0].note
-    assert not wrapped.replan_pending
+    assert "measured once" in wrapped.memfit.plan.graphs[0].note
+    assert not wrapped.memfit.replan_pending
     measured = memfit.measure(step).peak_bytes
-    assert measured == pytest.approx(wrapped.plan.predicted_peak_bytes, rel=0.02)
+    assert measured == pytest.approx(wrapped.memfit.plan.predicted_peak_bytes, rel=0.02)
 
 
 class _TwoOutputs(nn.Module):
@@ -565,7 +566,7 @@ def test_symbolic_sizes_with_inductor() -> None:
         wrapped(x).pow(2).mean().backward()
         ref(x).pow(2).mean().backward()
     _assert_same_training(model, ref)
-    assert dict(wrapped.plan.graphs[0].sizes).popitem()[1] == 20
+    assert dict(wrapped.memfit.plan.graphs[0].sizes).popitem()[1] == 20
 
 
 def test_symbolic_sizes_predicted_from_the_compiled_graphs() -> None:
@@ -583,13 +584,13 @@ def test_symbolic_sizes_predicted_from_the_compiled_graphs() -> None:
         model.zero_grad(set_to_none=True)
         step = memfit.measure(lambda x=x, y=y: F.cross_entropy(wrapped(x), y).backward())
         model.zero_grad(set_to_none=True)
-        predicted = wrapped.plan.predicted_peak_bytes
+        predicted = wrapped.memfit.plan.predicted_peak_bytes
         assert abs(step.peak_bytes - predicted) <= 0.05 * predicted, (
             rows,
             step.peak_bytes,
             predicted,
         )
-    graph = wrapped.plan.graphs[0]
+    graph = wrapped.memfit.plan.graphs[0]
     assert dict(graph.sizes).popitem()[1] == 24 and dict(graph.planned_sizes).popitem()[1] == 20
     assert "measured once" in graph.note and "at these sizes" in graph.note
 

@@ -3,7 +3,8 @@
 For each (model, mode): the loss and every parameter gradient of one step equal plain PyTorch's;
 dropout draws the same masks (same loss under the same seed, and the global RNG ends in the same
 state); BatchNorm running statistics are updated exactly once; 20 SGD steps give the same
-parameters. The wrapper shares the model's parameters rather than copying them.
+parameters. memfit is applied in place: the model stays itself (class, signature, state dict), and
+``memfit.remove`` takes it off again.
 
 Where CUDA is available every (model, mode) runs there too, against plain PyTorch on the same
 device (the CUDA generator's state checked as well), and the "memory" plan also compiled by
@@ -18,6 +19,9 @@ in gradients, a difference that 20 steps grow to 2e-3 (measured 2026-11-25, H100
 from __future__ import annotations
 
 import copy
+import inspect
+import io
+import types
 import warnings
 from typing import Any
 
@@ -134,7 +138,7 @@ def test_matches_plain_pytorch(case: ZooCase, mode: str, device: str) -> None:
         _check_against(ref, got)
     else:
         _check_against(ref, got, CUDA_RTOL, CUDA_ATOL)
-    plan = wrapped.plan
+    plan = wrapped.memfit.plan
     assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes or mode in ("collection", "names")
 
 
@@ -147,19 +151,153 @@ def test_inductor_matches_plain_pytorch_on_cuda(case: ZooCase) -> None:
     _check_against(ref, got, INDUCTOR_RTOL, INDUCTOR_ATOL)
 
 
-def test_shares_parameters_and_state_dict_keys() -> None:
-    case = ZOO[1]
-    model = case.make_model()
-    wrapped = memfit.checkpoint(model)
-    assert list(wrapped.state_dict().keys()) == list(model.state_dict().keys())
-    for (n1, p1), (n2, p2) in zip(wrapped.named_parameters(), model.named_parameters()):
-        assert n1 == n2 and p1 is p2
-    for (n1, b1), (n2, b2) in zip(wrapped.named_buffers(), model.named_buffers()):
-        assert n1 == n2 and b1 is b2
-    wrapped.eval()
-    assert not model.training and all(not m.training for m in model.modules())
-    wrapped.train()
-    assert model.training
+class _Masked(nn.Module):
+    """A model with a non-persistent buffer, a method of its own and a forward with keywords."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 256), nn.Linear(256, 4)
+        self.register_buffer("mask", torch.ones(256), persistent=False)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+
+    def forward(self, x: torch.Tensor, *, bias: float = 0.0) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * self.mask) * self.scale + bias
+
+    def describe(self) -> str:
+        return "masked"
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_applied_in_place_the_model_stays_itself() -> None:
+    """What frameworks look at is the model's own: class, name, signature, attributes, state
+    dict keys and buffer persistence (HF Trainer reads the signature; Lightning loads strictly)."""
+    model = _Masked()
+    keys, signature, text = list(model.state_dict()), inspect.signature(model.forward), repr(model)
+    parameters = list(model.parameters())
+    assert memfit.checkpoint(model, "memory") is model
+    assert isinstance(model, _Masked) and isinstance(model, memfit.CheckpointedModule)
+    assert type(model).__name__ == "_Masked" and type(model).__module__ == _Masked.__module__
+    assert inspect.signature(model.forward) == signature
+    assert model.forward.__name__ == "forward" and inspect.ismethod(model.forward)
+    assert model.describe() == "masked" and repr(model) == text
+    assert list(model.state_dict()) == keys and "mask" not in model.state_dict()
+    assert list(model.parameters()) == parameters
+    plain = _Masked()
+    plain.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(plain.state_dict(), strict=True)
+    assert model.memfit.policy == memfit.Policy("memory")
+
+
+def test_trains_as_plain_whether_called_or_its_forward_called() -> None:
+    """``model(x)`` and ``model.forward(x)`` (as peft's LoraModel calls it) both run the plan."""
+    model, plain = _Masked(), _Masked()
+    plain.load_state_dict(model.state_dict())
+    memfit.checkpoint(model, "memory")
+    x = torch.randn(64, 16)
+    for call in (model, model.forward):
+        call(x, bias=1.0).sum().backward()
+        plain(x, bias=1.0).sum().backward()
+        _equal_lists(_grads(model), _grads(plain))
+        assert model.memfit.plan.recomputed  # the plan ran: tanh's output recomputed
+
+
+def _equal_lists(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_calls_without_autograd_run_plain_pytorch_and_hooks_run_once() -> None:
+    model = _Masked()
+    calls: list[int] = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    memfit.checkpoint(model, "memory")
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, _Masked.forward(model, x))
+    with pytest.raises(RuntimeError, match="called"):  # nothing captured or planned
+        _ = model.memfit.plan
+    model(x).sum().backward()
+    assert len(calls) == 2  # the model's own hook ran once a call, outside memfit's graphs
+
+
+def test_remove_restores_the_model() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    own = model.forward
+    memfit.checkpoint(model, ["1"])  # a list policy registers a hook on "1"
+    assert model[1]._forward_hooks
+    model(torch.randn(3, 4)).sum().backward()
+    assert memfit.remove(model) is model
+    assert type(model) is nn.Sequential and "forward" not in model.__dict__
+    assert not isinstance(model, memfit.CheckpointedModule) and not model[1]._forward_hooks
+    assert model.forward == own
+    with pytest.raises(TypeError, match="not applied"):
+        memfit.remove(model)
+    memfit.checkpoint(model, "speed")  # and it can be applied again
+    assert model.memfit.policy == memfit.Policy("speed")
+
+
+def test_applying_again_replaces_the_policy() -> None:
+    """As a second ``model.compile()``: the new policy plans from the next call; memfit's class
+    is not stacked on itself, and one ``remove`` restores the plain model."""
+    model = memfit.checkpoint(_Masked(), "memory")
+    model(torch.randn(4, 16)).sum().backward()
+    assert memfit.checkpoint(model, "speed") is model
+    assert model.memfit.policy == memfit.Policy("speed")
+    assert sum(c is memfit.CheckpointedModule for c in type(model).__mro__) == 1
+    assert model.forward.__func__.__wrapped__ is _Masked.forward
+    with pytest.raises(RuntimeError, match="called"):  # the old plan is gone with its policy
+        _ = model.memfit.plan
+    model(torch.randn(4, 16)).sum().backward()
+    assert model.memfit.plan.policy == "speed"
+    memfit.remove(model)
+    assert type(model) is _Masked and "forward" not in model.__dict__
+
+
+def test_an_instance_forward_set_before_is_kept_and_put_back() -> None:
+    """accelerate sets ``model.forward`` on the instance (its autocast wrapper): memfit runs that
+    forward, keeps it a bound method, and ``remove`` puts the same object back."""
+    model = _Masked()
+    seen: list[bool] = []
+
+    def wrapper(self: nn.Module, x: torch.Tensor, *, bias: float = 0.0) -> torch.Tensor:
+        seen.append(torch.is_grad_enabled())
+        return _Masked.forward(self, x, bias=bias)
+
+    own = types.MethodType(wrapper, model)
+    model.forward = own  # type: ignore[method-assign]
+    memfit.checkpoint(model, "memory")
+    assert model.forward is not own and model.forward.__func__.__wrapped__ is wrapper
+    model(torch.randn(4, 16)).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    assert seen[-1] is False and len(seen) >= 2
+    memfit.remove(model)
+    assert model.__dict__["forward"] is own
+
+
+def test_deepcopy_and_pickling_apply_memfit_to_the_copy() -> None:
+    model = memfit.checkpoint(_Masked(), "speed")
+    x = torch.randn(64, 16)
+    model(x).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert isinstance(copied, _Masked) and isinstance(copied, memfit.CheckpointedModule)
+        assert copied.memfit.policy == model.memfit.policy
+        assert all(a is not b for a, b in zip(copied.parameters(), model.parameters()))
+        assert list(copied.state_dict()) == list(model.state_dict())
+        copied.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        copied(x).sum().backward()
+        model(x).sum().backward()
+        _equal_lists(_grads(copied), _grads(model))
+        assert copied.memfit.plan.graphs  # the copy planned on its own first call
 
 
 def test_same_outputs_and_eval_mode() -> None:
@@ -173,32 +311,32 @@ def test_same_outputs_and_eval_mode() -> None:
     for a, b in zip(got["aux"], expected["aux"]):
         _close(a, b, "aux")
     model.eval()
-    wrapped = memfit.checkpoint(model)
+    wrapped = memfit.checkpoint(copy.deepcopy(model))
     with torch.no_grad():
         _close(wrapped(*args, **kwargs)["logits"], model(*args, **kwargs)["logits"], "eval logits")
 
 
 def test_recaptures_on_new_shape_and_dtype() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    wrapped = memfit.checkpoint(model, "memory")
+    plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = memfit.checkpoint(copy.deepcopy(plain), "memory")
     for shape, dtype in [((4, 8), torch.float32), ((9, 8), torch.float32), ((4, 8), torch.float64)]:
         model.to(dtype)
+        plain.to(dtype)
         x = torch.randn(*shape, dtype=dtype)
-        wrapped(x).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
         model(x).sum().backward()
-        for g, p in zip(grads, model.parameters()):
+        plain(x).sum().backward()
+        for g, p in zip(_grads(model), plain.parameters()):
             torch.testing.assert_close(g, p.grad)
         model.zero_grad()
-        assert wrapped.plan.graphs[0].num_nodes > 0
+        plain.zero_grad()
+        assert model.memfit.plan.graphs[0].num_nodes > 0
 
 
 def test_plan_before_first_call_explains() -> None:
     wrapped = memfit.checkpoint(nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="called"):
-        _ = wrapped.plan
+        _ = wrapped.memfit.plan
 
 
 def test_plan_prints_summary() -> None:
@@ -206,7 +344,7 @@ def test_plan_prints_summary() -> None:
     wrapped = memfit.checkpoint(case.make_model(), "memory")
     args, kwargs = case.make_inputs()
     case.loss(wrapped(*args, **kwargs)).backward()
-    text = str(wrapped.plan)
+    text = str(wrapped.memfit.plan)
     assert "predicted peak" in text and "recomputed" in text and "'memory'" in text
 
 
@@ -237,7 +375,7 @@ def test_old_checkpoints_keyword_still_works_and_warns() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     with pytest.warns(DeprecationWarning, match="policy"):
         wrapped = memfit.checkpoint(model, checkpoints="speed")
-    assert wrapped.policy == memfit.Policy("speed")
+    assert wrapped.memfit.policy == memfit.Policy("speed")
     with pytest.raises(ValueError, match="once"):
         memfit.checkpoint(model, "memory", checkpoints="speed")
 
@@ -245,7 +383,8 @@ def test_old_checkpoints_keyword_still_works_and_warns() -> None:
 def test_budget_policy_text_equals_budget_keyword() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     assert (
-        memfit.checkpoint(model, "budget=0.5").policy == memfit.checkpoint(model, budget=0.5).policy
+        memfit.checkpoint(model, "budget=0.5").memfit.policy
+        == memfit.checkpoint(model, budget=0.5).memfit.policy
     )
 
 
@@ -325,7 +464,7 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     # Steady state: Dynamo converted no frame, memfit's Python included (the outer compile once
     # converted its bookkeeping frame by frame, holding the model's output into the backward).
     assert frames_converted() == (frames, converted)
-    assert wrapped.plan.recomputed  # memfit planned the step
+    assert wrapped.memfit.plan.recomputed  # memfit planned the step
     assert (step.peak_bytes or 0) < 0.9 * (plain.peak_bytes or 0)
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
@@ -357,7 +496,7 @@ def test_a_wrapper_inside_another_is_captured_and_planned_as_part_of_it() -> Non
         peak = memfit.measure(lambda: wrapped(x).sum().backward()).peak_bytes or 0
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "plain PyTorch" in m or "could not capture" in m], said
-    assert len(wrapped.plan.graphs) == 1 and wrapped.plan.recomputed
+    assert len(wrapped.memfit.plan.graphs) == 1 and wrapped.memfit.plan.recomputed
     assert peak < 0.9 * plain_peak
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
@@ -389,7 +528,7 @@ def test_a_model_setting_problem_type_on_its_first_call_is_captured_once() -> No
         wrapped(input_ids=ids, labels=labels).loss.backward()
         torch.manual_seed(5)
         plain(input_ids=ids, labels=labels).loss.backward()
-        plans.append(wrapped.plan)
+        plans.append(wrapped.memfit.plan)
     assert model.config.problem_type == plain.config.problem_type == "single_label_classification"
     assert plans[1] is plans[0] and plans[2] is plans[0]  # no second capture, no second plan
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):

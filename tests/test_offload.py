@@ -82,10 +82,10 @@ def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -
     loss.backward()
     ref = plain(X).square().mean()
     ref.backward()
-    assert wrapped.plan.offloaded
+    assert wrapped.memfit.plan.offloaded
     assert torch.equal(loss, ref)
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(swapped)))
-    assert wrapped.offload_store.pending_files == []
+    assert wrapped.memfit.offload_store.pending_files == []
 
 
 def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
@@ -101,12 +101,12 @@ def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
     first = memfit.measure(step)
     for _ in range(8):
         step()
-        assert swapped.offload_store.pending_files == []
+        assert swapped.memfit.offload_store.pending_files == []
     last = memfit.measure(step)
     # Ten steps leave nothing behind: every step ends where it began, at the same peak.
     assert first.end_bytes == last.end_bytes == 0
     assert first.peak_bytes == last.peak_bytes
-    plan = swapped.plan
+    plan = swapped.memfit.plan
     assert plan.offloaded_bytes > 0
     # Measured, not assumed: the device peak drops by what the plan says, within 10%.
     assert last.peak_bytes < peak_none
@@ -117,9 +117,9 @@ def test_abandoned_step_removes_its_files() -> None:
     wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
     wrapped(X).sum().backward()
     loss = wrapped(X).sum()  # a forward whose backward never runs
-    assert wrapped.offload_store.pending_files
+    assert wrapped.memfit.offload_store.pending_files
     del loss
-    assert wrapped.offload_store.pending_files == []
+    assert wrapped.memfit.offload_store.pending_files == []
 
 
 def test_budget_with_offload_reaches_below_recompute_only() -> None:
@@ -136,7 +136,7 @@ def test_budget_with_offload_reaches_below_recompute_only() -> None:
     model = _mlp()
     wrapped = memfit.checkpoint(model, budget=budget, offload=EVERYTHING)
     wrapped(X).square().mean().backward()
-    assert wrapped.plan.offloaded
+    assert wrapped.memfit.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
     model.zero_grad(set_to_none=True)
     # The loss is a sum, which keeps nothing for backward outside memfit's graph (a squared
@@ -149,7 +149,7 @@ def test_budget_with_offload_reaches_below_recompute_only() -> None:
     capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=2**20)
     lowest_of_all = memfit.checkpoint(model, "memory", offload=capped)
     lowest_of_all(X).square().mean().backward()
-    assert lowest_of_all.plan.recomputed and lowest_of_all.plan.offloaded
+    assert lowest_of_all.memfit.plan.recomputed and lowest_of_all.memfit.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
 
 
@@ -174,10 +174,10 @@ def test_zoo_swap_is_bit_identical_to_keeping_everything(name: str) -> None:
             losses.append(loss.detach())
         results.append((losses, _grads(model), wrapped))
     (l0, g0, _), (l1, g1, swapped) = results
-    assert swapped.plan.offloaded, f"{name}: nothing offloaded"
+    assert swapped.memfit.plan.offloaded, f"{name}: nothing offloaded"
     assert all(torch.equal(a, b) for a, b in zip(l0, l1))
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
-    assert swapped.offload_store.pending_files == []
+    assert swapped.memfit.offload_store.pending_files == []
 
 
 def test_bad_offload_dir_is_refused_before_any_step(tmp_path) -> None:
@@ -216,7 +216,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_file(monkeypatch) -> None:
     monkeypatch.setattr(off, "_write_file", full)
     with pytest.raises(OffloadError, match="free disk space"):
         wrapped(X).sum().backward()
-    assert wrapped.offload_store.pending_files == []
+    assert wrapped.memfit.offload_store.pending_files == []
 
 
 def test_host_arena_is_allocated_once_and_never_fragments() -> None:
@@ -243,7 +243,7 @@ def test_host_budget_caps_what_is_offloaded() -> None:
     capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=600 * 1024)
     wrapped = memfit.checkpoint(_mlp(), "swap", offload=capped)
     wrapped(X).sum().backward()
-    assert 0 < wrapped.plan.host_peak_bytes <= 600 * 1024
+    assert 0 < wrapped.memfit.plan.host_peak_bytes <= 600 * 1024
     lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
     with pytest.raises(memfit.BudgetError, match="offload was limited"):
         memfit.plan(_mlp(), X, budget=int(lowest * 0.8), offload=capped)

@@ -181,7 +181,7 @@ def _first_and_later_call(wrap_first):
     model.zero_grad(set_to_none=True)
     later = memfit.measure(step)
     model.zero_grad(set_to_none=True)
-    return first, later.peak_bytes, wrapped.plan
+    return first, later.peak_bytes, wrapped.memfit.plan
 
 
 def _reference_plan():
@@ -189,7 +189,7 @@ def _reference_plan():
     model, x = _conv_net()
     wrapped = memfit.checkpoint(model)
     wrapped(x).square().mean().backward()
-    return wrapped.plan
+    return wrapped.memfit.plan
 
 
 def test_measure_around_a_first_call_reports_its_real_peak(monkeypatch) -> None:

@@ -69,7 +69,7 @@ def test_no_forward_op_runs_more_than_twice(mode: str) -> None:
         assert set(_calls.values()) == {1}
     if mode in ("memory", "collection"):
         assert sum(_calls.values()) > n  # something was recomputed
-    assert len(wrapped.plan.recomputed) == sum(_calls.values()) - n
+    assert len(wrapped.memfit.plan.recomputed) == sum(_calls.values()) - n
 
 
 def test_recomputation_is_interleaved_with_gradients() -> None:

@@ -34,10 +34,10 @@ def test_the_plan_is_that_of_the_shape_the_last_call_ran() -> None:
     peaks = {}
     for size in (64, 16):
         _train_call(wrapped, size)
-        peaks[size] = wrapped.plan.predicted_peak_bytes
+        peaks[size] = wrapped.memfit.plan.predicted_peak_bytes
     assert peaks[64] > peaks[16]
     _train_call(wrapped, 64)  # cached graph: Dynamo does not call the backend again
-    assert wrapped.plan.predicted_peak_bytes == peaks[64]
+    assert wrapped.memfit.plan.predicted_peak_bytes == peaks[64]
     measured = memfit.measure(lambda: wrapped(torch.randn(64, 32)).sum().backward())
     assert measured.peak_bytes == pytest.approx(peaks[64], rel=0.1)
 
@@ -54,9 +54,9 @@ def test_more_captures_than_dynamos_limit_across_models_all_plan() -> None:
         for size in (4, 12):
             caught = _train_call(wrapped, size)
             assert not [w for w in caught if "plain PyTorch" in str(w.message)]
-            peaks.append(wrapped.plan.predicted_peak_bytes)
+            peaks.append(wrapped.memfit.plan.predicted_peak_bytes)
         assert peaks == sorted(set(peaks))  # each call planned, and its plan is its size's
-        captures += wrapped._planned.shapes_planned
+        captures += wrapped.memfit._planned.shapes_planned
     assert captures > 8
     assert torch._dynamo.config.recompile_limit == 8  # only raised around memfit's calls
 
@@ -72,7 +72,7 @@ def test_captures_past_dynamos_process_wide_cap_all_plan() -> None:
             wrapped = memfit.checkpoint(_mlp(), "none")
             caught = _train_call(wrapped, 4)
             assert not [w for w in caught if "plain PyTorch" in str(w.message)]
-            assert wrapped.plan.graphs
+            assert wrapped.memfit.plan.graphs
         assert dynamo_config.accumulated_recompile_limit == 3
 
 
@@ -82,14 +82,14 @@ def test_past_max_shapes_a_new_shape_runs_unplanned_with_a_warning_at_the_users_
     wrapped = memfit.checkpoint(_mlp(), "memory", max_shapes=1)
     plain = _mlp()
     assert not _train_call(wrapped, 8)
-    eight = wrapped.plan.predicted_peak_bytes
+    eight = wrapped.memfit.plan.predicted_peak_bytes
     caught = _train_call(wrapped, 12)
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "max_shapes=1" in message and "plain PyTorch" in message
     assert caught[0].filename == __file__  # the user's line, not torch's internals
     with pytest.raises(RuntimeError, match="max_shapes=1"):
-        wrapped.plan  # noqa: B018 - no stale plan for a call that ran unplanned
+        wrapped.memfit.plan  # noqa: B018 - no stale plan for a call that ran unplanned
     # It ran, correctly: same gradients as plain PyTorch on the same input.
     x = torch.randn(12, 32)
     for p in wrapped.parameters():
@@ -100,20 +100,20 @@ def test_past_max_shapes_a_new_shape_runs_unplanned_with_a_warning_at_the_users_
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     # A shape planned before still runs its plan, and the plan is back.
     assert not _train_call(wrapped, 8)
-    assert wrapped.plan.predicted_peak_bytes == eight
+    assert wrapped.memfit.plan.predicted_peak_bytes == eight
 
 
 def test_inference_calls_keep_the_training_plan() -> None:
     wrapped = memfit.checkpoint(_mlp(), "memory")
     _train_call(wrapped, 8)
-    plan = wrapped.plan
+    plan = wrapped.memfit.plan
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         wrapped(torch.randn(8, 32))
         wrapped.eval()
         wrapped(torch.randn(5, 32))
     wrapped.train()
-    assert wrapped.plan is plan
+    assert wrapped.memfit.plan is plan
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -139,12 +139,12 @@ def test_a_loss_outside_the_wrapper_is_measured_and_reserved_from_the_second_ste
         first = memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
     ours = [w for w in caught if "outside memfit's graphs" in str(w.message)]
     assert len(ours) == 1 and ours[0].filename == __file__
-    assert first.peak_bytes > 1.05 * wrapped.plan.predicted_peak_bytes  # the loss was unseen
+    assert first.peak_bytes > 1.05 * wrapped.memfit.plan.predicted_peak_bytes  # the loss was unseen
     model.zero_grad(set_to_none=True)
     for _ in range(2):
         step = memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
-        predicted = wrapped.plan.predicted_peak_bytes
-        assert wrapped.plan.outside_bytes > 0
+        predicted = wrapped.memfit.plan.predicted_peak_bytes
+        assert wrapped.memfit.plan.outside_bytes > 0
         assert step.peak_bytes == pytest.approx(predicted, rel=0.05)
         if policy == "budget":
             assert step.peak_bytes <= 1.05 * 28 * 2**20
@@ -161,24 +161,24 @@ def test_measure_outside_false_keeps_the_first_plan() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "outside memfit's graphs" warning
         lm_loss(wrapped, x, y).backward()
-        plan = wrapped.plan
-        assert not wrapped.replan_pending
+        plan = wrapped.memfit.plan
+        assert not wrapped.memfit.replan_pending
         lm_loss(wrapped, x, y).backward()
-    assert wrapped.plan.outside_bytes == 0
-    assert wrapped.plan.graphs == plan.graphs
+    assert wrapped.memfit.plan.outside_bytes == 0
+    assert wrapped.memfit.plan.graphs == plan.graphs
 
 
 def test_replan_pending_says_the_next_call_plans_again() -> None:
     model, (x, y) = lm(), batch()
     wrapped = memfit.checkpoint(model, "none")
     lm_loss(wrapped, x, y).backward()
-    assert not wrapped.replan_pending  # on CPU nothing is measured outside memfit.measure
+    assert not wrapped.memfit.replan_pending  # on CPU nothing is measured outside memfit.measure
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         memfit.measure(lambda: lm_loss(wrapped, x, y).backward())
-    assert wrapped.replan_pending
+    assert wrapped.memfit.replan_pending
     lm_loss(wrapped, x, y).backward()
-    assert not wrapped.replan_pending and wrapped.plan.outside_bytes > 0
+    assert not wrapped.memfit.replan_pending and wrapped.memfit.plan.outside_bytes > 0
 
 
 def test_a_loss_outside_measured_at_one_length_is_reserved_at_every_length() -> None:
@@ -202,9 +202,9 @@ def test_a_loss_outside_measured_at_one_length_is_reserved_at_every_length() -> 
             lm_loss(wrapped, x, y).backward()
             model.zero_grad(set_to_none=True)
         step(48)  # measures the loss outside: planned again from the next call
-    assert wrapped.replan_pending
+    assert wrapped.memfit.replan_pending
     for length in (80, 40):
         measured = step(length)
-        assert wrapped.plan.outside_bytes > 0 and wrapped.plan.sizes
-        assert measured == pytest.approx(wrapped.plan.predicted_peak_bytes, rel=0.05)
-    assert not wrapped.replan_pending
+        assert wrapped.memfit.plan.outside_bytes > 0 and wrapped.memfit.plan.sizes
+        assert measured == pytest.approx(wrapped.memfit.plan.predicted_peak_bytes, rel=0.05)
+    assert not wrapped.memfit.replan_pending

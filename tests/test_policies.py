@@ -66,7 +66,7 @@ def test_collection_keeps_exactly_the_marks() -> None:
     wrapped = memfit.checkpoint(Chain5(), "collection")
     x = torch.randn(256, 256, requires_grad=True)
     wrapped(x).sum().backward()
-    plan = wrapped.plan
+    plan = wrapped.memfit.plan
     kept_tanh = [name for name in plan.kept if name.startswith("tanh")]
     assert kept_tanh == ["tanh", "tanh_2"], plan.kept  # a1 and a3, nothing else
     assert plan.kept_bytes == 2 * 256 * 256 * 4
@@ -88,8 +88,8 @@ def test_module_names_keep_those_outputs() -> None:
     x = torch.randn(32, 64)
     wrapped = memfit.checkpoint(model, ["1", "3"])
     wrapped(x).sum().backward()
-    kept_tanh = [n for n in wrapped.plan.kept if n.startswith("tanh")]
-    assert kept_tanh == ["tanh_1", "tanh_3"], wrapped.plan.kept
+    kept_tanh = [n for n in wrapped.memfit.plan.kept if n.startswith("tanh")]
+    assert kept_tanh == ["tanh_1", "tanh_3"], wrapped.memfit.plan.kept
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_memory_mode_ratio(
         f"{name}: memory mode peak {saved / MB:.1f} MB is {ratio:.3f} of none"
     )
     # the prediction is about the same quantity the measurement reports
-    assert abs(wrapped.plan.predicted_peak_bytes - saved) <= 0.1 * saved
+    assert abs(wrapped.memfit.plan.predicted_peak_bytes - saved) <= 0.1 * saved
 
 
 def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:
@@ -128,8 +128,8 @@ def test_speed_mode_keeps_heavy_outputs_and_saves_memory() -> None:
     wrapped = memfit.checkpoint(model, "speed")
     speed = _step_peak(wrapped, x, _mean_square)
     assert speed < plain
-    assert all(not name.startswith(("addmm", "mm")) for name in wrapped.plan.recomputed)
-    assert any(name.startswith("gelu") for name in wrapped.plan.recomputed)
+    assert all(not name.startswith(("addmm", "mm")) for name in wrapped.memfit.plan.recomputed)
+    assert any(name.startswith("gelu") for name in wrapped.memfit.plan.recomputed)
 
 
 class _CausalLM(nn.Module):

@@ -80,7 +80,7 @@ def test_regions_train_exactly_like_plain_pytorch() -> None:
                 assert torch.equal(g, e), seed
             for (name, b), c in zip(plain.named_buffers(), ours.buffers()):
                 assert torch.equal(b, c), (seed, name)  # BatchNorm statistics updated once
-    assert [r.module for r in wrapped.plan.regions] == [f"layers.{i}" for i in range(4)]
+    assert [r.module for r in wrapped.memfit.plan.regions] == [f"layers.{i}" for i in range(4)]
     # between calls the user's model is as it was (its own calls, torch.save, state_dict)
     assert all("forward" not in layer.__dict__ for layer in ours.layers)
 
@@ -111,11 +111,11 @@ def test_memory_recomputes_regions_and_none_keeps_what_plain_keeps() -> None:
             for _ in range(2 if policy == "memory" else 1):
                 wrapped(x).sum().backward()
             peaks[policy] = _peak(wrapped, x)
-        assert not wrapped.replan_pending
+        assert not wrapped.memfit.replan_pending
         if policy == "none":
-            assert wrapped.plan.regions == ()
+            assert wrapped.memfit.plan.regions == ()
         else:
-            plan = wrapped.plan
+            plan = wrapped.memfit.plan
             assert len(plan.regions) == 8
             # this model's Python between its graphs allocates nothing the backward keeps, so
             # the prediction covers the step

@@ -195,7 +195,7 @@ def test_memfit_wrapper_plan_recorded_and_watched() -> None:
     wrapped = _method("memfit-none", wrap=lambda model: memfit.checkpoint(model, "none"))
     for method in (m, wrapped):
         assert warm_up(method, CPU)
-    plan = wrapped.module.plan
+    plan = wrapped.module.memfit.plan
     assert wrapped.record["predicted_peak_bytes"] == plan.predicted_peak_bytes
     assert wrapped.record["graphs"] == len(plan.graphs) == 1
     assert wrapped.record["notes"] == [plan.graphs[0].note]

@@ -10,7 +10,7 @@ reached only through ``memfit._compat``.
 from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.executors import EXECUTORS
-from memfit.execution.module import CheckpointedModule, checkpoint, plan
+from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError, OffloadOptions
 from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
@@ -24,6 +24,7 @@ __all__ = [
     "OffloadError",
     "OffloadOptions",
     "checkpoint",
+    "remove",
     "step",
     "Step",
     "plan",
@@ -39,6 +40,7 @@ __all__ = [
     "measure",
     "Measurement",
     "CheckpointedModule",
+    "Checkpointing",
     "Plan",
     "GraphPlan",
     "RegionPlan",

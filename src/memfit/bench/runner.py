@@ -206,7 +206,7 @@ def warm_up(method: Method, device: torch.device | None = None) -> bool:
     def run() -> None:
         first_step(method, device)
         if isinstance(method.module, memfit.CheckpointedModule):
-            method.record.update(plan_record(method.module.plan))
+            method.record.update(plan_record(method.module.memfit.plan))
 
     return attempt(method, FIRST_STEP, run)
 
@@ -342,7 +342,7 @@ class Snapshot:
         self.graphs = unique_graph_count()
         #: The plan of each memfit wrapper among ``methods`` (not failed) at the snapshot.
         self.plans: dict[Method, Plan] = {
-            m: m.module.plan
+            m: m.module.memfit.plan
             for m in methods
             if not m.failed and isinstance(m.module, memfit.CheckpointedModule)
         }
@@ -356,4 +356,4 @@ class Snapshot:
         plan = self.plans.get(method)
         if plan is None or not isinstance(method.module, memfit.CheckpointedModule):
             return None
-        return method.module.plan is not plan
+        return method.module.memfit.plan is not plan

@@ -20,6 +20,7 @@ The first error stops the command (``record_failures=False``): a CLI reports it,
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,10 +84,15 @@ class Workload:
     executor: str = "eager"
 
     def wrap(self, policy: Policy, model: nn.Module | None = None) -> nn.Module:
-        """``memfit.checkpoint`` of the model (or ``model``) under ``policy``."""
+        """``memfit.checkpoint`` under ``policy`` of a view of the model (or ``model``).
+
+        memfit applies to a model in place, once; the command line compares policies on one set
+        of weights, so each policy gets a shallow copy (``copy.copy``: its own object, the
+        model's parameter, buffer and submodule dictionaries), as several ``torch.compile``
+        variants of one model would."""
         options = self.offload if policy.offload else None
         return memfit.checkpoint(
-            self.model if model is None else model,
+            copy.copy(self.model if model is None else model),
             policy,
             offload=options or False,
             executor=self.executor,

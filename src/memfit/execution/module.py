@@ -1,26 +1,40 @@
-"""``memfit.checkpoint(model, policy)``: the model, trained with fewer activations kept.
+"""``memfit.checkpoint(model, policy)``: memfit applied to the user's model, in place.
 
-The wrapper is a view of the user's model, not a copy: it shares the model's parameter, buffer and
-submodule dictionaries, so its ``state_dict`` has the same keys and tensors, an optimizer built on
-either sees the same parameters, and ``.to()`` moves both. Its forward runs the model through
-``torch.compile`` with memfit's backend (static shapes at first; a size that changes is captured
-once more as a symbol, and that graph serves a range of sizes: see ``execution.planned``).
-Submodule names in a policy list (``memfit.checkpoint(model, ["layer1"])``) are turned into marks
-by forward hooks that act only while memfit captures, so the user's own eager calls are
-untouched.
+The model stays the user's model. Like FSDP2's ``fully_shard``, memfit changes the object it is
+given rather than wrapping it: its class becomes a subclass of its own class and of
+``memfit.CheckpointedModule`` (same name, module and methods), and its ``forward`` becomes an
+instance attribute that runs a training call through memfit's plan. So every framework sees the
+model itself: ``isinstance`` against its own classes holds (``PreTrainedModel``, ``PeftModel``,
+...), every attribute and method is its own (``generate``, ``save_pretrained``, ``config``),
+``inspect.signature(model.forward)`` is the original's (HF ``Trainer`` keeps the dataset columns
+it names), and ``state_dict()`` is the model's own, keys and buffer persistence included. Why
+``forward`` and not ``__call__``: frameworks call ``forward`` directly (peft's ``LoraModel`` calls
+``self.model.forward``), and the model's own hooks then run once, outside memfit's graphs, as
+they would without it. memfit's per-model state is one attribute, ``model.memfit`` (the plan,
+the policy), and ``memfit.remove(model)`` puts the class and ``forward`` back.
 
-``memfit.plan`` answers "what would memfit do within this budget?" without training: it runs the
-capture (one forward, under the plan) and puts back every buffer and random-number state the
-forward touched, so BatchNorm statistics and later dropout masks are as if it never ran.
+A call that does not train (``torch.no_grad()``, ``inference_mode``, ``generate``) runs the
+original forward as plain PyTorch; a training call is captured by ``torch.compile`` with memfit's
+backend (static shapes at first; a size that changes is captured once more as a symbol, and that
+graph serves a range of sizes: see ``execution.planned``). Submodule names in a policy list
+(``memfit.checkpoint(model, ["layer1"])``) are turned into marks by forward hooks that act only
+while memfit captures, so the user's own eager calls are untouched.
+
+``memfit.plan`` answers "what would memfit do within this budget?" without training: it applies
+memfit for one capture (one forward, under the plan), removes it again, and puts back every
+buffer and random-number state the forward touched, so BatchNorm statistics and later dropout
+masks are as if it never ran.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import types
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -41,10 +55,15 @@ from memfit.planning.budget import Budget, parse_budget
 from memfit.planning.plan import Plan
 from memfit.planning.policy import BUDGET, Policy, parse_policy
 
-__all__ = ["checkpoint", "plan", "CheckpointedModule"]
+__all__ = ["checkpoint", "remove", "plan", "CheckpointedModule", "Checkpointing"]
 
+M = TypeVar("M", bound=nn.Module)
 
-_capturing = 0  # >0 while a memfit wrapper runs: module-name hooks mark only then
+#: Where a model memfit was applied to keeps its ``Checkpointing`` (in ``__dict__``, beside
+#: nn.Module's own dictionaries: not a parameter, buffer or submodule, so no state_dict key).
+_STATE = "_memfit"
+
+_capturing = 0  # >0 while a memfit call runs: module-name hooks mark only then
 
 
 def _mark_tree(out: Any) -> Any:
@@ -71,36 +90,43 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
     return None
 
 
-class CheckpointedModule(nn.Module):
-    """``model`` with memfit's checkpointing applied; see ``memfit.checkpoint``."""
-
-    # Set through __dict__ in __init__: nn.Module's __setattr__ would register the model as a
-    # submodule (its parameters would appear twice under new names).
-    _model: nn.Module
-    _planned: PlannedCall
-    _hooks: list[Any]
-    _settled: bool
+class Checkpointing:
+    """memfit's state on one model (``model.memfit``): the plan, the policy, the original
+    ``forward``, and the hooks that turn listed submodules' outputs into marks."""
 
     def __init__(
         self,
         model: nn.Module,
         policy: Policy,
-        attention: str = "auto",
-        offload: OffloadOptions | None = None,
-        max_shapes: int = DEFAULT_MAX_SHAPES,
-        measure_outside: bool = True,
-        executor: str = EAGER,
+        attention: str,
+        offload: OffloadOptions | None,
+        max_shapes: int,
+        measure_outside: bool,
+        executor: str,
     ) -> None:
-        super().__init__()
-        # Share, do not copy: same Parameter objects under the same state_dict keys.
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.__dict__["_model"] = model
-        self.__dict__["_planned"] = PlannedCall(
-            model,
+        #: the class the model had before memfit (``memfit.remove`` puts it back)
+        self.base_class: type[nn.Module] = type(model)
+        #: an instance ``forward`` someone set before memfit (accelerate's autocast wrapper), or
+        #: None: the class's own
+        self.prior_forward: Any = model.__dict__.get("forward")
+        self.original_forward: Callable[..., Any] = (
+            self.prior_forward
+            if self.prior_forward is not None
+            else types.MethodType(self.base_class.forward, model)
+        )
+        #: what re-applies memfit to a copy (``copy.deepcopy``, pickling)
+        self.settings: dict[str, Any] = dict(
+            policy=policy,
+            attention=attention,
+            offload=offload,
+            max_shapes=max_shapes,
+            measure_outside=measure_outside,
+            executor=executor,
+        )
+        self._planned = PlannedCall(
+            self.original_forward,
             policy,
-            name=type(model).__name__,
+            name=self.base_class.__name__,
             attention=attention,
             offload=offload,
             max_shapes=max_shapes,
@@ -109,26 +135,16 @@ class CheckpointedModule(nn.Module):
             executor=executor,
         )
         named = dict(model.named_modules())
-        self.__dict__["_hooks"] = [
+        self._hooks = [
             named[name].register_forward_hook(_mark_output_hook) for name in policy.modules
         ]
-        self.__dict__["_settled"] = not _settles_on_first_call(model)
-        self.training = model.training
-
-    @property
-    def module(self) -> nn.Module:
-        """The wrapped model (shared, not copied)."""
-        return self._model
+        self._model = model
+        self._settled = not _settles_on_first_call(model)
 
     @property
     def policy(self) -> Policy:
-        """The policy this wrapper plans with."""
+        """The policy this model is planned with."""
         return self._planned.policy
-
-    @property
-    def offload_store(self) -> OffloadStore | None:
-        """Where this wrapper's offloaded activations live (None until a plan offloads)."""
-        return self._planned.offload_store
 
     @property
     def plan(self) -> Plan:
@@ -136,53 +152,203 @@ class CheckpointedModule(nn.Module):
         return self._planned.plan
 
     @property
+    def offload_store(self) -> OffloadStore | None:
+        """Where the model's offloaded activations live (None until a plan offloads)."""
+        return self._planned.offload_store
+
+    @property
     def replan_pending(self) -> bool:
         """Whether the next training call captures and plans again, reserving what the last
         step was measured to hold outside memfit's graphs (a loss computed outside the model)."""
         return self._planned.replan_pending
 
-    def train(self, mode: bool = True) -> CheckpointedModule:
-        self._model.train(mode)
-        self.training = mode
-        return self
+    @property
+    def regions_changed(self) -> bool:
+        """Whether the last call chose submodules to recompute whole (graph breaks inside
+        them), which apply from the next call on."""
+        return self._planned.regions_changed
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Inside another memfit wrapper or step, traced by its capture: the model is part of the
-        # outer call's graphs and planned by its policy, as any other submodule. Stepping around
-        # it there broke the outer graph, and inside a loop (an nn.Sequential) Dynamo gave up on
-        # the whole frame: the outer model ran unplanned.
+    def remove(self) -> None:
+        """Take memfit off the model (``memfit.remove``)."""
+        remove(self._model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``forward`` while memfit is applied."""
         if torch.compiler.is_compiling() and memfit_call_running():
-            return self._model(*args, **kwargs)
+            # Inside another memfit call, traced by its capture: the model is part of the outer
+            # call's graphs and planned by its policy, as any other submodule. Stepping around it
+            # there broke the outer graph, and inside a loop (an nn.Sequential) Dynamo gave up
+            # on the whole frame: the outer model ran unplanned.
+            return self.original_forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            # Evaluation, torch.no_grad(), generate(): nothing is kept for a backward, so there
+            # is nothing to plan; plain PyTorch, exactly.
+            return self.original_forward(*args, **kwargs)
         return self._call(*args, **kwargs)
 
     @torch.compiler.disable
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        """A call of its own. Excluded from an outer ``torch.compile`` (see the README)."""
+        """A training call of its own. Excluded from an outer ``torch.compile``."""
         global _capturing
-        if not self._settled and torch.is_grad_enabled():
+        if not self._settled:
             # Let the first call's attribute changes happen before Dynamo captures (see
             # ``_settles_on_first_call``): one eager forward without autograd, its buffer updates
             # and random draws undone, so the step itself is exactly the user's.
-            self.__dict__["_settled"] = True
+            self._settled = True
             with torch.no_grad(), preserved(self._model.buffers()):
-                self._model(*args, **kwargs)
+                self.original_forward(*args, **kwargs)
         _capturing += 1
         try:
             return self._planned.run(*args, **kwargs)  # this method steps around Dynamo
         finally:
             _capturing -= 1
 
-    def extra_repr(self) -> str:
-        return f"policy={self.policy.label!r}, model={type(self._model).__name__}"
+    def __repr__(self) -> str:
+        return f"memfit.checkpoint({self.base_class.__name__}, policy={self.policy.label!r})"
+
+
+class CheckpointedModule:
+    """The class every model memfit is applied to also becomes an instance of.
+
+    ``memfit.checkpoint(model)`` turns ``type(model)`` into a subclass of this and of the model's
+    own class (``_checkpointed_class``), so ``isinstance(model, memfit.CheckpointedModule)`` tells
+    whether memfit is applied, and ``model.memfit`` reaches its state. It adds nothing else to the
+    model's namespace.
+    """
+
+    @property
+    def memfit(self) -> Checkpointing:
+        """memfit's state on this model: ``plan``, ``policy``, ``remove()``."""
+        state = self.__dict__.get(_STATE)
+        if state is None:
+            raise AttributeError(
+                f"memfit is not applied to this {type(self).__name__} (it was made from a "
+                f"memfit model's class, not by memfit.checkpoint)"
+            )
+        return state
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # torch.save(wrapper) and copy.deepcopy(wrapper) would pickle compiled graphs and hooks.
-        name = type(self._model).__name__
-        raise TypeError(
-            f"a memfit.checkpoint wrapper ({name}) holds compiled graphs and cannot be pickled: "
-            f"save wrapper.state_dict() (the same keys as the model's) or the model itself "
-            f"(wrapper.module), and wrap the loaded model with memfit.checkpoint again"
+        # copy.deepcopy and pickling (torch.save) reduce the model as its own class and apply
+        # memfit to the copy again when it is rebuilt: compiled graphs are not copied, the copy
+        # plans on its first training call, and it needs memfit importable to load.
+        base = _base_class(type(self))
+        getstate = getattr(self, "__getstate__", None)
+        state = getstate() if getstate is not None else self.__dict__.copy()
+        memfit = None
+        if isinstance(state, dict):
+            state = dict(state)
+            memfit = state.pop(_STATE, None)
+            if memfit is not None:
+                if memfit.prior_forward is None:
+                    state.pop("forward", None)
+                else:
+                    state["forward"] = memfit.prior_forward
+        settings = memfit.settings if memfit is not None else None
+        return (_rebuild, (base, state, settings))
+
+
+def _rebuild(base: type[nn.Module], state: Any, settings: dict[str, Any] | None) -> nn.Module:
+    """A model reduced by ``CheckpointedModule.__reduce_ex__``, with memfit applied again."""
+    model = base.__new__(base)
+    setstate = getattr(model, "__setstate__", None)
+    if setstate is not None:
+        setstate(state)
+    else:
+        model.__dict__.update(state)
+    if settings is None:
+        return model
+    for module in model.modules():  # the copied submodules' mark hooks: applied again below
+        for key, hook in list(module._forward_hooks.items()):
+            if hook is _mark_output_hook:
+                del module._forward_hooks[key]
+    return _apply(model, **settings)
+
+
+#: memfit's subclass of each model class it was applied to (one per class, as FSDP2 keeps)
+_classes: dict[type, type] = {}
+
+
+def _checkpointed_class(base: type[nn.Module]) -> type[nn.Module]:
+    """``base`` with ``CheckpointedModule`` mixed in, under ``base``'s own name and module: the
+    name is what frameworks record (HF writes ``config.architectures`` from it)."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(
+            base.__name__,
+            (CheckpointedModule, base),
+            {"__module__": base.__module__, "__qualname__": base.__qualname__},
         )
+        _classes[base] = cls
+    return cls
+
+
+def _base_class(cls: type) -> type[nn.Module]:
+    """The model's own class behind memfit's subclass of it."""
+    for base, checkpointed in _classes.items():
+        if checkpointed is cls:
+            return base
+    for base in cls.__mro__[1:]:  # a subclass of memfit's class, made by someone else
+        if base is not CheckpointedModule and issubclass(base, nn.Module):
+            return base
+    raise TypeError(f"{cls.__name__} is not a class memfit made")
+
+
+def _install_forward(model: nn.Module, state: Checkpointing) -> None:
+    """``model.forward`` runs through ``state``, with the original's name, docstring and
+    signature (``inspect.signature`` follows ``__wrapped__``), and stays a bound method where the
+    original was one (accelerate reads ``model.forward.__func__``)."""
+    original = state.original_forward
+    if isinstance(original, types.MethodType):
+
+        @functools.wraps(original.__func__)
+        def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return state(*args, **kwargs)
+
+        model.__dict__["forward"] = types.MethodType(method, model)
+    else:
+
+        @functools.wraps(original)
+        def function(*args: Any, **kwargs: Any) -> Any:
+            return state(*args, **kwargs)
+
+        model.__dict__["forward"] = function
+
+
+def _apply(
+    model: M,
+    policy: Policy,
+    attention: str,
+    offload: OffloadOptions | None,
+    max_shapes: int,
+    measure_outside: bool,
+    executor: str,
+) -> M:
+    state = Checkpointing(model, policy, attention, offload, max_shapes, measure_outside, executor)
+    model.__dict__[_STATE] = state
+    _install_forward(model, state)
+    # mypy reads __class__ as type[M]: the subclass memfit makes is one
+    model.__class__ = _checkpointed_class(state.base_class)  # type: ignore[assignment]
+    return model
+
+
+def remove(model: M) -> M:
+    """Take memfit off ``model``: its class, ``forward`` and hooks as before
+    ``memfit.checkpoint``, its compiled graphs and offloaded files released. Returns the model."""
+    state = model.__dict__.get(_STATE)
+    if not isinstance(model, CheckpointedModule) or state is None:
+        raise TypeError(f"memfit is not applied to this {type(model).__name__}")
+    for hook in state._hooks:
+        hook.remove()
+    if state.prior_forward is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.__dict__["forward"] = state.prior_forward
+    del model.__dict__[_STATE]
+    model.__class__ = state.base_class
+    store = state.offload_store
+    if store is not None:
+        store.close()
+    return model
 
 
 def _validate_names(model: nn.Module, names: Sequence[str]) -> None:
@@ -198,7 +364,7 @@ def _validate_names(model: nn.Module, names: Sequence[str]) -> None:
 
 
 def checkpoint(
-    model: nn.Module,
+    model: M,
     policy: Policy | str | Sequence[str] | None = None,
     *,
     budget: int | str | float | Budget | None = None,
@@ -211,8 +377,19 @@ def checkpoint(
     measure_outside: bool = True,
     executor: str = EAGER,
     autotune: bool = False,
-) -> CheckpointedModule:
-    """Wrap ``model`` so its training steps keep fewer activations and recompute the rest.
+) -> M:
+    """Apply memfit to ``model`` in place, so its training steps keep fewer activations and
+    recompute the rest; returns ``model`` itself.
+
+    The model stays the user's model (as after FSDP2's ``fully_shard``): same object, same
+    parameters, ``state_dict``, attributes and methods, ``isinstance`` against its own classes,
+    and ``inspect.signature(model.forward)`` the original's; ``isinstance(model,
+    memfit.CheckpointedModule)`` is now true and ``model.memfit`` holds memfit's state
+    (``model.memfit.plan`` after the first training call). Calls without autograd
+    (``torch.no_grad()``, ``generate``) run plain PyTorch. ``memfit.remove(model)`` takes memfit
+    off again; applying it again replaces the earlier policy (and its plans), as a second
+    ``model.compile()`` does. ``copy.deepcopy`` and pickling copy the model with memfit applied
+    again (it plans on its first training call).
 
     ``policy`` is ``"memory"`` (the default; automatic: the least activation memory with at most
     one recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
@@ -225,8 +402,8 @@ def checkpoint(
     keeping at most ``f`` of them where recomputation needs more); memfit then keeps what makes the
     recomputation cheapest while the predicted peak stays within it, and raises
     ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
-    The returned module shares the model's parameters and buffers; its ``plan`` describes the
-    choice after the first training call. ``checkpoints=`` is the old name of ``policy``.
+    ``model.memfit.plan`` describes the choice after the first training call. ``checkpoints=``
+    is the old name of ``policy``.
 
     ``attention="auto"`` (the default) rewrites every attention memfit finds in the model to a
     kernel that keeps no sequence-length-squared tensor: PyTorch's fused SDPA where it applies,
@@ -292,8 +469,6 @@ def checkpoint(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
-    if isinstance(model, CheckpointedModule):
-        raise TypeError("this model is already wrapped by memfit.checkpoint; wrap the original")
     chosen, options = resolve_policy(
         policy,
         budget,
@@ -311,9 +486,10 @@ def checkpoint(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    return CheckpointedModule(
-        model, chosen, attention, options, max_shapes, measure_outside, check_executor(executor)
-    )
+    executor = check_executor(executor)
+    if isinstance(model, CheckpointedModule) and _STATE in model.__dict__:
+        remove(model)  # applied again: the new policy replaces the old, as model.compile() does
+    return _apply(model, chosen, attention, options, max_shapes, measure_outside, executor)
 
 
 def resolve_policy(
@@ -399,7 +575,13 @@ def plan(
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
     plan fits. ``offload`` and its options, ``executor`` and ``autotune`` are ``checkpoint``'s.
     """
-    wrapped = checkpoint(
+    if isinstance(model, CheckpointedModule):
+        raise TypeError(
+            f"memfit.plan plans a model memfit is not applied to; this {type(model).__name__} "
+            f"has memfit applied: read model.memfit.plan after a training call, or call "
+            f"memfit.remove(model) first"
+        )
+    checkpoint(
         model,
         budget=budget,
         attention=attention,
@@ -409,12 +591,16 @@ def plan(
         executor=executor,
         autotune=autotune,
     )
-    with preserved(model.buffers()), torch.enable_grad():
-        wrapped(*example_inputs, **example_kwargs)
-        # Graph breaks: the step planned again as a whole, and submodules recomputed whole
-        # (execution.regions) from the call after they were found.
-        for _ in range(STEP_ROUNDS + 1):
-            if not (wrapped.replan_pending or wrapped._planned.regions_changed):
-                break
-            wrapped(*example_inputs, **example_kwargs)
-    return wrapped.plan
+    state: Checkpointing = model.__dict__[_STATE]
+    try:
+        with preserved(model.buffers()), torch.enable_grad():
+            model(*example_inputs, **example_kwargs)
+            # Graph breaks: the step planned again as a whole, and submodules recomputed whole
+            # (execution.regions) from the call after they were found.
+            for _ in range(STEP_ROUNDS + 1):
+                if not (state.replan_pending or state.regions_changed):
+                    break
+                model(*example_inputs, **example_kwargs)
+        return state.plan
+    finally:
+        remove(model)
