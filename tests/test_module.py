@@ -533,3 +533,13 @@ def test_a_model_setting_problem_type_on_its_first_call_is_captured_once() -> No
     assert plans[1] is plans[0] and plans[2] is plans[0]  # no second capture, no second plan
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_remove_refuses_when_the_class_was_changed_on_top_of_memfits() -> None:
+    """FSDP2's ``fully_shard`` swaps the class again; putting the model's own class back would
+    drop that one's, so ``remove`` says so instead."""
+    model = memfit.checkpoint(_Masked(), "memory")
+    model.__class__ = type("Sharded_Masked", (type(model),), {})
+    with pytest.raises(TypeError, match="class was changed after memfit"):
+        memfit.remove(model)
+    assert isinstance(model, memfit.CheckpointedModule) and model.memfit.policy.name == "memory"

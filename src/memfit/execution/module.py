@@ -288,7 +288,7 @@ def _base_class(cls: type) -> type[nn.Module]:
         if checkpointed is cls:
             return base
     for base in cls.__mro__[1:]:  # a subclass of memfit's class, made by someone else
-        if base is not CheckpointedModule and issubclass(base, nn.Module):
+        if issubclass(base, nn.Module) and not issubclass(base, CheckpointedModule):
             return base
     raise TypeError(f"{cls.__name__} is not a class memfit made")
 
@@ -337,6 +337,13 @@ def remove(model: M) -> M:
     state = model.__dict__.get(_STATE)
     if not isinstance(model, CheckpointedModule) or state is None:
         raise TypeError(f"memfit is not applied to this {type(model).__name__}")
+    if type(model) is not _classes.get(state.base_class):
+        raise TypeError(
+            f"this {type(model).__name__}'s class was changed after memfit was applied "
+            f"(to {type(model).__qualname__} from {type(model).__module__}, e.g. by FSDP2's "
+            f"fully_shard): memfit cannot be removed from under it; apply memfit last, or "
+            f"remove it before"
+        )
     for hook in state._hooks:
         hook.remove()
     if state.prior_forward is None:
