@@ -3,8 +3,8 @@
 Layers, one folder each: ``capture`` (Dynamo/AOTAutograd, marks, graph breaks, the rewrites that
 precede planning) → ``analysis`` (sizes, FLOPs, op scratch, memory simulation) → ``planning`` (a
 ``Decision`` per forward value; the plan as plain data) → ``execution`` (graphs built from the
-plan, the wrapper module) → ``measurement`` (exact peak memory and time). Private torch APIs are
-reached only through ``memfit._compat``.
+plan, memfit applied to a model in place) → ``measurement`` (exact peak memory and time).
+Private torch APIs are reached only through ``memfit._compat``.
 """
 
 from memfit import nn

@@ -12,8 +12,9 @@ measure theirs:
    the policies so a busy machine's slow moments are spread over all of them; the median is
    reported.
 
-All policies wrap the *same* model object (wrappers share its parameters), so nothing is copied.
-Dynamo is reset once before the wraps: each wrapper has its own backend, so they coexist in
+Every policy is applied to a shallow copy of the *same* model (``Workload.wrap``: the copies share
+its parameters, buffers and submodules), so no tensor is copied. Dynamo is reset once before:
+each copy has its own backend, so they coexist in
 Dynamo's cache and none is recompiled while it is measured (a recompile is detected and reported).
 The first error stops the command (``record_failures=False``): a CLI reports it, not a table.
 """

@@ -1,1 +1,1 @@
-"""Execution: apply a plan (partitioned graphs, the torch.compile backend, the wrapper)."""
+"""Execution: apply a plan (partitioned graphs, the torch.compile backend, the model's forward)."""

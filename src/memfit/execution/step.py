@@ -1,6 +1,6 @@
 """``memfit.step``: a whole training step (model and loss) captured and planned as one unit.
 
-``memfit.checkpoint`` wraps a model, so a loss computed outside it (``criterion(model(x), y)``)
+``memfit.checkpoint`` applies to a model, so a loss computed outside it (``criterion(model(x), y)``)
 is outside every graph memfit plans: its saved tensors (a language model's log-softmax over the
 vocabulary) and its gradients are not in the prediction and not under the budget. A step
 function that computes the loss from a batch puts them inside: Dynamo captures model and loss
