@@ -1,6 +1,8 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
 # `make demo` runs `memfit demo`, the command line pip installs with the package. `make test`
-# runs the linters (`make lint`: ruff check, ruff format --check, mypy on src/) and then the suite.
+# runs the linters (`make lint`: ruff check, ruff format --check, mypy on src/) and then the suite,
+# which includes the examples inside HF Trainer, peft, accelerate and Lightning (the
+# `integrations` extra, installed with the venv).
 #
 # torch is installed first and explicitly: on a machine without a GPU, an unpinned `torch`
 # requirement would pull several GB of CUDA wheels. TORCH_SPEC picks the build; the default is
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,integrations]"
 	touch $@
 
 venv: $(VENV)/.installed
