@@ -123,3 +123,19 @@ def test_torch_compile_around_a_wrapper_still_plans() -> None:
         _equal(_grads(model), expected)
     assert wrapped.memfit.plan.policy == "memory"
     assert wrapped.memfit.plan.recomputed  # memfit's plan ran: the tanh/GELU outputs are recomputed
+
+
+def test_model_compile_after_memfit_still_plans() -> None:
+    """``model.compile()`` (``nn.Module.compile``) compiles the model's call; memfit's forward is
+    excluded from it, as from ``torch.compile(model)``."""
+    model, (x, y) = _net(), _data()
+    F.cross_entropy(model(x), y).backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    memfit.checkpoint(model, "memory")
+    model.compile()
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+        _equal(_grads(model), expected)
+        model.zero_grad(set_to_none=True)
+    assert model.memfit.plan.recomputed

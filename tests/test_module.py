@@ -246,10 +246,11 @@ def test_applying_again_replaces_the_policy() -> None:
     is not stacked on itself, and one ``remove`` restores the plain model."""
     model = memfit.checkpoint(_Masked(), "memory")
     model(torch.randn(4, 16)).sum().backward()
+    forward = model.forward
     assert memfit.checkpoint(model, "speed") is model
     assert model.memfit.policy == memfit.Policy("speed")
     assert sum(c is memfit.CheckpointedModule for c in type(model).__mro__) == 1
-    assert model.forward.__func__.__wrapped__ is _Masked.forward
+    assert model.forward == forward  # the same forward, now running the new state
     with pytest.raises(RuntimeError, match="called"):  # the old plan is gone with its policy
         _ = model.memfit.plan
     model(torch.randn(4, 16)).sum().backward()
@@ -271,7 +272,7 @@ def test_an_instance_forward_set_before_is_kept_and_put_back() -> None:
     own = types.MethodType(wrapper, model)
     model.forward = own  # type: ignore[method-assign]
     memfit.checkpoint(model, "memory")
-    assert model.forward is not own and model.forward.__func__.__wrapped__ is wrapper
+    assert model.forward is not own and inspect.signature(model.forward) == inspect.signature(own)
     model(torch.randn(4, 16)).sum().backward()
     with torch.no_grad():
         model(torch.randn(4, 16))
@@ -543,3 +544,58 @@ def test_remove_refuses_when_the_class_was_changed_on_top_of_memfits() -> None:
     with pytest.raises(TypeError, match="class was changed after memfit"):
         memfit.remove(model)
     assert isinstance(model, memfit.CheckpointedModule) and model.memfit.policy.name == "memory"
+
+
+def test_following_wrapped_from_forward_does_not_step_around_memfit() -> None:
+    """accelerate's ``unwrap_model(keep_fp32_wrapper=False)`` follows ``__wrapped__`` from
+    ``model.forward`` and installs the innermost function: memfit's forward ends that walk."""
+    model = memfit.checkpoint(_Masked(), "memory")
+    assert not hasattr(model.forward, "__wrapped__")
+    assert inspect.signature(model.forward) == inspect.signature(_Masked().forward)
+
+
+def test_remove_refuses_when_forward_was_replaced_on_top_and_applying_again_still_works() -> None:
+    model = memfit.checkpoint(_Masked(), "memory")
+    ours = model.forward
+    model.forward = types.MethodType(  # type: ignore[method-assign]
+        lambda self, *args, **kwargs: ours(*args, **kwargs), model
+    )
+    with pytest.raises(TypeError, match="forward was replaced after memfit"):
+        memfit.remove(model)
+    memfit.checkpoint(model, "speed")  # a new state behind the same forwards
+    model(torch.randn(64, 16)).sum().backward()
+    assert model.memfit.plan.policy == "speed"
+
+
+class _HookedOnItself(_Masked):
+    """A model whose own method is one of its hooks: a reference back to the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args: Any) -> None:
+        self.calls += 1
+
+
+def test_a_copy_refers_to_itself_where_the_model_referred_to_itself() -> None:
+    model = memfit.checkpoint(_HookedOnItself(), ["a"])
+    copied = copy.deepcopy(model)
+    (hook,) = copied._forward_pre_hooks.values()
+    assert hook.__self__ is copied
+    copied(torch.randn(4, 16))
+    assert copied.calls == 1 and model.calls == 0
+    assert len(copied.a._forward_hooks) == 1  # memfit's mark hook, once
+
+
+def test_a_module_made_from_memfits_class_can_have_memfit_applied() -> None:
+    """Slicing an ``nn.Sequential`` makes a new instance of the model's class, here memfit's."""
+    model = memfit.checkpoint(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    head = model[:-1]
+    assert isinstance(head, memfit.CheckpointedModule) and not hasattr(head, "memfit")
+    memfit.checkpoint(head, "memory")
+    head(torch.randn(3, 4)).sum().backward()
+    assert head.memfit.plan.graphs
+    memfit.remove(head)
+    assert type(head) is nn.Sequential

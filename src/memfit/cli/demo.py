@@ -9,8 +9,8 @@ to disk on a CPU and to host memory on CUDA) and reports side by side:
 
 * the **measured** peak tensor memory of one training step (``memfit.measure``: exact allocator
   accounting on CPU, allocator statistics on CUDA), and its ratio to ``"none"`` (keep everything);
-* memfit's **predicted** peak for the same step (``wrapped.plan.predicted_peak_bytes``), so the
-  planner's model can be checked against reality;
+* memfit's **predicted** peak for the same step (``model.memfit.plan.predicted_peak_bytes``), so
+  the planner's model can be checked against reality;
 * the step time (median of 3, measured without the memory profiler, which inflates CPU time), its
   ratio to ``"none"``, and the FLOPs memfit recomputes, as a fraction of one forward.
 

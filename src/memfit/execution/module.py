@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -90,53 +91,54 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What ``memfit.checkpoint`` was asked for, checked: kept to apply memfit to a copy."""
+
+    policy: Policy
+    attention: str
+    offload: OffloadOptions | None
+    max_shapes: int
+    measure_outside: bool
+    executor: str
+
+
 class Checkpointing:
     """memfit's state on one model (``model.memfit``): the plan, the policy, the original
     ``forward``, and the hooks that turn listed submodules' outputs into marks."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        policy: Policy,
-        attention: str,
-        offload: OffloadOptions | None,
-        max_shapes: int,
-        measure_outside: bool,
-        executor: str,
+        self, model: nn.Module, base_class: type[nn.Module], prior_forward: Any, settings: _Settings
     ) -> None:
         #: the class the model had before memfit (``memfit.remove`` puts it back)
-        self.base_class: type[nn.Module] = type(model)
+        self.base_class = base_class
         #: an instance ``forward`` someone set before memfit (accelerate's autocast wrapper), or
         #: None: the class's own
-        self.prior_forward: Any = model.__dict__.get("forward")
+        self.prior_forward = prior_forward
         self.original_forward: Callable[..., Any] = (
-            self.prior_forward
-            if self.prior_forward is not None
-            else types.MethodType(self.base_class.forward, model)
+            prior_forward
+            if prior_forward is not None
+            else types.MethodType(base_class.forward, model)
         )
-        #: what re-applies memfit to a copy (``copy.deepcopy``, pickling)
-        self.settings: dict[str, Any] = dict(
-            policy=policy,
-            attention=attention,
-            offload=offload,
-            max_shapes=max_shapes,
-            measure_outside=measure_outside,
-            executor=executor,
-        )
+        #: the ``forward`` memfit set on the model (None for a copy made with another one on top)
+        self.installed: Any = None
+        self.settings = settings
         self._planned = PlannedCall(
             self.original_forward,
-            policy,
-            name=self.base_class.__name__,
-            attention=attention,
-            offload=offload,
-            max_shapes=max_shapes,
-            measure_outside=measure_outside,
+            settings.policy,
+            name=base_class.__name__,
+            attention=settings.attention,
+            offload=settings.offload,
+            max_shapes=settings.max_shapes,
+            measure_outside=settings.measure_outside,
             modules=model,
-            executor=executor,
+            executor=settings.executor,
         )
         named = dict(model.named_modules())
-        self._hooks = [
-            named[name].register_forward_hook(_mark_output_hook) for name in policy.modules
+        #: (submodule name, hook handle) per listed submodule
+        self.hooks = [
+            (name, named[name].register_forward_hook(_mark_output_hook))
+            for name in settings.policy.modules
         ]
         self._model = model
         self._settled = not _settles_on_first_call(model)
@@ -171,6 +173,15 @@ class Checkpointing:
     def remove(self) -> None:
         """Take memfit off the model (``memfit.remove``)."""
         remove(self._model)
+
+    def release(self) -> None:
+        """Drop the hooks, and the offload store unless a backward still needs what it holds
+        (then its finalizer removes the files when it is collected, or at exit)."""
+        for _, hook in self.hooks:
+            hook.remove()
+        store = self.offload_store
+        if store is not None and not store.slots:
+            store.close()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's ``forward`` while memfit is applied."""
@@ -207,6 +218,20 @@ class Checkpointing:
         return f"memfit.checkpoint({self.base_class.__name__}, policy={self.policy.label!r})"
 
 
+@dataclasses.dataclass
+class _Pickled:
+    """What ``CheckpointedModule.__reduce_ex__`` keeps of a model: its own state, and memfit's
+    settings to apply to the copy (None: memfit was not applied to this instance)."""
+
+    state: Any
+    settings: _Settings | None = None
+    #: (submodule name, hook id) of memfit's mark hooks, copied with the submodules: removed
+    hooks: tuple[tuple[str, int], ...] = ()
+    #: whether the copy gets memfit's ``forward`` (False: another one wraps it, copied as is)
+    install: bool = True
+    prior_forward: Any = None
+
+
 class CheckpointedModule:
     """The class every model memfit is applied to also becomes an instance of.
 
@@ -220,48 +245,60 @@ class CheckpointedModule:
     def memfit(self) -> Checkpointing:
         """memfit's state on this model: ``plan``, ``policy``, ``remove()``."""
         state = self.__dict__.get(_STATE)
-        if state is None:
-            raise AttributeError(
-                f"memfit is not applied to this {type(self).__name__} (it was made from a "
-                f"memfit model's class, not by memfit.checkpoint)"
-            )
+        if state is None:  # made from memfit's class (a slice of an nn.Sequential), not applied
+            raise AttributeError(f"memfit is not applied to this {type(self).__name__}")
         return state
 
+    # NOTE [copies of a model memfit is applied to]
+    # copy.deepcopy and pickling (torch.save) copy the model as its own class and apply memfit to
+    # the copy again: compiled graphs are not copied, the copy plans on its first training call,
+    # and loading needs memfit importable. The copy is made first (``_new``) and its state set
+    # after (``__setstate__``), as for any object, so references back to the model inside its
+    # state (a hook bound to it) point at the copy.
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # copy.deepcopy and pickling (torch.save) reduce the model as its own class and apply
-        # memfit to the copy again when it is rebuilt: compiled graphs are not copied, the copy
-        # plans on its first training call, and it needs memfit importable to load.
         base = _base_class(type(self))
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else self.__dict__.copy()
-        memfit = None
-        if isinstance(state, dict):
+        pickled = _Pickled(state)
+        memfit = state.get(_STATE) if isinstance(state, dict) else None
+        if memfit is not None:
             state = dict(state)
-            memfit = state.pop(_STATE, None)
-            if memfit is not None:
-                if memfit.prior_forward is None:
-                    state.pop("forward", None)
-                else:
-                    state["forward"] = memfit.prior_forward
-        settings = memfit.settings if memfit is not None else None
-        return (_rebuild, (base, state, settings))
+            del state[_STATE]
+            ours = _ours(state.get("forward"), memfit, self)
+            if ours and memfit.prior_forward is None:
+                del state["forward"]
+            elif ours:
+                state["forward"] = memfit.prior_forward
+            hooks = tuple((name, hook.id) for name, hook in memfit.hooks)
+            pickled = _Pickled(state, memfit.settings, hooks, ours, memfit.prior_forward)
+        return (_new, (base,), pickled)
+
+    def __setstate__(self, pickled: _Pickled) -> None:
+        model: Any = self  # an nn.Module: the class memfit made is a subclass of one
+        base = _base_class(type(model))
+        model.__class__ = base  # its own state is set by its own class
+        setstate = getattr(model, "__setstate__", None)
+        if setstate is not None:
+            setstate(pickled.state)
+        else:
+            model.__dict__.update(pickled.state)
+        if pickled.settings is None:
+            return
+        for name, hook in pickled.hooks:
+            model.get_submodule(name)._forward_hooks.pop(hook, None)
+        if pickled.install:
+            _apply(model, pickled.settings)
+        else:
+            model.__dict__[_STATE] = Checkpointing(
+                model, base, pickled.prior_forward, pickled.settings
+            )
+            model.__class__ = _checkpointed_class(base)
 
 
-def _rebuild(base: type[nn.Module], state: Any, settings: dict[str, Any] | None) -> nn.Module:
-    """A model reduced by ``CheckpointedModule.__reduce_ex__``, with memfit applied again."""
-    model = base.__new__(base)
-    setstate = getattr(model, "__setstate__", None)
-    if setstate is not None:
-        setstate(state)
-    else:
-        model.__dict__.update(state)
-    if settings is None:
-        return model
-    for module in model.modules():  # the copied submodules' mark hooks: applied again below
-        for key, hook in list(module._forward_hooks.items()):
-            if hook is _mark_output_hook:
-                del module._forward_hooks[key]
-    return _apply(model, **settings)
+def _new(base: type[nn.Module]) -> nn.Module:
+    """An empty instance of memfit's class of ``base``, its state set by ``__setstate__``."""
+    cls = _checkpointed_class(base)
+    return cls.__new__(cls)
 
 
 #: memfit's subclass of each model class it was applied to (one per class, as FSDP2 keeps)
@@ -293,50 +330,84 @@ def _base_class(cls: type) -> type[nn.Module]:
     raise TypeError(f"{cls.__name__} is not a class memfit made")
 
 
-def _install_forward(model: nn.Module, state: Checkpointing) -> None:
-    """``model.forward`` runs through ``state``, with the original's name, docstring and
-    signature (``inspect.signature`` follows ``__wrapped__``), and stays a bound method where the
-    original was one (accelerate reads ``model.forward.__func__``)."""
-    original = state.original_forward
+def _install_forward(model: nn.Module, original: Callable[..., Any]) -> Any:
+    """Set ``model.forward`` to run through ``model.memfit``, and return it.
+
+    It has the original's name, docstring and signature (``__signature__``: HF ``Trainer`` keeps
+    the dataset columns ``inspect.signature(model.forward)`` names), but no ``__wrapped__``:
+    accelerate's ``unwrap_model(keep_fp32_wrapper=False)`` follows ``__wrapped__`` down to the
+    innermost function and installs that, which would have stepped around memfit. It stays a
+    bound method where the original was one (accelerate reads ``model.forward.__func__``). It
+    looks the state up at each call, so applying memfit again only replaces the state."""
     if isinstance(original, types.MethodType):
 
         @functools.wraps(original.__func__)
         def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return state(*args, **kwargs)
+            return self.__dict__[_STATE](*args, **kwargs)
 
-        model.__dict__["forward"] = types.MethodType(method, model)
+        forward: Any = method
+        signature_of: Any = original.__func__
     else:
 
         @functools.wraps(original)
         def function(*args: Any, **kwargs: Any) -> Any:
-            return state(*args, **kwargs)
+            return model.__dict__[_STATE](*args, **kwargs)
 
-        model.__dict__["forward"] = function
+        forward = function
+        signature_of = original
+    del forward.__wrapped__
+    try:
+        forward.__signature__ = inspect.signature(signature_of)
+    except (TypeError, ValueError):  # no signature to read (a builtin): none to keep either
+        pass
+    bound = isinstance(original, types.MethodType)
+    installed = types.MethodType(forward, model) if bound else forward
+    model.__dict__["forward"] = installed
+    return installed
 
 
-def _apply(
-    model: M,
-    policy: Policy,
-    attention: str,
-    offload: OffloadOptions | None,
-    max_shapes: int,
-    measure_outside: bool,
-    executor: str,
-) -> M:
-    state = Checkpointing(model, policy, attention, offload, max_shapes, measure_outside, executor)
+def _ours(forward: Any, state: Checkpointing, model: object) -> bool:
+    """Whether ``forward`` is the one memfit installed (or the same function bound to the model
+    again, as accelerate's ``unwrap_model`` rebinds the innermost one it finds)."""
+    installed = state.installed
+    if forward is installed:
+        return True
+    return (
+        isinstance(forward, types.MethodType)
+        and isinstance(installed, types.MethodType)
+        and forward.__func__ is installed.__func__
+        and forward.__self__ is model
+    )
+
+
+def _apply(model: M, settings: _Settings) -> M:
+    """Apply memfit to ``model`` under ``settings`` (again: a new state, same class and forward)."""
+    previous: Checkpointing | None = model.__dict__.get(_STATE)
+    if previous is not None:
+        previous.release()
+        state = Checkpointing(model, previous.base_class, previous.prior_forward, settings)
+        state.installed = previous.installed
+        model.__dict__[_STATE] = state
+        return model
+    made = isinstance(model, CheckpointedModule)  # an instance of memfit's class, not applied
+    base = _base_class(type(model)) if made else type(model)
+    state = Checkpointing(model, base, model.__dict__.get("forward"), settings)
     model.__dict__[_STATE] = state
-    _install_forward(model, state)
+    state.installed = _install_forward(model, state.original_forward)
     # mypy reads __class__ as type[M]: the subclass memfit makes is one
-    model.__class__ = _checkpointed_class(state.base_class)  # type: ignore[assignment]
+    model.__class__ = _checkpointed_class(base)  # type: ignore[assignment]
     return model
 
 
 def remove(model: M) -> M:
     """Take memfit off ``model``: its class, ``forward`` and hooks as before
     ``memfit.checkpoint``, its compiled graphs and offloaded files released. Returns the model."""
-    state = model.__dict__.get(_STATE)
+    state: Checkpointing | None = model.__dict__.get(_STATE)
     if not isinstance(model, CheckpointedModule) or state is None:
-        raise TypeError(f"memfit is not applied to this {type(model).__name__}")
+        raise TypeError(
+            f"memfit is not applied to this {type(model).__name__}: nothing to remove "
+            f"(isinstance(model, memfit.CheckpointedModule) tells)"
+        )
     if type(model) is not _classes.get(state.base_class):
         raise TypeError(
             f"this {type(model).__name__}'s class was changed after memfit was applied "
@@ -344,17 +415,19 @@ def remove(model: M) -> M:
             f"fully_shard): memfit cannot be removed from under it; apply memfit last, or "
             f"remove it before"
         )
-    for hook in state._hooks:
-        hook.remove()
+    if not _ours(model.__dict__.get("forward"), state, model):
+        raise TypeError(
+            f"this {type(model).__name__}'s forward was replaced after memfit was applied (as "
+            f"accelerate's prepare does for mixed precision): memfit cannot be removed from "
+            f"under it; remove memfit before, or apply it last"
+        )
+    state.release()
     if state.prior_forward is None:
-        model.__dict__.pop("forward", None)
+        del model.__dict__["forward"]
     else:
         model.__dict__["forward"] = state.prior_forward
     del model.__dict__[_STATE]
     model.__class__ = state.base_class
-    store = state.offload_store
-    if store is not None:
-        store.close()
     return model
 
 
@@ -493,10 +566,11 @@ def checkpoint(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
-    executor = check_executor(executor)
-    if isinstance(model, CheckpointedModule) and _STATE in model.__dict__:
-        remove(model)  # applied again: the new policy replaces the old, as model.compile() does
-    return _apply(model, chosen, attention, options, max_shapes, measure_outside, executor)
+    # applied again: the new policy replaces the old, as a second model.compile() does
+    settings = _Settings(
+        chosen, attention, options, max_shapes, measure_outside, check_executor(executor)
+    )
+    return _apply(model, settings)
 
 
 def resolve_policy(
@@ -582,7 +656,7 @@ def plan(
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
     plan fits. ``offload`` and its options, ``executor`` and ``autotune`` are ``checkpoint``'s.
     """
-    if isinstance(model, CheckpointedModule):
+    if _STATE in model.__dict__:
         raise TypeError(
             f"memfit.plan plans a model memfit is not applied to; this {type(model).__name__} "
             f"has memfit applied: read model.memfit.plan after a training call, or call "

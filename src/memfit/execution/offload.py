@@ -536,8 +536,9 @@ def store_for(store_id: int) -> OffloadStore:
     store = _STORES.get(store_id)
     if store is None:
         raise OffloadError(
-            f"offload store {store_id} is closed (store.close() was called, or the memfit "
-            f"wrapper that planned this graph was deleted): wrap the model again to train it"
+            f"offload store {store_id} is closed (store.close() was called, or the model that "
+            f"planned this graph was deleted or had memfit removed): apply memfit again to "
+            f"train it"
         )
     return store
 

@@ -68,13 +68,13 @@ DEFAULT_MAX_SHAPES = 64
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
 
-_running = 0  # memfit calls (wrappers, steps) now running on the stack
+_running = 0  # memfit calls (models memfit is applied to, steps) now running on the stack
 
 
 def memfit_call_running() -> bool:
-    """Whether a memfit wrapper's or step's call is running: asked, while Dynamo traces, by a
-    wrapper inside it (``CheckpointedModule.forward``), whose model is then captured as part of
-    the outer call's graphs."""
+    """Whether a memfit call (a model's or a step's) is running: asked, while Dynamo traces, by
+    the forward of a submodule memfit is also applied to (``Checkpointing.__call__``), which is
+    then captured as part of the outer call's graphs."""
     return _running > 0
 
 
