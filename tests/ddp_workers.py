@@ -36,9 +36,9 @@ def accumulate(rank: int, policies: tuple[str | None, ...]) -> dict[str | None, 
 
 
 def _fsdp2(rank: int, mesh: Any, mode: str) -> dict[str, Any]:
-    """FSDP2 (``fully_shard``, CPU mesh) around memfit-wrapped blocks, or plain blocks, after a
-    first step: what the forward keeps, then the full gradients and the peak of one step from
-    zeroed gradients."""
+    """FSDP2 (``fully_shard``, CPU mesh) around blocks memfit is applied to, or plain blocks,
+    after a first step: what the forward keeps, then the full gradients and the peak of one step
+    from zeroed gradients."""
     from torch.distributed.fsdp import fully_shard
 
     torch.compiler.reset()
@@ -73,7 +73,7 @@ def _fsdp2(rank: int, mesh: Any, mode: str) -> dict[str, Any]:
         kept.append(forward.end_bytes)
     peak = memfit.measure(lambda: model(x).square().mean().backward()).peak_bytes
     grads = [p.grad.full_tensor() for p in model.parameters()]
-    recomputed = sum(len(b.plan.recomputed) for b in blocks) if mode == "memfit" else 0
+    recomputed = sum(len(b.memfit.plan.recomputed) for b in blocks) if mode == "memfit" else 0
     return {
         "grads": grads,
         "kept": min(kept),

@@ -267,8 +267,8 @@ def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(mon
         ).peak_bytes
         grads[policy] = _grads(model)
         wrappers[policy] = wrapped
-    store = wrappers["swap"].offload_store
-    assert store.to == "host" and wrappers["swap"].plan.offloaded
+    store = wrappers["swap"].memfit.offload_store
+    assert store.to == "host" and wrappers["swap"].memfit.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["swap"]))
     assert peaks["swap"] < peaks["none"]
     arena = store.host_arena_bytes

@@ -169,18 +169,23 @@ def first_step(method: Method, device: torch.device | None = None) -> float:
 
 
 def _settle(method: Method, device: torch.device | None) -> None:
-    """Let a memfit wrapper measure what the step holds outside its graphs (a loss outside the
-    model) and plan again with it reserved, before anything is measured or timed.
+    """Let a model memfit is applied to measure what the step holds outside its graphs (a loss
+    outside the model) and plan again with it reserved, before anything is measured or timed.
 
-    On CPU a wrapper measures that only inside ``memfit.measure``; the plan made again is then
+    On CPU memfit measures that only inside ``memfit.measure``; the plan made again is then
     captured on the next call. Neither step is counted in ``first_step_s``.
     """
-    if not hasattr(method.module, "replan_pending"):
+    module = method.module
+    if isinstance(module, memfit.CheckpointedModule):
+        state: Any = module.memfit
+    elif hasattr(module, "replan_pending"):  # a memfit.step
+        state = module
+    else:
         return
-    if not method.module.replan_pending:
+    if not state.replan_pending:
         method.zero_grad()
         memfit.measure(method.step, device=device)
-    if method.module.replan_pending:
+    if state.replan_pending:
         method.zero_grad()
         method.step()
         synchronize(device)
