@@ -6,6 +6,7 @@ training step failing somewhere deep inside capture or measurement.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -511,3 +512,11 @@ def test_traced_logging_lets_dynamo_capture_logging_calls_in_one_graph() -> None
     assert sum(_compat.graph_break_reasons().values()) == before
     assert _compat.unique_graph_count() == graphs + 1
     assert [str(w.message) for w in caught] == ["memfit test: from the compiled frame"]
+
+
+def test_errors_are_never_silenced_in_a_compiled_forward() -> None:
+    """Only messages up to warnings are skipped; an error breaks the graph and is emitted."""
+    _, ignored = _compat.logging_functions()
+    assert logging.Logger.warning in ignored and logging.Logger.info in ignored
+    for method in (logging.Logger.error, logging.Logger.exception, logging.Logger.critical):
+        assert method not in ignored

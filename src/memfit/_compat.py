@@ -672,7 +672,9 @@ def _changed(*names: str) -> None:
 # - ``ignore_logging_functions`` (``ignore_logger_methods`` before): a no-op instead. It is the only
 #   knob a ``logging.Logger`` method obeys (``LoggingLoggerVariable.call_method`` reads no other),
 #   so ``logger.warning(...)`` in a compiled forward is not emitted: the price of one graph. Used
-#   for ``logging.Logger``'s emitting methods and the ones ``transformers.utils.logging`` (and
+#   for ``logging.Logger``'s methods up to warnings (``debug``, ``info``, ``warning``, ``warn``:
+#   an error, ``exception`` or ``critical`` message is never silenced, it breaks the graph as
+#   before, and ``log`` may be any of them) and the ones ``transformers.utils.logging`` (and
 #   ``diffusers``'s copy of it) adds to ``logging.Logger`` when imported (``warning_once``,
 #   ``info_once``: ``functools.lru_cache`` wrappers, matched as a bound method's ``__func__``;
 #   ``warning_advice``). Those are read off ``logging.Logger`` at each call, so nothing imports
@@ -693,8 +695,8 @@ _REORDERED_LOGGING: frozenset[Callable[..., Any]] = frozenset(
         _logging.log,
     }
 )
-#: Methods of ``logging.Logger`` that emit a record.
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log")
+#: Methods of ``logging.Logger`` skipped in a compiled forward: messages up to warnings only.
+_LOGGER_METHODS = ("debug", "info", "warning", "warn")
 #: The ones ``transformers.utils.logging`` sets on ``logging.Logger`` (read at each call).
 _ADDED_LOGGER_METHODS = ("warning_once", "info_once", "warning_advice")
 _LOGGER_FUNCTIONS = frozenset(
