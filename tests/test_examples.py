@@ -15,6 +15,7 @@ import pathlib
 import types
 from typing import Any
 
+import pytest
 import torch
 
 import memfit
@@ -161,3 +162,32 @@ def test_lightning_checkpoints_load_strictly_both_ways(tmp_path: pathlib.Path) -
 def _lm_step(net: torch.nn.Module, batch: torch.Tensor) -> None:
     logits = net(batch[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+
+
+def test_accelerate_mixed_precision_runs_memfit_inside_its_forward() -> None:
+    """``mixed_precision="bf16"``: ``prepare`` sets its autocast ``forward`` around memfit's (HF
+    Llama's fp32 rotary q and k met a bf16 v in memfit's attention: it raised). Losses are
+    plain accelerate's; ``unwrap_model(keep_fp32_wrapper=False)`` stops at memfit's forward;
+    ``memfit.remove`` refuses while accelerate's is on top."""
+    from accelerate import Accelerator
+
+    example = _example("accelerate_loop")
+    batch = next(iter(example.make_loader(8, 4)))
+    losses = []
+    for apply in (False, True):
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = example.make_model()
+        if apply:
+            memfit.checkpoint(model)
+        model = accelerator.prepare(model)
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=1e-2)
+    assert model.memfit.plan.recomputed
+    with pytest.raises(TypeError, match="forward was replaced"):
+        memfit.remove(model)
+    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    unwrapped(**batch).loss.backward()
+    memfit.remove(unwrapped)
+    assert not isinstance(unwrapped, memfit.CheckpointedModule)

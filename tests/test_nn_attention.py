@@ -147,3 +147,18 @@ def test_bad_arguments_are_refused() -> None:
         attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="not both"):
         attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+
+
+def test_under_autocast_the_inputs_are_cast_as_sdpa_casts_them() -> None:
+    """SDPA is on autocast's lower-precision list; memfit's kernel is not an op autocast knows, so
+    it casts as SDPA would (fp32 q and k after rotary embeddings met a bf16 v: it raised)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 16, 8, generator=g), torch.randn(2, 2, 16, 8, generator=g)
+    v = torch.randn(2, 2, 16, 8, generator=g).bfloat16()
+    bias = torch.randn(16, 16, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        for mask in (bias, bias.requires_grad_()):  # the second takes the chunked kernel
+            got = attention(q, k, v, attn_mask=mask)
+            assert got.dtype == expected.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)

@@ -117,6 +117,27 @@ def fused_sdpa(
         )
 
 
+def _as_autocast_runs_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inputs as SDPA sees them under autocast: floating ones in autocast's lower precision.
+
+    SDPA is on autocast's lower-precision list (CPU and CUDA), so under ``torch.autocast`` it
+    casts its inputs itself; memfit's chunked kernel is not an op autocast knows, and a model's
+    q and k after fp32 rotary embeddings met its bf16 v (HF Llama under accelerate's
+    ``mixed_precision="bf16"``: "q, k and v need one dtype")."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v, attn_mask
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    mask = attn_mask if attn_mask is None else cast(attn_mask)
+    return cast(q), cast(k), cast(v), mask
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,6 +164,7 @@ def attention(
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    q, k, v, attn_mask = _as_autocast_runs_sdpa(q, k, v, attn_mask)
     if why_not_fused_sdpa(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) is None:
         return fused_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if enable_gqa and q.shape[-3] != k.shape[-3]:
