@@ -44,7 +44,9 @@ def make_loader(rows: int = 16, batch_size: int = 4) -> torch.utils.data.DataLoa
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
-def train(model: torch.nn.Module, output_dir: str) -> tuple[Accelerator, list[float]]:
+def train(
+    model: torch.nn.Module, output_dir: str
+) -> tuple[Accelerator, torch.nn.Module, list[float]]:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, make_loader())
@@ -58,16 +60,18 @@ def train(model: torch.nn.Module, output_dir: str) -> tuple[Accelerator, list[fl
         losses.append(loss.item())
     accelerator.save_state(os.path.join(output_dir, "state"))
     accelerator.unwrap_model(model).save_pretrained(os.path.join(output_dir, "model"))
-    return accelerator, losses
+    return accelerator, model, losses
 
 
-def main(output_dir: str) -> list[float]:
+def main(output_dir: str) -> tuple[torch.nn.Module, list[float]]:
     model = memfit.checkpoint(make_model())  # the one line memfit adds
-    accelerator, losses = train(model, output_dir)
+    accelerator, model, losses = train(model, output_dir)
     accelerator.load_state(os.path.join(output_dir, "state"))  # resume: weights and optimizer
-    return losses
+    return accelerator.unwrap_model(model), losses
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        print(main(sys.argv[1] if len(sys.argv) > 1 else tmp))
+        model, losses = main(sys.argv[1] if len(sys.argv) > 1 else tmp)
+        print(losses)
+        print(model.memfit.plan)

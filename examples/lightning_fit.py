@@ -58,7 +58,7 @@ def make_loader(rows: int = 16) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(list(data), batch_size=4)
 
 
-def main(output_dir: str) -> str:
+def main(output_dir: str) -> tuple[LanguageModel, str]:
     torch.manual_seed(0)
     module = LanguageModel()
     trainer = L.Trainer(
@@ -70,11 +70,12 @@ def main(output_dir: str) -> str:
         enable_model_summary=False,
     )
     trainer.fit(module, make_loader())
-    return (
-        trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path
-    )
+    saved = trainer.checkpoint_callback
+    return module, saved.best_model_path or saved.last_model_path
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        print(main(sys.argv[1] if len(sys.argv) > 1 else tmp))
+        module, path = main(sys.argv[1] if len(sys.argv) > 1 else tmp)
+        print(path)
+        print(module.net.memfit.plan)

@@ -126,9 +126,11 @@ def test_accelerate_accumulates_saves_and_loads_state(tmp_path: pathlib.Path) ->
     from transformers import LlamaForCausalLM
 
     example = _example("accelerate_loop")
-    losses = example.main(str(tmp_path / "memfit"))
+    trained, losses = example.main(str(tmp_path / "memfit"))
+    assert isinstance(trained, memfit.CheckpointedModule)
+    assert trained.memfit.plan.recomputed  # memfit planned inside accelerate's loop
     plain = example.make_model()
-    _, plain_losses = example.train(plain, str(tmp_path / "plain"))
+    _, _, plain_losses = example.train(plain, str(tmp_path / "plain"))
     torch.testing.assert_close(losses, plain_losses)
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "memfit" / "model")
     for a, b in zip(loaded.parameters(), plain.parameters()):
@@ -142,7 +144,8 @@ def test_accelerate_accumulates_saves_and_loads_state(tmp_path: pathlib.Path) ->
 
 def test_lightning_checkpoints_load_strictly_both_ways(tmp_path: pathlib.Path) -> None:
     example = _example("lightning_fit")
-    path = example.main(str(tmp_path))
+    trained, path = example.main(str(tmp_path))
+    assert trained.net.memfit.plan.recomputed  # memfit planned inside Lightning's fit
     state = torch.load(path, weights_only=True)["state_dict"]
     net_state = {k.removeprefix("net."): v for k, v in state.items()}
     assert "mask" not in net_state  # non-persistent, as in the plain network
