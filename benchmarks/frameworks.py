@@ -7,7 +7,8 @@ and its backward, ``loss.backward()``) is
 measured with exact CPU allocator accounting (``memfit.measure``) for plain PyTorch, HF's
 ``gradient_checkpointing_enable()`` where the model is a HuggingFace one, and memfit
 ``"memory"`` applied with the example's one line. memfit's first call plans; the two steps after
-it are measured, both reported (``first``, ``second``), with the plan's prediction beside them.
+it are measured, both reported (``first``, ``second``), with the plan's prediction beside them;
+gradients are zeroed to None before each measured step, as the frameworks' loops leave them.
 
 Writes ``benchmarks/results/frameworks/frameworks.json`` and ``.md`` naming machine, torch and
 date. Run: ``.venv/bin/python benchmarks/frameworks.py`` (about two minutes on 2 cores).
@@ -57,18 +58,23 @@ def _row(
     """Peaks of ``step`` for the plain model (``make``), HF gradient checkpointing applied to
     it (``hf``), and memfit (``make_memfit``: what is stepped, and where memfit is applied)."""
     row: dict[str, Any] = {"framework": framework}
+
+    def peak(model: torch.nn.Module) -> int:
+        model.zero_grad(set_to_none=True)  # as the frameworks' loops leave it after a step
+        return _peak(lambda: step(model))
+
     plain = make()
     step(plain)
-    row["plain"] = _peak(lambda: step(plain))
+    row["plain"] = peak(plain)
     if hf is not None:
         model = make()
         hf(model)
         step(model)
-        row["hf_gradient_checkpointing"] = _peak(lambda: step(model))
+        row["hf_gradient_checkpointing"] = peak(model)
     model, applied = make_memfit()
     step(model)  # the first call captures and plans
-    row["memfit_memory_first"] = _peak(lambda: step(model))
-    row["memfit_memory_second"] = _peak(lambda: step(model))
+    row["memfit_memory_first"] = peak(model)
+    row["memfit_memory_second"] = peak(model)
     row["memfit_predicted"] = applied.memfit.plan.predicted_peak_bytes
     return row
 
