@@ -13,6 +13,7 @@ import importlib.util
 import os
 import pathlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +26,18 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 #: memfit's step peak against plain PyTorch's, at most: these tiny models keep little besides
 #: activations, and "memory" keeps a fraction of them
 ENGAGED = 0.8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps one ``AcceleratorState`` per process (HF ``Trainer`` makes one too), and
+    refuses an ``Accelerator`` with another mixed precision than the first: each test starts and
+    ends without one (``_reset_state``, as accelerate's own tests do)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
 
 
 def _example(name: str) -> types.ModuleType:
