@@ -145,6 +145,17 @@ def _memfit_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if "memfit could not capture" in str(w.message)]
 
 
+def _chatty() -> tuple[Chatty, torch.Tensor, list[torch.Tensor]]:
+    """The logging model, a batch, and plain PyTorch's gradients (its warnings silenced)."""
+    torch.manual_seed(0)
+    model = Chatty()
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _grads(model, x)
+    return model, x, expected
+
+
 def test_logging_and_warnings_in_a_forward_do_not_break_the_graph() -> None:
     """A logger call and ``warnings.warn`` in a forward leave a step one graph, with plain
     PyTorch's gradients, and a ``warnings.warn`` in the step function itself still fires on every
@@ -152,12 +163,7 @@ def test_logging_and_warnings_in_a_forward_do_not_break_the_graph() -> None:
     Dynamo 2.13 replays only calls in the frame it compiles, not in the model's forward it inlines
     into it, and it can only drop a ``logging.Logger`` method call, never replay it (NOTE
     [logging without graph breaks] in ``memfit._compat``)."""
-    torch.manual_seed(0)
-    model = Chatty()
-    x = torch.randn(32, 64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = _grads(model, x)
+    model, x, expected = _chatty()
 
     def loss(x: torch.Tensor) -> torch.Tensor:
         warnings.warn("chatty: the step's own warning", stacklevel=2)
@@ -179,12 +185,7 @@ def test_logging_and_warnings_in_a_forward_do_not_break_the_graph() -> None:
 def test_a_checkpointed_model_that_logs_trains_exactly_without_a_break_warning() -> None:
     """The forward memfit compiles is the frame Dynamo replays ``warnings.warn`` in: the user's
     warning fires as in plain PyTorch."""
-    torch.manual_seed(0)
-    model = Chatty()
-    x = torch.randn(32, 64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = _grads(model, x)
+    model, x, expected = _chatty()
     wrapped = memfit.checkpoint(model, "memory")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
