@@ -14,7 +14,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 VENV_FLAGS := $(if $(TORCH_SPEC),,--system-site-packages)
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-fast lint format venv clean
 LINTED := src tests benchmarks examples
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -44,8 +44,14 @@ format: venv
 # are sensitive to timing, which a second worker beside them makes worse.
 SERIAL_TESTS := tests/test_ddp.py
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --durations=15 tests $(addprefix --ignore=,$(SERIAL_TESTS))
 	$(PY) -m pytest -q -p no:cacheprovider $(SERIAL_TESTS)
+
+# The fast tier, to run after every change (under 2 minutes on 2 cores): the tests not marked
+# slow (tests/conftest.py: subprocesses and ranks, Inductor, every zoo model but a core trio, the
+# frameworks). No linters: `make lint` runs them.
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests $(addprefix --ignore=,$(SERIAL_TESTS))
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

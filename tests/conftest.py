@@ -49,6 +49,39 @@ def _fresh_dynamo() -> None:
     torch.compiler.reset()
 
 
+# ---- the fast tier: `make test-fast` runs what is not marked slow (`make test` runs everything)
+#: Where a test runs over many models, these three stay in the fast tier: a chain of linears, a
+#: ResNet with BatchNorm, a transformer encoder (attention).
+CORE_MODELS = ("mlp", "resnet", "transformer")
+#: Models a parametrized test names in its id that only the full suite runs.
+_SLOW_MODELS = {
+    "unet", "lstm", "densenet", "dropout", "inplace_relu", "shared", "structured", "gpt2",
+    "resnet110", "bert", "llama", "t5",
+}  # fmt: skip
+#: Whole files the fast tier leaves out: subprocesses and several ranks (the command line,
+#: pipelines, import order), Inductor compiles and passes, every zoo model under budgets, the
+#: frameworks, the benchmarks' runner.
+_SLOW_FILES = {
+    "test_budget_zoo.py", "test_executors.py", "test_fusion.py", "test_examples.py",
+    "test_pipeline_runtime.py", "test_launch.py", "test_ddp.py", "test_huggingface.py",
+    "test_benchmarks_depth_sweep.py", "test_cli_profile.py", "test_cli_errors.py",
+    "test_cli_out.py", "test_cli_demo.py", "test_cli_pipeline.py", "test_cli_bench.py",
+    "test_cli_batch_search.py", "test_passes.py", "test_runner.py",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark slow: the files above, a parametrized case that names a model outside the core trio,
+    and a test of the Inductor executor (tests marked ``slow`` by hand are the rest: the slowest
+    single tests, 2-12 s each on 2 cores)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        ids = set(callspec.id.split("-")) if callspec is not None else set()
+        inductor = "inductor" in ids or "inductor" in getattr(item, "originalname", item.name)
+        if item.path.name in _SLOW_FILES or ids & _SLOW_MODELS or inductor:
+            item.add_marker(pytest.mark.slow)
+
+
 class Split(NamedTuple):
     """One call of ``split_joint_graph`` made by memfit's backend: what went in, what came out."""
 

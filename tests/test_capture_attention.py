@@ -223,6 +223,7 @@ def test_additive_attention_is_found_and_matches_plain_pytorch(all_steps: bool) 
     _grads_close(grads, ref_grads, 1e-4)
 
 
+@pytest.mark.slow
 def test_additive_decoder_keeps_no_tanh_per_step() -> None:
     """Naive keeps a [B, Tk, H] tanh per decoder step; after the pass no step keeps one."""
     torch.manual_seed(0)

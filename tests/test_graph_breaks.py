@@ -62,6 +62,7 @@ def test_graph_break_trains_exactly_and_warns_once_with_location() -> None:
     assert len(wrapped.memfit.plan.graphs) >= 2
 
 
+@pytest.mark.slow
 def test_graph_break_still_saves_memory() -> None:
     torch.manual_seed(0)
     x = torch.randn(2048, 256)  # activations well above the 12 MB of weight gradients

@@ -172,6 +172,7 @@ def test_exception_propagates_and_profiler_is_stopped():
     assert measure(lambda: torch.empty(FLOATS_PER_MB)).peak_bytes == MB
 
 
+@pytest.mark.slow
 def test_nested_cpu_measure_refuses():
     with pytest.raises(RuntimeError, match="another torch profiler"):
         measure(lambda: measure(lambda: torch.empty(10)))

@@ -413,6 +413,7 @@ def test_plan_leaves_model_and_rng_untouched() -> None:
     assert plan.policy == "budget" and plan.predicted_peak_bytes <= plan.budget_bytes
 
 
+@pytest.mark.slow
 def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
     case = next(c for c in ZOO if c.name == "resnet")
     args, kwargs = case.make_inputs()
@@ -431,6 +432,7 @@ def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
     assert by_bytes.predicted_peak_bytes == by_fraction.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_infeasible_budget_raises_with_the_smallest() -> None:
     case = next(c for c in ZOO if c.name == "resnet")
     args, kwargs = case.make_inputs()

@@ -88,6 +88,7 @@ def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -
     assert wrapped.memfit.offload_store.pending_files == []
 
 
+@pytest.mark.slow
 def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
     none = memfit.checkpoint(_mlp(), "none")
     swapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)

@@ -137,6 +137,7 @@ def _spy_on_subprocess(monkeypatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 def test_inside_a_user_profiler_scratch_is_measured_in_another_process_alike(monkeypatch) -> None:
     jg = _conv_graph()
     here = measure_op_scratch(jg.nodes)
@@ -192,6 +193,7 @@ def _reference_plan():
     return wrapped.memfit.plan
 
 
+@pytest.mark.slow
 def test_measure_around_a_first_call_reports_its_real_peak(monkeypatch) -> None:
     sizes = _spy_on_subprocess(monkeypatch)
     first, steady, plan = _first_and_later_call(memfit.measure)
@@ -204,6 +206,7 @@ def test_measure_around_a_first_call_reports_its_real_peak(monkeypatch) -> None:
     assert plan == _reference_plan()  # scratch measured elsewhere planned the same
 
 
+@pytest.mark.slow
 def test_user_profiler_around_a_first_call_records_the_step(monkeypatch) -> None:
     sizes = _spy_on_subprocess(monkeypatch)
 

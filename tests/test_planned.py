@@ -42,6 +42,7 @@ def test_the_plan_is_that_of_the_shape_the_last_call_ran() -> None:
     assert measured.peak_bytes == pytest.approx(peaks[64], rel=0.1)
 
 
+@pytest.mark.slow
 def test_more_captures_than_dynamos_limit_across_models_all_plan() -> None:
     """Dynamo's limit (8) is per code object and all compiled modules share one; memfit's
     wrappers each keep their own count, so more than 8 captures over 9 models all get plans.
@@ -122,6 +123,7 @@ def test_bad_max_shapes_is_refused(bad: object) -> None:
         memfit.checkpoint(_mlp(), max_shapes=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "memory", "budget"])
 def test_a_loss_outside_the_wrapper_is_measured_and_reserved_from_the_second_step(
     policy: str,
@@ -181,6 +183,7 @@ def test_replan_pending_says_the_next_call_plans_again() -> None:
     assert not wrapped.memfit.replan_pending and wrapped.memfit.plan.outside_bytes > 0
 
 
+@pytest.mark.slow
 def test_a_loss_outside_measured_at_one_length_is_reserved_at_every_length() -> None:
     """With the length as a symbol, what the loss holds outside the wrapper (measured once, at
     one length) is reserved at every other length in proportion to the model's outputs (the

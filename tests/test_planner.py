@@ -29,6 +29,7 @@ def _asked(jg) -> list[tuple[Policy, int]]:
     return [(Policy("memory"), 0), (at, -(1 << 20)), (at, -(1 << 19)), (Policy("memory"), 0)]
 
 
+@pytest.mark.slow
 def test_a_cache_computes_the_frontier_once_for_every_plan_of_its_graph(
     graphs, monkeypatch
 ) -> None:

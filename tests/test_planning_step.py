@@ -169,6 +169,7 @@ def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tenso
     return peak, grads
 
 
+@pytest.mark.slow
 def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
     model, plain, plain_grads = _plain()
     budget = int(0.8 * plain)
@@ -184,6 +185,7 @@ def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
     assert peak == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_fraction_is_of_the_whole_steps_activations() -> None:
     model, plain, _ = _plain()
     memory = memfit.step(lambda: model(X).square().mean(), policy="memory")

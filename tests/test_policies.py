@@ -40,7 +40,7 @@ def _mean_square(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-@pytest.mark.parametrize("n", [100, 400])
+@pytest.mark.parametrize("n", [100, pytest.param(400, marks=pytest.mark.slow)])
 def test_tanh_chain_memory_is_sqrt_n(n: int) -> None:
     """OpenAI's test: n tanh layers of 1 MB; "memory" peaks at <= 2.5*sqrt(n) MB + 3 MB."""
     model = tanh_chain(n)

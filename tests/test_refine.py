@@ -3,6 +3,7 @@ it finds real improvements where the segment programme's memory model misplaces 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memfit.analysis.simulate import simulate_step
@@ -30,6 +31,7 @@ def test_never_worse_and_closed_under_saved_needed() -> None:
     assert fixed <= kept  # random ops' outputs and the step's outputs are never moved
 
 
+@pytest.mark.slow
 def test_every_single_move_from_its_answer_is_no_better() -> None:
     """A local minimum among the moves it tries: toggling any value of real size (1% of the
     largest storage) alive at the peak."""
@@ -48,6 +50,7 @@ def test_every_single_move_from_its_answer_is_no_better() -> None:
         assert simulate_step(jg, jg.saved_needed(moved)).peak_bytes >= sim.peak_bytes
 
 
+@pytest.mark.slow
 def test_frontier_lowest_point_is_refined() -> None:
     jg = _resnet_graph()
     points = pareto_frontier(jg)

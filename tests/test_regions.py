@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -94,6 +95,7 @@ def _peak(model: nn.Module, x: torch.Tensor) -> int:
     return result.peak_bytes
 
 
+@pytest.mark.slow
 def test_memory_recomputes_regions_and_none_keeps_what_plain_keeps() -> None:
     x = torch.randn(1024, 128)  # 512 KiB per activation, 8 layers
     torch.manual_seed(0)

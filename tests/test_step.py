@@ -53,6 +53,7 @@ def test_a_step_predicts_its_whole_peak_and_keeps_plain_gradients(policy: str) -
         assert measured.peak_bytes <= 1.05 * step.plan.budget_bytes
 
 
+@pytest.mark.slow
 def test_step_as_a_decorator_bare_with_arguments_and_on_a_method() -> None:
     model, x, y = lm(), *batch()
 

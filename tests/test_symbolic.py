@@ -20,6 +20,7 @@ def _captures(owner: object) -> int:
     return state._planned.shapes_planned  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_one_capture_serves_every_sequence_length() -> None:
     """HuggingFace GPT-2 (the zoo's) trained on six lengths: two captures (the first length, then
     the length as a symbol), gradients bit for bit plain PyTorch's, and each call's plan predicts
@@ -59,6 +60,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
+@pytest.mark.slow
 def test_a_byte_budget_holds_at_every_batch_size_and_beyond_its_range_plans_again() -> None:
     model = _mlp()
     budget = 3 * 2**20

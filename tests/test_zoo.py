@@ -97,6 +97,7 @@ def test_names_unique_and_lookup() -> None:
         case("nope")
 
 
+@pytest.mark.slow  # a subprocess
 def test_import_does_not_import_transformers() -> None:
     code = (
         "import sys; import memfit.bench.zoo; "
