@@ -163,10 +163,10 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     name = f"{name_peer} mode {setting}" if mode else f"{name_peer} budget {float(setting):g}"
     method = Method(name, model, step, record_failures=False)
     donation = torch._functorch.config.patch(donated_buffer=not undonated)
-    with context, donation:
+    with context, donation:  # memfit may plan again during the warm-up: under the same patch
         warm_up(method, spec.device)
-    for _ in range(WARM_UP):
-        method.run_step()
+        for _ in range(WARM_UP):
+            method.run_step()
     if peer == "memfit-bare":
         method.step = _bare_step(spec, module)
         method.run_step()

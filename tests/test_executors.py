@@ -473,7 +473,7 @@ def test_planned_inside_a_profiler_is_measured_on_the_next_call_outside_one() ->
 
 class _TwoOutputs(nn.Module):
     """``inner``'s output and ``second`` of it: the loss reads only the first, so the second's
-    tangent is missing and the backward is specialized without it (``execution.tangents``)."""
+    tangent is missing and the backward is specialized without it (``capture.tangents``)."""
 
     def __init__(self, inner: nn.Module, second: Any) -> None:
         super().__init__()

@@ -460,6 +460,7 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     for p in model.parameters():
         p.grad = None
     outer(x).sum().backward()  # first call: capture and plan
+    outer(x).sum().backward()  # planned again: the output is gone before the backward
     for p in model.parameters():
         p.grad = None
     frames, converted = frames_converted()

@@ -25,7 +25,7 @@ import copy
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -33,6 +33,9 @@ import torch.fx as fx
 from memfit._compat import StorageWeakRef, is_sym_node, is_tangent, size_symbols, tree_flatten
 from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
+
+if TYPE_CHECKING:
+    from memfit.analysis.backward_start import BackwardStart
 
 __all__ = [
     "CUDA_BLOCK_BYTES",
@@ -166,6 +169,9 @@ class JointGraph:
     #: positions among the primals of the step's parameters and buffers (AOTAutograd's static
     #: inputs): their gradients outlive the graph's backward (they become ``.grad``)
     static_inputs: frozenset[int] = frozenset()
+    #: which outputs the caller still holds and which get a gradient when the backward starts
+    #: (``analysis.backward_start``); None: every output held, every tangent given
+    backward_start: BackwardStart | None = None
     #: the executor fuses elementwise ops and reductions into generated kernels (Inductor), so
     #: recomputing one costs its arithmetic, not its memory traffic (``analysis.cost``)
     fused_elementwise: bool = False
@@ -198,6 +204,8 @@ class JointGraph:
     primal_keys: frozenset[Any] = field(init=False)
     _forward_set: set[fx.Node] = field(init=False, repr=False)
     _backward_set: set[fx.Node] = field(init=False, repr=False)
+    #: each storage's identity (a ``StorageWeakRef`` of its fake storage) to its key
+    _storage_ids: dict[Any, int] = field(init=False, repr=False)
     _must: set[fx.Node] = field(init=False, repr=False)
     _never: set[fx.Node] = field(init=False, repr=False)
     _size_values: set[fx.Node] = field(init=False, repr=False)
@@ -260,6 +268,7 @@ class JointGraph:
                     self.storage_devices[key] = t.device
                 keys.append(key)
             self.storages[n] = keys
+        self._storage_ids = ids
         self.sizes = HINTS
         self.storage_bytes = self._bytes_at(HINTS)
         symbols: set[Any] = set()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from memfit.analysis.backward_start import running_backward, start_of
 from memfit.analysis.graph import JointGraph, ancestors
 
 if TYPE_CHECKING:
@@ -218,28 +219,47 @@ def simulate_step(
     """
     saved_needed = jg.saved_needed(saved)
     fwd = forward_order(jg, saved_needed)
-    available = set(saved_needed) | set(jg.primals) | set(jg.tangents)
+    start = start_of(jg)
+    # The backward that runs: specialized to the tangents that arrive as None, if any
+    # (``analysis.backward_start``).
+    view = running_backward(jg)
+    tangents = [t for t in jg.tangents if t.name not in start.missing]
+    available = set(saved_needed) | set(jg.primals) | set(tangents)
+    if view is None:
+        joint_nodes = [n for n in jg.nodes if n.op != "placeholder" and n.op != "output"]
+        is_backward: Callable[[fx.Node], bool] = jg.is_backward
+        joint_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
+        grads = jg.bwd_outputs
+        jg_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
+    else:
+        joint_nodes = view.nodes
+        is_backward = view.backward.__contains__
+        joint_inputs = view.inputs.__getitem__
+        grads = view.outputs
+        made, known = view.storages, jg.storages
+
+        def jg_storages(n: Any) -> Sequence[Any]:
+            return made[n] if n in made else known[n]
+
     bwd = order_backward(
-        [
-            n
-            for n in jg.nodes
-            if n.op != "placeholder"
-            and n.op != "output"
-            and (jg.is_backward(n) or n not in available)
-        ],
-        jg.is_backward,
+        [n for n in joint_nodes if is_backward(n) or n not in available],
+        is_backward,
         available,
-        jg.bwd_outputs,
-        jg.inputs.__getitem__,
+        grads,
+        joint_inputs,
     )
     primal_keys = jg.primal_keys
     out_keys = {k for n in jg.fwd_outputs for k in jg.storages[n]}
     saved_keys = {k for n in saved_needed for k in jg.storages[n]}
+    # Outputs the caller no longer holds when the backward starts: gone then, unless the
+    # backward reads them (then after their last reader).
+    held_keys = {k for n in jg.fwd_outputs if n.name not in start.dropped for k in jg.storages[n]}
+    dropped_keys = out_keys - held_keys - saved_keys
     storage_bytes = jg.storage_bytes
     fw_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
-    bw_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
+    bw_storages: Callable[[Any], Sequence[Any]] = jg_storages
     fw_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
-    bw_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
+    bw_inputs: Callable[[Any], Sequence[fx.Node]] = joint_inputs
     fwd_run: list[Any] = fwd
     bwd_run: list[Any] = bwd
     if transfers:
@@ -257,7 +277,10 @@ def simulate_step(
             waits.setdefault(t.wait_after, []).append(_Marker([t.value], []))
             starts.setdefault(t.prefetch_before, []).append(_Marker([], [moved[key]]))
         fwd_run = _with_markers(fwd, waits, after=True)
-        bwd_run = _with_markers(bwd, starts, after=False)
+        placed = set(bwd)
+        # a prefetch before an op the specialized backward does not run: at its start
+        first = [m for n, ms in starts.items() if n not in placed for m in ms]
+        bwd_run = first + _with_markers(bwd, starts, after=False)
 
         def fw_storages(n: Any) -> Sequence[Any]:
             return n.creates if isinstance(n, _Marker) else jg.storages[n]
@@ -268,9 +291,11 @@ def simulate_step(
         def bw_storages(n: Any) -> Sequence[Any]:
             if isinstance(n, _Marker):
                 return n.creates
-            return [moved.get(k, k) for k in jg.storages[n]]
+            return [moved.get(k, k) for k in jg_storages(n)]
 
-        bw_inputs = fw_inputs
+        def bw_inputs(n: Any) -> Sequence[fx.Node]:
+            return n.reads if isinstance(n, _Marker) else joint_inputs(n)
+
     fw = walk(
         fwd_run,
         fw_storages,
@@ -282,14 +307,14 @@ def simulate_step(
         record_peak=record_peak,
         inputs=fw_inputs,
     )
-    tangent_keys = {k for t in jg.tangents for k in jg.storages[t]}
-    grad_keys = {k for n in jg.bwd_outputs for k in jg.storages[n]}
+    tangent_keys = {k for t in tangents for k in jg.storages[t]}
+    grad_keys = {k for n in grads for k in jg_storages(n)}
     bw = walk(
         bwd_run,
         bw_storages,
         storage_bytes,
-        start_live=fw.end_live | tangent_keys,
-        keep=out_keys | grad_keys,
+        start_live=(fw.end_live - dropped_keys) | tangent_keys,
+        keep=held_keys | grad_keys,
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
@@ -306,7 +331,8 @@ def simulate_step(
         forward_end_bytes=fw.end_bytes,
         saved_bytes=jg.bytes_of(saved_needed) - sum(t.nbytes for t in transfers),
         forward=fwd,
-        backward=bwd,
+        # in ``jg``'s nodes (the zeros a specialized backward makes are not ``jg``'s)
+        backward=bwd if view is None else [n for n in bwd if n not in view.storages],
         curve=fw.curve + bw.curve,
         peak_live=fw.peak_live if fw.peak_bytes >= bw.peak_bytes else bw.peak_live,
     )

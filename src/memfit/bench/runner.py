@@ -155,6 +155,11 @@ def attempt(method: Method, phase: str, action: Callable[[], object]) -> bool:
     return True
 
 
+#: Steps ``_settle`` runs at most: one planned again for the backward's start, one measured, one
+#: planned again for what it measured outside the graphs.
+SETTLE_STEPS = 3
+
+
 def first_step(method: Method, device: torch.device | None = None) -> float:
     """Run ``method``'s first step and record its seconds as ``first_step_s``; raises on error."""
     method.zero_grad()
@@ -169,11 +174,11 @@ def first_step(method: Method, device: torch.device | None = None) -> float:
 
 
 def _settle(method: Method, device: torch.device | None) -> None:
-    """Let a model memfit is applied to measure what the step holds outside its graphs (a loss
-    outside the model) and plan again with it reserved, before anything is measured or timed.
-
-    On CPU memfit measures that only inside ``memfit.measure``; the plan made again is then
-    captured on the next call. Neither step is counted in ``first_step_s``.
+    """Let a model memfit is applied to plan again with what its first steps showed, before
+    anything is measured or timed: which outputs the loop holds through the backward
+    (``execution.start_watch``), and what the step holds outside its graphs (a loss outside
+    the model), which on CPU memfit measures only inside ``memfit.measure``. Each plan made again
+    is captured on the next call. None of these steps is counted in ``first_step_s``.
     """
     module = method.module
     if isinstance(module, memfit.CheckpointedModule):
@@ -182,13 +187,18 @@ def _settle(method: Method, device: torch.device | None) -> None:
         state = module
     else:
         return
-    if not state.replan_pending:
-        method.zero_grad()
-        memfit.measure(method.step, device=device)
-    if state.replan_pending:
-        method.zero_grad()
-        method.step()
-        synchronize(device)
+    measured = False
+    for _ in range(SETTLE_STEPS):
+        if state.replan_pending:
+            method.zero_grad()
+            method.step()
+            synchronize(device)
+        elif not measured:
+            method.zero_grad()
+            memfit.measure(method.step, device=device)
+            measured = True
+        else:
+            return
 
 
 def plan_record(plan: Plan) -> dict[str, Any]:

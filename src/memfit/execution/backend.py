@@ -31,6 +31,7 @@ from memfit._compat import (
     own_donation,
     size_hint,
 )
+from memfit.analysis.backward_start import BackwardStart, assumed_start, start_of
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.scheduled import scheduled_peak
@@ -38,6 +39,7 @@ from memfit.analysis.transfers import Link
 from memfit.capture.attention import ATTENTION_MODES, AttentionSite, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.passes import prepare_joint_graph
+from memfit.capture.tangents import tangent_positions, without_tangents
 from memfit.execution.accumulate import (
     LeafNotes,
     accumulate_into_grads,
@@ -55,8 +57,8 @@ from memfit.execution.executors import (
 )
 from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
 from memfit.execution.partition import split_joint_graph
+from memfit.execution.start_watch import StartWatch
 from memfit.execution.symbolic import PlansBySize, capture_sizes
-from memfit.execution.tangents import tangent_positions, without_tangents
 from memfit.measurement.calibrate import StepPeaks, measure_compiled_step
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.timing import CompiledStep, inputs_device, step_time_ratios
@@ -116,6 +118,7 @@ _USER_OUTPUTS_META = "memfit_user_outputs"
 _SIZES_META = "memfit_plans_by_size"
 _COMPILED_META = "memfit_compiled"
 _EXAMPLES_META = "memfit_backward_examples"
+_WATCH_META = "memfit_start_watch"
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
@@ -147,22 +150,32 @@ def _boxed_forward(
     """``_boxed``, and the outputs the loss does not read get no gradient, as in eager.
 
     By default autograd hands an ``autograd.Function`` zeros for every output that got no
-    gradient; turning that off lets the backward skip them (``execution.tangents``).
+    gradient; turning that off lets the backward skip them (``capture.tangents``). Until its
+    first backward, a planned graph's outputs are watched (``execution.start_watch``).
     """
     own_donation()  # memfit's backward decides what it writes into (_boxed_backward)
     user_outputs = gm.meta.get(_USER_OUTPUTS_META)
     run_graph = _boxed(
         gm, example_inputs, on_run, executor, "forward", user_outputs, gm.meta.get(_COMPILED_META)
     )
+    shared = gm.meta.get(_WATCH_META)
+    watch: StartWatch | None = shared.value if shared is not None else None
+    if watch is not None and user_outputs is not None:
+        watch.forward_graph(gm, user_outputs)
 
     leaves = LeafNotes()
 
     def run(args: list[Any]) -> Any:
         ctx = compiled_function_ctx()
-        if ctx is not None:
-            ctx.set_materialize_grads(False)
-            leaves.note(ctx, args)  # the backward adds into their .grad (execution.accumulate)
-        return run_graph(args)
+        if ctx is None:
+            return run_graph(args)
+        ctx.set_materialize_grads(False)
+        leaves.note(ctx, args)  # the backward adds into their .grad (execution.accumulate)
+        if watch is None or not watch.pending:
+            return run_graph(args)
+        outputs = run_graph(args)
+        watch.note_forward(ctx, outputs)
+        return outputs
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -187,7 +200,7 @@ def _boxed_backward(
     on_run: Callable[[list[Any]], None] | None = None,
     executor: str = EAGER,
 ) -> Callable[..., Any]:
-    """``_boxed``, specialized to the tangents that arrive as None (``execution.tangents``) and
+    """``_boxed``, specialized to the tangents that arrive as None (``capture.tangents``) and
     to the parameters whose ``.grad`` it adds into (``execution.accumulate``)."""
     tangents = tangent_positions(gm)
     precompiled = gm.meta.get(_COMPILED_META)  # for every tangent, no .grad to add into
@@ -198,6 +211,8 @@ def _boxed_backward(
         example_inputs = shared.value
     bases: dict[frozenset[str], tuple[fx.GraphModule, list[torch.Tensor | None]]] = {}
     graphs: dict[tuple[frozenset[str], frozenset[int], bool], Callable[..., Any]] = {}
+    shared_watch = gm.meta.get(_WATCH_META)
+    watch: StartWatch | None = shared_watch.value if shared_watch is not None else None
 
     def run(args: list[Any]) -> Any:
         if on_run is not None:
@@ -211,6 +226,8 @@ def _boxed_backward(
         ctx = compiled_backward_ctx()
         if ctx is None:
             ctx = compiled_function_ctx(frames=5)
+        if watch is not None and watch.pending:
+            watch.note_backward(ctx, missing)
         positions, grads = accumulating(ctx, values)
         # A backward that keeps the graph (retain_graph=True) may run again on the same saved
         # values: it must not write into them (execution.executors.DONATED).
@@ -584,6 +601,22 @@ def _primal_index(name: str) -> int | None:
     return int(name[len(prefix) :]) - 1
 
 
+def _start_watch(
+    jg: JointGraph,
+    plan: GraphPlan,
+    key: str,
+    report: Callable[[str, BackwardStart, bool], None],
+) -> StartWatch:
+    """A watch of the first backward of the graph planned as ``plan``, reporting for ``key``."""
+    nbytes = {n.name: jg.bytes_of([n]) for n in (*jg.fwd_outputs, *jg.tangents)}
+    return StartWatch(
+        start_of(jg),
+        nbytes,
+        plan.predicted_peak_bytes,
+        lambda seen, material: report(key, seen, material),
+    )
+
+
 def _largest_value(jg: JointGraph) -> int:
     return max(jg.storage_bytes.values(), default=0)
 
@@ -667,6 +700,8 @@ def make_backend(
     on_budget_miss: Callable[[GraphPlan], None] | None = None,
     executor: str = EAGER,
     on_unmeasured: Callable[[], None] | None = None,
+    backward_start: Callable[[str], BackwardStart | None] | None = None,
+    on_backward_start: Callable[[str, BackwardStart, bool], None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -693,6 +728,12 @@ def make_backend(
     a CPU profiler session was running (a ``memfit.measure`` around the first call): its peaks
     are then Inductor's schedule's estimate, and the wrapper plans again, measured, on its first
     call outside such a session.
+
+    ``backward_start(key)`` is the start of the backward of graph ``key`` seen on an earlier
+    step (which outputs the caller held, which got no gradient: ``analysis.backward_start``);
+    None: it is assumed. ``on_backward_start(key, seen, material)`` receives, at each planned
+    graph's first backward, the start seen there where it differs from the one planned for, and
+    whether it differs by enough to plan again (``execution.start_watch``).
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -722,6 +763,8 @@ def make_backend(
                 return report_outside(key, output_bytes)
 
         jg.outside_bytes = outside(jg.bytes_of(jg.fwd_outputs)) if outside else 0
+        seen = backward_start(key) if backward_start is not None else None
+        jg.backward_start = seen if seen is not None else assumed_start(jg)
         jg.static_inputs = frozenset(kwargs.get("static_lifetime_input_indices") or ())
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
@@ -964,6 +1007,10 @@ def make_backend(
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[_PLAN_META] = bw.meta[_PLAN_META] = graph_plan
+        if on_backward_start is not None:
+            fw.meta[_WATCH_META] = bw.meta[_WATCH_META] = _Shared(
+                _start_watch(jg, graph_plan, key, on_backward_start)
+            )
         fw.meta[_USER_OUTPUTS_META] = kwargs["num_fwd_outputs"]
         if by_size is not None:
             fw.meta[_SIZES_META] = by_size

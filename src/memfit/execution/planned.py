@@ -39,6 +39,7 @@ from memfit._compat import (
     traced_logging,
     tree_flatten,
 )
+from memfit.analysis.backward_start import BackwardStart
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
 from memfit.execution.executors import EAGER, INDUCTOR, check_executor
@@ -164,6 +165,10 @@ class PlannedCall:
         #: bytes measured outside memfit's graphs between forward and backward, by graph key,
         #: with the bytes of the graph's outputs at the size measured (what it is scaled by)
         self.outside: dict[str, tuple[int, int]] = {}
+        #: the start of each graph's backward seen on its first step (``execution.start_watch``)
+        self.starts: dict[str, BackwardStart] = {}
+        #: graphs planned again for the start of their backward: each once
+        self._replanned_for_start: set[str] = set()
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.name == BUDGET else None
         self.offloader = Offloader(offload or OffloadOptions()) if policy.offload else None
@@ -202,6 +207,8 @@ class PlannedCall:
             outside_bytes=self._outside_bytes,
             on_compile=self.regions.compiling if self.regions is not None else None,
             on_unmeasured=self._unmeasured,
+            backward_start=self.starts.get,
+            on_backward_start=self._backward_start_seen,
         )
         backend = make_backend(
             self.policy,
@@ -252,6 +259,16 @@ class PlannedCall:
         if not measured_output:
             return measured
         return round(measured * output_bytes / measured_output)
+
+    def _backward_start_seen(self, key: str, seen: BackwardStart, material: bool) -> None:
+        """Graph ``key``'s first backward started otherwise than its plan assumed (the caller
+        held other outputs, or other outputs got a gradient): plan it with what was seen from
+        the next call where that moves its peak materially (once per graph), else from its next
+        plan made for another reason."""
+        self.starts[key] = seen
+        if material and key not in self._replanned_for_start:
+            self._replanned_for_start.add(key)
+            self._replan = True
 
     def _unmeasured(self) -> None:
         """A graph was compiled inside a CPU profiler session (``memfit.measure`` around the

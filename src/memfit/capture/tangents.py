@@ -12,9 +12,13 @@ memfit turns materialization off (``set_materialize_grads(False)`` in the forwar
 ``memfit._compat.compiled_function_ctx``), so those tangents arrive as ``None``, and runs a copy
 of the backward graph specialized to the tangents that are missing: their zeros are propagated
 symbolically (``x + 0`` is ``x``, a view or a product of a zero is zero), and a zero tensor is made
-only right before an op that needs one as an input. A gradient that is zero only because of
-missing tangents is returned as ``None``, as eager leaves it. Each set of missing tangents is
-specialized once per graph.
+only right before an op that needs one as an input; what only the removed ops read (a value the
+backward recomputed for them) is removed too. A gradient that is zero only because of missing
+tangents is returned as ``None``, as eager leaves it. Each set of missing tangents is specialized
+once per graph.
+
+The planner simulates the same specialization of the joint graph (``analysis.backward_start``):
+what a step's backward holds depends on which outputs get a gradient.
 """
 
 from __future__ import annotations
@@ -104,6 +108,15 @@ def _zero_result(n: fx.Node, zero: set[fx.Node]) -> fx.Node | bool:
     return False
 
 
+def _impure(n: fx.Node) -> bool:
+    """Whether ``n`` must run even when nothing reads its result (it writes, or draws random
+    numbers): such a node is never removed as dead."""
+    try:
+        return n.op != "call_function" or n.is_impure()
+    except Exception:  # is_impure() cannot inspect every target: keep it, to be safe
+        return True
+
+
 def _zeros(graph: fx.Graph, like: fx.Node) -> fx.Node:
     """A zero tensor shaped like ``like``, as ``aten.full``: the graph may go to Inductor, which
     compiles graphs decomposed by its own table and refuses ``aten.zeros`` (which that table
@@ -149,9 +162,21 @@ def without_tangents(gm: fx.GraphModule, missing: set[str]) -> fx.GraphModule:
             for z in [a for a in n.all_input_nodes if a in zero]:
                 with graph.inserting_before(n):  # born right before the one op that reads it
                     n.replace_input_with(z, _zeros(graph, z))
-    for n in reversed(list(graph.nodes)):  # only what this pass made dead: no general DCE
-        if (n in replaced or (n in zero and n.op != "placeholder")) and not n.users:
-            graph.erase_node(n)
+    # Only what this pass made dead, no general DCE: the zero and replaced nodes, then whatever
+    # only they read (a value recomputed for a gradient that is now zero), so that nothing runs
+    # for an output without a gradient, and the simulator, walking this graph, counts what runs.
+    dead = [n for n in reversed(list(graph.nodes)) if n in replaced or n in zero]
+    erased: set[fx.Node] = set()
+    while dead:
+        n = dead.pop(0)
+        if n in erased or n.op in ("placeholder", "output") or n.users:
+            continue
+        if n not in replaced and n not in zero and _impure(n):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        dead.extend(inputs)
     graph.lint()
     return fx.GraphModule(gm, graph)
 
