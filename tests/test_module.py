@@ -460,7 +460,8 @@ def test_torch_compile_around_the_wrapper_still_plans_and_saves() -> None:
     for p in model.parameters():
         p.grad = None
     outer(x).sum().backward()  # first call: capture and plan
-    outer(x).sum().backward()  # planned again: the output is gone before the backward
+    outer(x).sum().backward()  # the output is gone before the backward, twice: planned again
+    outer(x).sum().backward()
     for p in model.parameters():
         p.grad = None
     frames, converted = frames_converted()

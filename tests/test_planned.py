@@ -21,12 +21,12 @@ def _mlp(width: int = 32, depth: int = 4) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _train_call(model: nn.Module, batch: int) -> list[warnings.WarningMessage]:
+def _train_call(model: nn.Module, batch: int, width: int = 32) -> list[warnings.WarningMessage]:
     """A step holding the model's output through the backward, as memfit assumes of a model
     that returns no loss: nothing it sees at the first backward makes it plan again."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = model(torch.randn(batch, 32))
+        out = model(torch.randn(batch, width))
         out.sum().backward()
     return caught
 
@@ -170,7 +170,8 @@ def test_measure_outside_false_keeps_the_first_plan() -> None:
     wrapped = memfit.checkpoint(model, "memory", measure_outside=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "outside memfit's graphs" warning
-        lm_loss(wrapped, x, y).backward()
+        for _ in range(2):
+            lm_loss(wrapped, x, y).backward()
         # the logits are gone before the backward, not as assumed: planned again once
         assert wrapped.memfit.replan_pending
         lm_loss(wrapped, x, y).backward()
@@ -184,7 +185,8 @@ def test_measure_outside_false_keeps_the_first_plan() -> None:
 def test_replan_pending_says_the_next_call_plans_again() -> None:
     model, (x, y) = lm(), batch()
     wrapped = memfit.checkpoint(model, "none")
-    lm_loss(wrapped, x, y).backward()
+    for _ in range(2):
+        lm_loss(wrapped, x, y).backward()
     assert wrapped.memfit.replan_pending  # the logits are gone before the backward
     lm_loss(wrapped, x, y).backward()
     assert not wrapped.memfit.replan_pending  # on CPU nothing is measured outside memfit.measure
@@ -224,3 +226,43 @@ def test_a_loss_outside_measured_at_one_length_is_reserved_at_every_length() -> 
         assert wrapped.memfit.plan.outside_bytes > 0 and wrapped.memfit.plan.sizes
         assert measured == pytest.approx(wrapped.memfit.plan.predicted_peak_bytes, rel=0.05)
     assert not wrapped.memfit.replan_pending
+
+
+def test_swap_that_offloads_nothing_says_so_once() -> None:
+    """On CPU no copy hides behind compute: "swap" offloads nothing, and says what would work."""
+    wrapped = memfit.checkpoint(_mlp(width=64, depth=6), "swap")
+    caught = _train_call(wrapped, 64, width=64)
+    assert wrapped.memfit.plan.graphs[0].offloaded_bytes == 0
+    said = [w for w in caught if "'swap' offloaded nothing" in str(w.message)]
+    assert len(said) == 1 and "offload=True" in str(said[0].message)
+    assert not [w for w in _train_call(wrapped, 64, width=64) if "swap" in str(w.message)]
+
+
+def test_a_budget_with_the_loss_outside_on_cpu_says_it_cannot_cover_it() -> None:
+    """On CPU, outside ``memfit.measure``, memfit cannot see what a loss computed outside the
+    model holds: a budget says so once, at the first step, with what to do."""
+    model, (x, y) = lm(), batch()
+    wrapped = memfit.checkpoint(model, budget=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            lm_loss(wrapped, x, y).backward()
+    said = [w for w in caught if "cannot see what that code holds" in str(w.message)]
+    assert len(said) == 1 and "memfit.step" in str(said[0].message)
+
+
+def test_a_budget_on_a_model_returning_its_loss_says_nothing_of_the_loss() -> None:
+    model = memfit.checkpoint(_LossModel(), budget=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(64, 32)).backward()
+    assert not [w for w in caught if "cannot see what that code holds" in str(w.message)]
+
+
+class _LossModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).square().mean()

@@ -7,6 +7,9 @@ set -eu
 mkdir -p /root/w && cat /root/parts/p* | tar x -C /root/w
 cp .whl/torchvision-*.whl /root/w/
 (cd /root/w && md5sum -c "$OLDPWD/benchmarks/device/wheels.md5")
+# transformers, peft and regex at the versions memfit's integrations are tested with (the machine
+# has transformers 5.17), where they travel too (benchmarks/hf_models.py)
+for w in transformers peft regex; do cp .whl/$w-*.whl /root/w/ 2>/dev/null || true; done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /root/w/*.whl
 cat > /root/ncclstub.c <<'C'
 int ncclCommMemStats(void) { return 3; }
@@ -20,5 +23,5 @@ int ncclWaitSignal(void) { return 3; }
 C
 gcc -shared -fPIC -O2 -o /root/libncclstub.so /root/ncclstub.c
 source benchmarks/device/env.sh
-python3 -c "import torch, triton, memfit; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), torch.cuda.is_available())"
+python3 -c "import torch, triton, memfit, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name(), torch.cuda.is_available())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

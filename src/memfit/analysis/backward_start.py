@@ -29,7 +29,14 @@ from memfit._compat import StorageWeakRef, tree_flatten
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.capture.tangents import without_tangents
 
-__all__ = ["BackwardStart", "BackwardView", "assumed_start", "running_backward", "start_of"]
+__all__ = [
+    "BackwardStart",
+    "BackwardView",
+    "assumed_start",
+    "returns_loss",
+    "running_backward",
+    "start_of",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,11 @@ def _is_scalar(node: fx.Node) -> bool:
     return len(tensors) == 1 and tensors[0].dim() == 0 and tensors[0].is_floating_point()
 
 
+def returns_loss(jg: JointGraph) -> bool:
+    """Whether ``jg`` returns a scalar that gets a gradient: the model computes its own loss."""
+    return any(_is_scalar(t) for t in jg.tangents)
+
+
 def assumed_start(jg: JointGraph) -> BackwardStart:
     """The start assumed before a backward of ``jg`` has been seen.
 
@@ -66,8 +78,7 @@ def assumed_start(jg: JointGraph) -> BackwardStart:
     outputs before the backward. Otherwise the loss is computed outside from the outputs, which
     are held through the backward and get gradients. The first backward says which was right.
     """
-    scalar_tangents = [t for t in jg.tangents if _is_scalar(t)]
-    if not scalar_tangents:
+    if not returns_loss(jg):
         return BackwardStart()
     missing = frozenset(t.name for t in jg.tangents if not _is_scalar(t))
     dropped = frozenset(n.name for n in jg.fwd_outputs if not _is_scalar(n))

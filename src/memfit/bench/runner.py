@@ -155,9 +155,9 @@ def attempt(method: Method, phase: str, action: Callable[[], object]) -> bool:
     return True
 
 
-#: Steps ``_settle`` runs at most: one planned again for the backward's start, one measured, one
+#: Steps ``_settle`` runs at most: two planned again for the backward's start, one measured, one
 #: planned again for what it measured outside the graphs.
-SETTLE_STEPS = 3
+SETTLE_STEPS = 4
 
 
 def first_step(method: Method, device: torch.device | None = None) -> float:

@@ -31,7 +31,12 @@ from memfit._compat import (
     own_donation,
     size_hint,
 )
-from memfit.analysis.backward_start import BackwardStart, assumed_start, start_of
+from memfit.analysis.backward_start import (
+    BackwardStart,
+    assumed_start,
+    returns_loss,
+    start_of,
+)
 from memfit.analysis.graph import JointGraph, node_tensors
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.scheduled import scheduled_peak
@@ -984,6 +989,7 @@ def make_backend(
             and cpu_recording_blocked() is not None
         ):
             on_unmeasured()
+        graph_plan = dataclasses.replace(graph_plan, returns_loss=returns_loss(jg))
         by_size: PlansBySize | None = None
         if jg.symbols:
             # A measured plan's other sizes move the simulation by what its compiled graphs held

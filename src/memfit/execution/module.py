@@ -79,10 +79,41 @@ def _settles_on_first_call(model: nn.Module) -> bool:
     captured and planned again. Known by class (a ``transformers`` ``PreTrainedModel``), without
     importing transformers.
     """
+    return _is_hf_model(model)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
     return any(
         c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-        for c in type(model).__mro__
+        for c in type(module).__mro__
     )
+
+
+def _caches_in_training(model: nn.Module, forward: Callable[..., Any]) -> bool:
+    """Whether ``model`` is (or wraps, as peft does) a HuggingFace encoder-decoder that returns a
+    key/value cache from training calls (``config.use_cache``), and its ``forward`` takes
+    ``use_cache``: memfit then calls it with ``use_cache=False`` in training, as HF's own
+    gradient checkpointing does.
+
+    Why: an encoder-decoder's cache holds every decoder layer's cross-attention keys and values,
+    computed from the encoder's output, all alive when the forward ends; a training step never
+    reads them. memfit's "memory" on T5 (CPU, fp32, width 256, 4+4 layers, batch 8 x 128)
+    peaked at 75.7 MiB with the cache, against 64.7 MiB for HF's checkpointing (which turns it
+    off) and 63.7 for memfit without it. Not for decoder-only models: their cache is the keys and
+    values the backward keeps anyway, and without a cache HF builds its causal mask explicitly
+    under ``torch.compile`` and repeats grouped keys and values (Llama, ``"none"``: 111.8 MiB
+    without the cache against eager's and its own 103.8 with it)."""
+    hf = next((m for m in model.modules() if _is_hf_model(m)), None)
+    config = getattr(hf, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        return False
+    if getattr(config, "is_encoder_decoder", None) is not True:
+        return False
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
@@ -142,6 +173,9 @@ class Checkpointing:
         ]
         self._model = model
         self._settled = not _settles_on_first_call(model)
+        #: training calls get ``use_cache=False``, as under HF's gradient checkpointing (an
+        #: encoder-decoder's cache: ``_caches_in_training``)
+        self._no_cache = _caches_in_training(model, self.original_forward)
 
     @property
     def policy(self) -> Policy:
@@ -201,6 +235,8 @@ class Checkpointing:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         """A training call of its own. Excluded from an outer ``torch.compile``."""
         global _capturing
+        if self._no_cache and self._model.training and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}
         if not self._settled:
             # Let the first call's attribute changes happen before Dynamo captures (see
             # ``_settles_on_first_call``): one eager forward without autograd, its buffer updates

@@ -79,6 +79,11 @@ def memfit_call_running() -> bool:
     return _running > 0
 
 
+#: Times a graph is planned again for what its first backwards showed of the caller
+#: (``execution.start_watch``): a loop can change how it steps once (a first epoch, then
+#: another), not forever.
+START_REPLANS = 2
+
 #: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
 STEP_ROUNDS = 3
 
@@ -130,6 +135,11 @@ def _no_new(full: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
 
+def _output_device(out: Any) -> str | None:
+    leaves, _ = tree_flatten(out)
+    return next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), None)
+
+
 class PlannedCall:
     """``target`` compiled with memfit's backend under ``policy``; ``plan`` is the last call's."""
 
@@ -167,8 +177,8 @@ class PlannedCall:
         self.outside: dict[str, tuple[int, int]] = {}
         #: the start of each graph's backward seen on its first step (``execution.start_watch``)
         self.starts: dict[str, BackwardStart] = {}
-        #: graphs planned again for the start of their backward: each once
-        self._replanned_for_start: set[str] = set()
+        #: how many times each graph was planned again for the start of its backward
+        self._replanned_for_start: dict[str, int] = {}
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.name == BUDGET else None
         self.offloader = Offloader(offload or OffloadOptions()) if policy.offload else None
@@ -186,6 +196,8 @@ class PlannedCall:
         self._warned_unplanned = False
         self._warned_outside = False
         self._warned_budget = False
+        self._warned_swap = False
+        self._warned_unmeasured_outside = False
         #: per graph and sizes (``GraphPlan.sized_key``), once its step was planned as a whole:
         #: its share of the step's budget
         self._shares: dict[str, GraphShare] = {}
@@ -263,11 +275,11 @@ class PlannedCall:
     def _backward_start_seen(self, key: str, seen: BackwardStart, material: bool) -> None:
         """Graph ``key``'s first backward started otherwise than its plan assumed (the caller
         held other outputs, or other outputs got a gradient): plan it with what was seen from
-        the next call where that moves its peak materially (once per graph), else from its next
-        plan made for another reason."""
+        the next call where that moves its peak materially (at most ``START_REPLANS`` times
+        per graph), else from its next plan made for another reason."""
         self.starts[key] = seen
-        if material and key not in self._replanned_for_start:
-            self._replanned_for_start.add(key)
+        if material and self._replanned_for_start.get(key, 0) < START_REPLANS:
+            self._replanned_for_start[key] = self._replanned_for_start.get(key, 0) + 1
             self._replan = True
 
     def _unmeasured(self) -> None:
@@ -399,11 +411,52 @@ class PlannedCall:
             budget = self.policy.name == BUDGET and not self.regions_changed
             if made and budget and self.last_plan is not None and _starts_training(out):
                 self._check_step(self.last_plan)
+            if made and self.last_plan is not None:
+                self._say_what_cannot_act(self.last_plan, out)
         elif _starts_training(out):
             self._ran_unplanned(full)
         if report.broke:
             report.warn_once(self._break_action())
         return out
+
+    def _say_what_cannot_act(self, plan: Plan, out: Any) -> None:
+        """Once each, after a call that planned: a policy that could not act here, and a budget
+        that cannot cover what the caller's code holds.
+
+        Why: measured on CPU (2 threads, no copy overlaps compute), ``"swap"`` offloaded nothing
+        on a MobileNet-like net and peaked at plain's 1.00x without a word; and a tied-weight
+        GRU LM with its cross-entropy outside the module peaked at 1.44x its ``budget=`` from
+        the second step on, with no warning, because on CPU memfit measures what the caller
+        holds between forward and backward only inside ``memfit.measure``."""
+        if self.policy.name == "swap" and not plan.offloaded_bytes and not self._warned_swap:
+            self._warned_swap = True
+            warn_user(
+                f"policy 'swap' offloaded nothing in {self.name}: no copy of a saved value can "
+                "hide behind compute here (measured overlap of copies with compute: none, as on "
+                "a CPU), so the plan keeps what plain PyTorch keeps. To save memory anyway, "
+                "recompute ('memory', or a budget), or offload with a predicted stall: "
+                "memfit.checkpoint(model, budget=..., offload=True)"
+            )
+        if (
+            self.policy.name == BUDGET
+            and self.measure_outside
+            and not self._warned_unmeasured_outside
+            and not any(g.outside_bytes for g in plan.graphs)
+            and not plan.graphs[-1].returns_loss
+            and _output_device(out) == "cpu"
+            and not MemoryWindow.can_open()
+            and _starts_training(out)
+        ):
+            self._warned_unmeasured_outside = True
+            warn_user(
+                f"{self.name} returns no loss, so the training step computes one outside it, "
+                "and on CPU memfit cannot see what that code holds between the forward and the "
+                f"backward (a cross-entropy over logits holds about as much as they take: "
+                f"{format_bytes(plan.graphs[-1].output_bytes)} here) outside memfit.measure: "
+                f"the budget covers {self.name}'s graphs only. Compute the loss inside "
+                "(memfit.step(loss_fn, model=model) plans it too), or run one step inside "
+                "memfit.measure(...) and memfit reserves what it measures from the next call."
+            )
 
     def _break_action(self) -> str | None:
         """What memfit does about the graph breaks of the last call, for the warning."""

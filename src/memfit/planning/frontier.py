@@ -7,15 +7,16 @@ one set of simulated plans: the frontier, sorted by peak, has decreasing cost; t
 within B is the one with the largest peak ≤ B, and it moves down as B does.
 
 The frontier's points come from plain autograd, ``"speed"``, the cut heuristic
-(``policies.keep_min_peak``), the segment programme of ``planning.segments`` solved at a grid of
-modelled budgets between its least feasible peak and keeping everything (each solve is a few
-milliseconds; the simulator replays every distinct plan), and a local search in the simulator
-from the least peak among them (``planning.refine``). Under Inductor (``jg.fused_elementwise``)
-each of those plans also comes with fusible recomputation added, and ``torch.compile``'s own plans
-at a grid of ``activation_memory_budget`` values join them (``planning.fusion``), so the frontier
-holds every plan ``torch.compile`` would pick. Points closer than ``min_gap`` of the
-baseline peak to a cheaper point are dropped, so two plans the measurement could not tell apart
-never both appear; the least peak is always kept.
+(``policies.keep_min_peak``), per-block checkpointing read from the module structure
+(``policies.keep_blocks``: what users write by hand), the segment programme of
+``planning.segments`` solved at a grid of modelled budgets between its least feasible peak and
+keeping everything (each solve is a few milliseconds; the simulator replays every distinct plan),
+and a local search in the simulator from the least peak among them (``planning.refine``). Under
+Inductor (``jg.fused_elementwise``) each of those plans also comes with fusible recomputation
+added, and ``torch.compile``'s own plans at a grid of ``activation_memory_budget`` values join them
+(``planning.fusion``), so the frontier holds every plan ``torch.compile`` would pick. Points closer
+than ``min_gap`` of the baseline peak to a cheaper point are dropped, so two plans the measurement
+could not tell apart never both appear; the least peak is always kept.
 
 ``"memory"`` and the budget plan. ``"memory"`` is the frontier's lowest point, so a budget equal
 to its peak returns ``"memory"`` itself, and no budget plan peaks lower. Under Inductor, where
@@ -52,7 +53,13 @@ from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.fusion import COMPILE_BUDGETS, fused_plan, torch_compile_plans
-from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
+from memfit.planning.policies import (
+    always_kept,
+    keep_all,
+    keep_blocks,
+    keep_heavy,
+    keep_min_peak,
+)
 from memfit.planning.refine import refine_least_peak
 from memfit.planning.segments import SegmentModel
 from memfit.units import format_bytes
@@ -159,6 +166,9 @@ def pareto_frontier(
         _point(jg, keep_heavy(jg), "speed", costs),
         _point(jg, keep_min_peak(jg), "memory", costs),
     ]
+    blocks = keep_blocks(jg)
+    if blocks is not None:
+        points.append(_point(jg, blocks, "blocks", costs))
     seen = {p.kept for p in points}
     base = points[0]
     bw_read = {n for n in baseline if n.op != "placeholder"}

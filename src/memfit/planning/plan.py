@@ -124,6 +124,8 @@ class GraphPlan:
     #: bytes the step was measured to hold outside the graph between its forward and backward
     #: (a loss computed outside the model), reserved in ``predicted_peak_bytes``; 0: none known
     outside_bytes: int = 0
+    #: the graph returns a scalar with a gradient: the model computes its own loss
+    returns_loss: bool = False
     #: identifies the captured graph and its input shapes, so a measurement made while one
     #: plan ran reaches the next plan of the same graph
     key: str = ""
