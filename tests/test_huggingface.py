@@ -131,3 +131,40 @@ def test_a_failed_registration_warns_and_never_breaks_the_import(
     assert hook not in sys.meta_path
     assert type(memfit_hook_probe.__loader__).__name__ == "SourceFileLoader"
     monkeypatch.delitem(sys.modules, "memfit_hook_probe")
+
+
+def test_an_encoder_decoder_trains_without_its_cache_as_under_hf_checkpointing() -> None:
+    """T5's cache holds every decoder layer's cross-attention keys and values, alive at the end
+    of the forward and never read by a training step: memfit's training calls pass
+    ``use_cache=False``, as ``gradient_checkpointing_enable()`` does. Not in evaluation, and not
+    for a decoder-only model, whose cache is what its backward keeps anyway."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    import memfit
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        vocab_size=100,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        dropout_rate=0.0,  # the losses compared draw nothing
+    )
+    plain = transformers.T5ForConditionalGeneration(config)
+    t5 = memfit.checkpoint(copy.deepcopy(plain), "memory")
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = ids[:, :4].contiguous()
+    out = t5(input_ids=ids, labels=labels)
+    assert out.past_key_values is None
+    expected = plain(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(out.loss, expected, rtol=0, atol=0)
+    with torch.no_grad():
+        assert t5(input_ids=ids, labels=labels).past_key_values is not None
+    gpt2 = memfit.checkpoint(tiny_hf("gpt2"), "memory")
+    assert gpt2(input_ids=ids, labels=ids).past_key_values is not None
