@@ -159,9 +159,14 @@ def _plain() -> tuple[_Broken, int, list[torch.Tensor]]:
 def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tensor]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the graph-break warning
-        for _ in range(2):  # the step is planned as a whole after its first call
+        # the step is planned as a whole after its first call, and again where its graphs'
+        # first backwards showed outputs dropped that the plans assumed held (the values one
+        # graph hands the next)
+        for i in range(6):
             step().backward()
             model.zero_grad(set_to_none=True)
+            if i >= 2 and not step.replan_pending:
+                break
         assert not step.replan_pending
         peak = memfit.measure(lambda: step().backward()).peak_bytes
         grads = [p.grad.clone() for p in model.parameters()]
@@ -189,7 +194,11 @@ def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
 def test_a_fraction_is_of_the_whole_steps_activations() -> None:
     model, plain, _ = _plain()
     memory = memfit.step(lambda: model(X).square().mean(), policy="memory")
-    _trained(model, memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph-break warning
+        for _ in range(2):  # planned as a whole after its first call, as a budget's first
+            memory().backward()  # call is (before either learns what its backwards show)
+            model.zero_grad(set_to_none=True)
     share = memory.plan.kept_bytes / memory.plan.baseline_kept_bytes  # ~0.55 here
     feasible = round(share + 0.05, 2)
     step = memfit.step(lambda: model(X).square().mean(), budget=feasible)

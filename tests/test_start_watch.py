@@ -67,6 +67,7 @@ def test_logits_the_loop_drops_are_predicted_gone(policy: str) -> None:
     assert abs(model.memfit.plan.predicted_peak_bytes - measured) <= SLACK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "memory"])
 def test_logits_held_through_the_backward_are_planned_again(policy: str) -> None:
     """``loss, logits = model(x, y)``: the logits live through the backward, which the plan
@@ -115,6 +116,7 @@ def test_an_output_dropped_with_the_loss_computed_outside_is_planned_again() -> 
     assert abs(model.memfit.plan.predicted_peak_bytes - measured) <= SLACK
 
 
+@pytest.mark.slow
 def test_gradients_stay_plain_pytorchs_under_either_loop() -> None:
     x, y = _batch()
     reference = LossLM()
