@@ -990,6 +990,10 @@ def make_backend(
         ):
             on_unmeasured()
         graph_plan = dataclasses.replace(graph_plan, returns_loss=returns_loss(jg))
+        if seen is not None:  # planned again for what earlier steps' backwards showed
+            said = f"planned for the backward start seen on earlier steps: {seen.describe()}"
+            note = f"{graph_plan.note}; {said}" if graph_plan.note else said
+            graph_plan = dataclasses.replace(graph_plan, note=note)
         by_size: PlansBySize | None = None
         if jg.symbols:
             # A measured plan's other sizes move the simulation by what its compiled graphs held
