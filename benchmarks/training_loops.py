@@ -148,7 +148,7 @@ def accumulation(executor: str) -> list[dict[str, Any]]:
     ``memfit.checkpoint`` wrapper: each micro-batch's peak, plain against memfit, and memfit
     with the backward returning every gradient at once (memfit before it accumulated in the
     graph: ``execution.accumulate`` switched off)."""
-    from memfit.execution import backend
+    from memfit.execution import runners
 
     rows = []
     cases = [_wide_mlp()] + [
@@ -179,12 +179,12 @@ def accumulation(executor: str) -> list[dict[str, Any]]:
                 micro_batches(wrapped)  # capture, plan, measure the loss outside
                 micro_batches(wrapped, measured=False)  # plan again, unmeasured: see the module
                 row[policy] = micro_batches(wrapped)
-                original = backend.accumulating
-                backend.accumulating = lambda ctx, values: (frozenset(), [])  # type: ignore[assignment]
+                original = runners.accumulating
+                runners.accumulating = lambda ctx, values: (frozenset(), [])  # type: ignore[assignment]
                 try:
                     row[f"{policy} (all gradients at once)"] = micro_batches(wrapped)
                 finally:
-                    backend.accumulating = original
+                    runners.accumulating = original
             row[f"{policy} predicted"] = wrapped.memfit.plan.predicted_peak_bytes
         model.zero_grad(set_to_none=True)
         rows.append(row)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memfit
 from conftest import CUDA, Split
 from memfit.analysis.cost import DEVICE_SPEED
-from memfit.execution import backend
+from memfit.execution import inductor_fit
 from memfit.execution.executors import compile_graph
 
 RTOL = 1e-4
@@ -136,7 +136,7 @@ def test_peak_within_prediction_and_budget_held() -> None:
 def _half_at_batch_one(monkeypatch, scale: float):
     """``budget=0.5`` on ``_net`` at a batch of 1, its compiled peaks scaled by ``scale`` (so the
     compiled plan peaks above or below its simulation for certain): the planned graph."""
-    calibrate = backend._calibrate
+    calibrate = inductor_fit.calibrate
 
     def scaled(*args, **kwargs):
         m = calibrate(*args, **kwargs)
@@ -146,7 +146,7 @@ def _half_at_batch_one(monkeypatch, scale: float):
             backward_peak_bytes=int(m.backward_peak_bytes * scale),
         )
 
-    monkeypatch.setattr(backend, "_calibrate", scaled)
+    monkeypatch.setattr(inductor_fit, "calibrate", scaled)
     x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
     wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()
@@ -231,7 +231,7 @@ def _least_compiling_high(monkeypatch) -> None:
     whose least simulated plan compiled at 1.38x its simulation and the next one up at 1.05x
     (here 2.5x puts the first far enough above the next plans for half its excess to reach
     them)."""
-    calibrate = backend._calibrate
+    calibrate = inductor_fit.calibrate
     least: list[int] = []
 
     def uneven(*args, **kwargs):
@@ -248,7 +248,7 @@ def _least_compiling_high(monkeypatch) -> None:
             backward_peak_bytes=int(m.backward_peak_bytes * 2.5),
         )
 
-    monkeypatch.setattr(backend, "_calibrate", uneven)
+    monkeypatch.setattr(inductor_fit, "calibrate", uneven)
 
 
 def test_memory_and_a_budget_look_past_a_least_simulated_plan_that_compiles_high(
@@ -286,9 +286,9 @@ def test_a_refused_budget_keeps_a_compiled_plan_within_it_over_a_cheaper_one_abo
         return dataclasses.replace(frontier, predicted_peak_bytes=peak, recompute_seconds=seconds)
 
     plans = [compiled(140, 3.0), compiled(110, 2.0), compiled(135, 1.0)]
-    assert backend._kept_within(plans, 115) == 1
-    assert backend._kept_within(plans, 100) == 1  # none within: the least peak
-    assert backend._kept_within(plans, 140) == 2  # all within: the cheapest
+    assert inductor_fit.kept_within(plans, 115) == 1
+    assert inductor_fit.kept_within(plans, 100) == 1  # none within: the least peak
+    assert inductor_fit.kept_within(plans, 140) == 2  # all within: the cheapest
 
 
 def _budget_one_timed(
@@ -305,7 +305,9 @@ def _budget_one_timed(
     flops, bandwidth = DEVICE_SPEED["cpu"]
     monkeypatch.setitem(DEVICE_SPEED, "cpu", (flops, bandwidth * 1000))
     if rival_ratio is not None:
-        monkeypatch.setattr(backend, "step_time_ratios", lambda steps, rounds: [1.0, rival_ratio])
+        monkeypatch.setattr(
+            inductor_fit, "step_time_ratios", lambda steps, rounds: [1.0, rival_ratio]
+        )
     x, y = _batch()
     ref = _net()
     model = copy.deepcopy(ref)
@@ -331,7 +333,7 @@ def test_a_budget_keeps_the_faster_of_its_cheapest_plan_and_speeds(
     assert "timed once compiled" in graph.note and f"{rival_ratio:.3f}x" in graph.note
     assert graph.policy == "budget" and graph.budget_bytes is not None
     assert graph.predicted_peak_bytes <= graph.budget_bytes
-    rival_kept = rival_ratio <= 1 + backend.TIMED_TIE
+    rival_kept = rival_ratio <= 1 + inductor_fit.TIMED_TIE
     assert (set(graph.kept) == set(speed.memfit.plan.graphs[0].kept)) == rival_kept
     _assert_same_training(model, ref)
 
@@ -342,9 +344,11 @@ def test_without_autotune_a_budget_compiles_and_times_no_rival(
     """Timing costs a compile and some 60 steps of the first call, so it is asked for: by
     default the budget's cheapest plan is kept untimed, and ``"speed"``'s is never compiled."""
     compiled: list[object] = []
-    real_compile_pair = backend.compile_pair
+    real_compile_pair = inductor_fit.compile_pair
     monkeypatch.setattr(
-        backend, "compile_pair", lambda *a, **k: compiled.append(a) or real_compile_pair(*a, **k)
+        inductor_fit,
+        "compile_pair",
+        lambda *a, **k: compiled.append(a) or real_compile_pair(*a, **k),
     )
     graph, model, ref = _budget_one_timed(monkeypatch, 0.5, autotune=False)
     assert "timed" not in graph.note
@@ -372,7 +376,7 @@ def test_timing_a_budgets_plans_leaves_training_plain_pytorchs(
     """Timed for real, the two compiled plans run several times on the call's own inputs: the
     BatchNorm statistics, gradients and loss of the step are still plain PyTorch's."""
     graph, model, ref = _budget_one_timed(monkeypatch, None)
-    assert f"{backend.TIMED_ROUNDS} rounds" in graph.note
+    assert f"{inductor_fit.TIMED_ROUNDS} rounds" in graph.note
     _assert_same_training(model, ref)
     assert int(model[1].num_batches_tracked) == 1
 

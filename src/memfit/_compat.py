@@ -391,7 +391,7 @@ def own_donation() -> None:
     ``retain_graph=True`` unless the first backward of that graph kept it too, since Inductor's
     backward may have written into them. memfit decides donation itself: the eager executor never
     donates, and a backward of the Inductor executor that keeps the graph runs a compile without
-    donation (``execution.backend``). So memfit empties that list, on the metadata the tracing
+    donation (``execution.runners``). So memfit empties that list, on the metadata the tracing
     context holds (``aot_stage2b``'s ``tracing_context.fw_metadata``, set just before the forward
     compiler is called: the runtime's own metadata unless tensor subclasses are involved), and a
     backward keeping the graph runs at any step, as in plain PyTorch.

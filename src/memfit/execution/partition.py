@@ -161,7 +161,7 @@ def _mark_donated(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) 
     reused two saved buffers memfit's allocated afresh. The backward's argument list is the only
     reference left to such a value, since AOTAutograd drops its own before the backward runs;
     a backward that keeps the graph (``retain_graph=True``) runs a compile without donation
-    (``execution.backend``).
+    (``execution.runners``).
     """
     saved = [
         n

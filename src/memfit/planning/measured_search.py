@@ -3,10 +3,10 @@
 Why: under ``executor="inductor"`` the simulator's peak is only an estimate of what runs (it
 replays eager's kernels and their scratch; Inductor fuses, lays out and orders kernels itself), so
 the planner's choice is checked by compiling the plan and measuring it once
-(``execution.backend``). The estimate errs both ways: a transformer's compiled plans peaked up to
-1.3x their simulation, a U-Net's least-peak plan 0.85x. Erring high, a plan is over its budget;
-erring low, a cheaper plan would have fitted. Both are corrected by the same knob: ``headroom``,
-bytes taken off (or, negative, added to) the budget the planner plans against.
+(``execution.inductor_fit``). The estimate errs both ways: a transformer's compiled plans peaked
+up to 1.3x their simulation, a U-Net's least-peak plan 0.85x. Erring high, a plan is over its
+budget; erring low, a cheaper plan would have fitted. Both are corrected by the same knob:
+``headroom``, bytes taken off (or, negative, added to) the budget the planner plans against.
 
 The search: the first plan is planned with no headroom. While nothing tried fits, the excess of
 the last plan's measured peak over its simulation is taken off (as before this search existed).

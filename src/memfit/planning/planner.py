@@ -384,7 +384,7 @@ def with_executor_peaks(
     source: str,
 ) -> GraphPlan:
     """``plan`` predicted from the peaks of its forward and backward as the executor runs them
-    (measured once, or from Inductor's schedule: ``execution.backend``) instead of from the
+    (measured once, or from Inductor's schedule: ``execution.inductor_fit``) instead of from the
     op-by-op simulation. What the step holds between the two (a loss outside the graph) stays
     reserved on top of what the forward leaves alive (``forward_end``; the simulation's when not
     given). ``source`` says where the peaks come from, in the plan's note."""

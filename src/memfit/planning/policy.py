@@ -56,7 +56,7 @@ class Policy:
     #: budget with ``offload=True``)
     offload: bool = False
     #: a budget only, under ``executor="inductor"``: whether the budget's plan is timed against
-    #: ``"speed"``'s once both are compiled, and the faster kept (``execution.backend``'s
+    #: ``"speed"``'s once both are compiled, and the faster kept (``execution.inductor_fit``'s
     #: ``_faster``); one more compile and some 60 steps on the first call
     autotune: bool = False
 

@@ -37,8 +37,8 @@ NOTE [One capture for many sizes]
     bytes each op touches (``JointGraph.scale_scratch``).
 
     With ``executor="inductor"`` the plan at the captured sizes is predicted from its compiled
-    graphs, run once (``execution.backend``), and the simulation does not describe what Inductor
-    runs (its fused kernels hold fewer buffers: an MLP's simulation was 1.16-1.22x what it
+    graphs, run once (``execution.inductor_fit``), and the simulation does not describe what
+    Inductor runs (its fused kernels hold fewer buffers: an MLP's simulation was 1.16-1.22x what it
     measured at every size). What the compiled graphs held beyond the simulation at the captured
     sizes (``CompiledOffset``) is carried to the other sizes in proportion to the simulated peak
     less the parameters' gradients: the difference is in what grows with the sizes (fused or
