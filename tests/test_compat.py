@@ -178,7 +178,7 @@ def test_accumulated_limit_restores_the_config_exactly(
     import torch._dynamo.config as dynamo_config
 
     if entry == "attributes":
-        monkeypatch.setattr(_compat, "_LIMIT_ENTRY", None)
+        monkeypatch.setattr(_compat.dynamo, "_LIMIT_ENTRY", None)
     name = "accumulated_recompile_limit"
     before = dynamo_config.accumulated_recompile_limit
     was_default = dynamo_config._is_default(name)
@@ -457,7 +457,7 @@ def test_traced_logging_extends_dynamos_logging_sets_only_inside_the_context(
 
     dynamo_config: Any = torch._dynamo.config
     if entry == "attributes":
-        monkeypatch.setattr(_compat, "_LOGGING_ENTRIES", None)
+        monkeypatch.setattr(_compat.logging_config, "_LOGGING_ENTRIES", None)
 
     def warning_once(self: logging.Logger, *args: Any) -> None:
         self.warning(*args)
