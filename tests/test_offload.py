@@ -58,8 +58,8 @@ def test_store_round_trip_keeps_bits_and_layout(tmp_path) -> None:
 
 def test_missing_wait_reads_poison(monkeypatch, tmp_path) -> None:
     """The negative control of the delayed-copy test below: skip the wait and you read NaN."""
-    monkeypatch.setattr(off, "DEBUG_DELAY_S", 0.2)
-    monkeypatch.setattr(off, "DEBUG_POISON", True)
+    monkeypatch.setattr(off.store, "DEBUG_DELAY_S", 0.2)
+    monkeypatch.setattr(off.store, "DEBUG_POISON", True)
     store = OffloadStore("disk", str(tmp_path))
     try:
         key = store.offload(torch.ones(1000))
@@ -73,8 +73,8 @@ def test_missing_wait_reads_poison(monkeypatch, tmp_path) -> None:
 
 
 def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(off, "DEBUG_DELAY_S", 0.01)
-    monkeypatch.setattr(off, "DEBUG_POISON", True)
+    monkeypatch.setattr(off.store, "DEBUG_DELAY_S", 0.01)
+    monkeypatch.setattr(off.store, "DEBUG_POISON", True)
     plain, swapped = _mlp(), _mlp()
     options = OffloadOptions(directory=str(tmp_path), bandwidth=1e18, min_bytes=1)
     wrapped = memfit.checkpoint(swapped, "swap", offload=options)
@@ -214,7 +214,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_file(monkeypatch) -> None:
 
     wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
     wrapped(X).sum().backward()
-    monkeypatch.setattr(off, "_write_file", full)
+    monkeypatch.setattr(off.store, "_write_file", full)
     with pytest.raises(OffloadError, match="free disk space"):
         wrapped(X).sum().backward()
     assert wrapped.memfit.offload_store.pending_files == []
@@ -254,7 +254,7 @@ def test_host_budget_caps_what_is_offloaded() -> None:
 
 @CUDA
 def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(monkeypatch) -> None:
-    monkeypatch.setattr(off, "DEBUG_POISON", True)  # a missing stream wait would read NaN
+    monkeypatch.setattr(off.store, "DEBUG_POISON", True)  # a missing stream wait would read NaN
     device = torch.device("cuda")
     x = X.to(device)
     peaks, grads, wrappers = {}, {}, {}
