@@ -7,14 +7,15 @@ Llama + peft LoRA (frozen base), in fp32 and under bf16 autocast, one training s
 with plain PyTorch, HF's ``gradient_checkpointing_enable()`` (non-reentrant), per-block
 ``torch.utils.checkpoint`` applied by ``apply_activation_checkpointing`` to every decoder/encoder
 layer (as torchtitan and FSDP users do), and memfit ``"none"``, ``"memory"`` and budgets 0.5 and
-0.3 of plain's activations. memfit's warm-up steps (planning, and planning again after what the
-first backward showed) are not measured; then ``STEPS`` steps are measured one by one (exact
-allocator accounting on CPU, the allocator's statistics on CUDA), each against the prediction
-the plan made for it, and ``TIMED`` unmeasured steps are timed (median).
+0.3 of plain's activations. memfit's warm-up steps (``bench.runner.first_step``: planning, and
+planning again after what the first backwards showed) are not measured; then ``STEPS`` steps are
+measured one by one (exact allocator accounting on CPU, the allocator's statistics on CUDA), each
+against the prediction the plan made for it, and ``TIMED`` unmeasured steps are timed (median).
 
 Writes ``benchmarks/results/hf_models/hf_models-<device>.json`` and ``.md`` naming machine, torch
 and date. Run: ``.venv/bin/python benchmarks/hf_models.py [--device cuda] [--models gpt2,llama]
-[--dtypes fp32,bf16] [--quick]`` (CPU, all: about 20 minutes on 2 cores).
+[--dtypes fp32,bf16] [--methods plain,memory] [--width 256 --layers 4 --batch 8 --length 128]``
+(CPU, all: about 12 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import torch
 
 import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
+from memfit.bench.runner import Method, first_step
+from memfit.measurement.timing import synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "hf_models"
@@ -138,11 +141,6 @@ def _apply(method: str, model: torch.nn.Module, block: type) -> torch.nn.Module:
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_method(
     name: str,
     dtype: str,
@@ -169,32 +167,19 @@ def run_method(
             loss = model(**data).loss
         loss.backward()
 
-    def zero() -> None:
-        for p in model.parameters():
-            p.grad = None
-
     state = model.memfit if isinstance(model, memfit.CheckpointedModule) else None
+    runner = Method(f"{name} {dtype} {method}", model, step, record_failures=False)
     row: dict[str, Any] = {"model": name, "dtype": dtype, "method": method}
-    t0 = time.perf_counter()
     try:
-        zero()
-        step()
-        _sync(device)
-        row["first_step_s"] = time.perf_counter() - t0
-        zero()
-        step()  # a start unlike the plan's is believed at the second backward
-        planned_again = 0
-        while state is not None and state.replan_pending and planned_again < 3:
-            planned_again += 1
-            zero()
-            step()
-        row["planned_again"] = planned_again
+        # the first step, then memfit's own settling (bench.runner): planned again for what the
+        # first backwards showed, before anything is measured
+        row["first_step_s"] = first_step(runner, device)
     except memfit.BudgetError as err:
         row["refused"] = str(err)
         return row
     peaks, predicted = [], []
     for _ in range(STEPS):
-        zero()
+        runner.zero_grad()
         peaks.append(int(memfit.measure(step, device=device).peak_bytes or 0))
         if state is not None:
             predicted.append(state.plan.predicted_peak_bytes)
@@ -204,11 +189,11 @@ def run_method(
         row["replan_pending_after"] = state.replan_pending
     times = []
     for _ in range(TIMED):
-        zero()
-        _sync(device)
+        runner.zero_grad()
+        synchronize(device)
         t = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t)
     row["step_s"] = statistics.median(times)
     row["step_s_all"] = times
