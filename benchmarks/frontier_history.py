@@ -1,21 +1,22 @@
-"""Every recorded run of the Inductor budget frontier, summarised the same way.
+"""Every Inductor budget frontier run kept in the tree, summarised the same way.
 
-Why: on a shared 2-core CPU one run of ``budget_frontier.py --executor inductor`` moves memfit's
-time ratio against ``torch.compile`` by several percent between runs of the very same plans, so
-a single run says little about "never slower at equal peak". This script reads every
-``budget_frontier_inductor.json`` under ``benchmarks/results/`` (each run its own folder) and
-recomputes, with the benchmark's own ``equal_peak_comparison`` (today's rules, whatever the run's
-code printed then), per run and model (GPU runs too, ``budget_frontier_inductor_cuda_*.json``, with
-the device named: the runs on lent GPUs were short, 16-20 steps per point, and their intervals
-say how little that resolves): how many memfit points have a ``torch.compile`` point at
-<= 1.05x their measured peak, and the median and worst memfit / ``torch.compile`` ratio four
-ways: setting by setting (medians), on each point's fastest step, with the settings that ran
-one program pooled (``budget_frontier._pooled_medians``; a run that recorded no programs
-pools nothing), and those programs compared turn by turn (``budget_frontier._paired``: step k
-against step k, so that the machine's drift between turns divides out). It writes
-``benchmarks/results/frontier_history.md``, the README's source for the table of runs.
+Why: the frontier's runs differ in machine (the CPU, each lent GPU) and in the code they ran, and
+each printed its comparison with the rules of its day. This script reads every
+``budget_frontier_inductor*.json`` under ``benchmarks/results/`` (the latest CPU run, and the
+latest GPU run of each model under ``gpu_h100/`` and ``gpu_h200/``) and recomputes, with the
+benchmark's own ``equal_peak_comparison``, per run and model (a GPU run's row names the GPU: the
+runs on lent GPUs were short, 16 steps per point, and their intervals say how little that
+resolves): how many memfit points have a ``torch.compile`` point at <= 1.05x their measured
+peak, and the median and worst memfit / ``torch.compile`` ratio four ways: setting by setting
+(medians), on each point's fastest step, with the settings that ran one program pooled
+(``budget_frontier._pooled_medians``; a run that recorded no programs pools nothing), and those
+programs compared turn by turn (``budget_frontier._paired``: step k against step k, so that the
+machine's drift between turns divides out). Older runs are in git history; a folder of them
+passed as ``--results`` is summarised alike, oldest first.
 
-Reads JSON only: no model runs, a second or two. ``python benchmarks/frontier_history.py``.
+Writes ``frontier_history.md`` in ``--results`` (``--out`` elsewhere; ``--quick`` writes
+``frontier_history_quick.md``, the same summary: reading JSON takes a second or two either way).
+Run: ``python benchmarks/frontier_history.py``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def table(root: Path) -> str:
                 "-" if aa is None else f"{aa['pairs']}, {aa['widest']:.2f}, {aa['beyond_noise']}"
             )
             folder = str(Path(stem).parent)
-            link = f"[{folder}]({stem}.md)"
+            link = f"[{stem if folder == '.' else folder}]({stem}.md)"
             lines.append(
                 f"| {link} | {run['date_utc'][:16]} | {_machine(run)} | {model['name']} | "
                 f"{_timed(run['parameters'])} | {s['compared']} | " + " | ".join(cells) + " | "
@@ -101,17 +102,18 @@ def _timed(parameters: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--results", type=Path, default=RESULTS, help="the runs' folder")
+    p.add_argument("--out", type=Path, help="where the summary goes (default: --results)")
+    p.add_argument("--quick", action="store_true", help="write frontier_history_quick.md")
     args = p.parse_args(argv)
     text = (
-        "# Inductor budget frontier: every run\n\n"
+        "# Inductor budget frontier: every run kept\n\n"
         'memfit (`executor="inductor"`) against the fastest `torch.compile('
         "activation_memory_budget=b)` point at <= 1.05x memfit's measured peak, recomputed from "
         "each run's JSON by `benchmarks/frontier_history.py` with today's comparison. A ratio "
-        "above 1 means memfit was slower. Runs differ in the code they ran (see each run's "
-        "table and the README). Pooling needs each point's program: runs from before programs "
-        "were recorded pool nothing (their pooled columns repeat their medians), and "
-        'program_pooled recorded them for torch.compile\'s points only. "Turn by turn" '
+        "above 1 means memfit was slower. Runs differ in the machine and the code they ran "
+        "(each run's JSON records its commit, `software.git_commit`); older runs are in git "
+        'history. "Turn by turn" '
         "compares the pooled programs step k against step k (the k-th steps of all of a run's "
         "points ran in one turn, or one round before turns), the median of those ratios: what "
         'the machine\'s speed drifts between turns divides out. "Slower beyond noise" counts the '
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         + table(args.results)
         + "\n"
     )
-    out = args.results / "frontier_history.md"
+    out_dir = args.out or args.results
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / ("frontier_history_quick.md" if args.quick else "frontier_history.md")
     out.write_text(text)
     print(text)
     print(f"wrote {out}")
