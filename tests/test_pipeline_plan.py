@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.pipeline import plan
-from memfit.pipeline.plan import in_flight, microbatch
+from memfit.pipeline import PipelineSchedule, plan
+from memfit.pipeline.plan import microbatch
+from memfit.pipeline.schedule import in_flight
 from pipeline_models import build
 
 
@@ -34,6 +35,10 @@ def test_in_flight_micro_batches_follow_the_schedule() -> None:
     model, x, target, loss_fn = build("mlp")
     planned = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="1f1b")
     assert [s.in_flight for s in planned.stages] == [2, 1]
+    assert planned.schedule is PipelineSchedule.ONE_F_ONE_B and "1f1b" in str(planned)
+    assert all(s.schedule is PipelineSchedule.ONE_F_ONE_B for s in planned.stages)
+    by_member = plan(model, x, loss_fn, stages=2, microbatches=4, schedule=PipelineSchedule.GPIPE)
+    assert [s.in_flight for s in by_member.stages] == [4, 4]
 
 
 def test_a_budget_is_met_by_every_stage_or_refused_with_the_least_that_fits() -> None:

@@ -3,7 +3,8 @@
 ``plan`` cuts a model's captured forward into K stages (exact search for the predicted step of
 the schedule, every stage within the per-device budget, each stage planned by memfit's planner);
 ``Pipeline`` runs this rank's stage with ``torch.distributed.pipelining``; ``launch`` runs a
-function in K local processes and ends them all, naming the rank, when one fails. ``balance``,
+function in K local processes and ends them all, naming the rank, when one fails;
+``PipelineSchedule`` names the schedules both take (``"gpipe"``, ``"1f1b"``). ``balance``,
 ``balance_pipeline`` and ``balance_intervals`` are the pure searches underneath.
 """
 
@@ -15,15 +16,17 @@ from memfit.pipeline.intervals import CapacityError as CapacityError
 from memfit.pipeline.intervals import balance_intervals as balance_intervals
 from memfit.pipeline.launch import RankError as RankError
 from memfit.pipeline.launch import launch as launch
-from memfit.pipeline.plan import PipelinePlan as PipelinePlan
-from memfit.pipeline.plan import StagePlan as StagePlan
 from memfit.pipeline.plan import plan as plan
 from memfit.pipeline.runtime import Pipeline as Pipeline
+from memfit.pipeline.schedule import PipelineSchedule as PipelineSchedule
+from memfit.pipeline.stages import PipelinePlan as PipelinePlan
+from memfit.pipeline.stages import StagePlan as StagePlan
 
 __all__ = [
     "CapacityError",
     "Pipeline",
     "PipelinePlan",
+    "PipelineSchedule",
     "RankError",
     "StagePlan",
     "balance",

@@ -8,6 +8,10 @@ usual ratio for matmul-dominated layers. Memory per item is the bytes of the ten
 create (views create none), what the item holds while one micro-batch's backward runs through
 it with everything recomputed; and the set of parameters and buffers it reads, so a stage's
 state is the union of its items' (a tied weight counted once per stage that reads it).
+
+``prepare_search`` does all of it once per model (capture, candidate cuts, profiling) and keeps
+the result, with the bytes crossing every cut, as the ``Search`` the cut search and every
+stage's plan read.
 """
 
 from __future__ import annotations
@@ -20,11 +24,28 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from memfit.execution.state import preserved
-from memfit.pipeline.partition import CapturedForward, tensor_bytes
+from memfit.pipeline.partition import (
+    CapturedForward,
+    capture_forward,
+    crossing_bytes,
+    item_boundaries,
+    tensor_bytes,
+)
 
-__all__ = ["ItemCosts", "measure_items"]
+__all__ = [
+    "TRAINING_FACTOR",
+    "ItemCosts",
+    "Search",
+    "measure_items",
+    "prepare_search",
+    "state_bytes",
+]
+
+#: forward + backward as a multiple of the forward alone (backward ~ 2x forward)
+TRAINING_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -105,3 +126,51 @@ def measure_items(
         activation_bytes=memory,
         state=state,
     )
+
+
+@dataclass
+class Search:
+    """The captured forward and its profiled items: what the cut search reads.
+
+    Made once per model (``prepare_search``: capture, candidate cuts, profiling); the search,
+    the split and every stage's plan read it.
+    """
+
+    captured: CapturedForward
+    costs: ItemCosts
+    crossing: list[int]
+    output_bytes: int
+
+
+def prepare_search(
+    model: nn.Module, micro: tuple[Any, ...], max_items: int, repeats: int = 3
+) -> Search:
+    """Capture ``model`` on one micro-batch, choose candidate cuts, profile the items.
+
+    ``repeats``: profiled runs (the median is kept); 1 when the times will come from elsewhere
+    (ranks other than 0 take rank 0's).
+    """
+    captured = capture_forward(model, micro)
+    boundaries = item_boundaries(captured, max_items)
+    costs = measure_items(captured, captured.placeholder_values, boundaries, repeats=repeats)
+    output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
+    outputs = [a for a in output_node.all_input_nodes]
+    output_bytes = sum(tensor_bytes(a.meta.get("example_value")) for a in outputs)
+    return Search(captured, costs, crossing_bytes(captured), output_bytes)
+
+
+def state_bytes(
+    search: Search, names: set[str] | frozenset[str], optimizer_state: float
+) -> tuple[int, int, int]:
+    """Bytes of the parameters, the buffers and the optimizer state among ``names``."""
+    params = sum(
+        tensor_bytes(search.captured.tensors[n])
+        for n in names
+        if n in search.captured.parameter_names
+    )
+    buffers = sum(
+        tensor_bytes(search.captured.tensors[n])
+        for n in names
+        if n not in search.captured.parameter_names
+    )
+    return params, buffers, int(optimizer_state * params)

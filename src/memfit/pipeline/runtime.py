@@ -37,22 +37,21 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from memfit.execution.state import preserved
-from memfit.pipeline.costs import measure_items
-from memfit.pipeline.partition import StageGraph, split_stages
-from memfit.pipeline.plan import (
-    StagePlan,
-    budget_per_device,
-    check_arguments,
-    choose_cuts,
-    microbatch,
-    plan_stage,
-    prepare_search,
-    refuse,
-    stage_inputs,
-)
+from memfit.pipeline.costs import Search, measure_items, prepare_search
+from memfit.pipeline.partition import StageGraph
+from memfit.pipeline.plan import microbatch, pipeline_options
+from memfit.pipeline.schedule import PipelineSchedule
+from memfit.pipeline.search import Span, choose_cuts, search_stages
+from memfit.pipeline.stages import PipelineOptions, StagePlan
 from memfit.planning.budget import BudgetError
 
 __all__ = ["Pipeline"]
+
+#: The ``torch.distributed.pipelining`` schedule that runs each of memfit's.
+_TORCH_SCHEDULES = {
+    PipelineSchedule.GPIPE: ScheduleGPipe,
+    PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
+}
 
 
 def _example(node: Any) -> torch.Tensor:
@@ -83,7 +82,7 @@ class Pipeline:
         *,
         stages: int,
         microbatches: int,
-        schedule: str = "gpipe",
+        schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
         budget: int | str | None = None,
         optimizer_state: float = 0.0,
         bandwidth: float | None = None,
@@ -97,18 +96,24 @@ class Pipeline:
                 "torch.distributed.init_process_group first (memfit.pipeline.launch does it for "
                 "local runs)"
             )
-        check_arguments(stages, microbatches, schedule, optimizer_state)
+        options = pipeline_options(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            budget=budget,
+            optimizer_state=optimizer_state,
+            bandwidth=bandwidth,
+        )
         world = dist.get_world_size(group)
         if world != stages:
             raise ValueError(f"{stages} stages need {stages} ranks; the process group has {world}")
         self.rank = dist.get_rank(group)
         self.stages = stages
         self.microbatches = microbatches
-        self.schedule_name = schedule
+        self.schedule_name = options.schedule
         self._group = group
         self._loss_fn = loss_fn
         self._no_target = False
-        budget_bytes = budget_per_device(budget)
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         micro = microbatch(inputs, microbatches)
         # Every rank captures and measures bytes; only rank 0's times count, taken while the
@@ -120,33 +125,19 @@ class Pipeline:
                 search.captured, search.captured.placeholder_values, search.costs.boundaries
             )
         self._captured = search.captured
-        options: dict[str, Any] = dict(
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            budget=budget_bytes,
-            optimizer_state=optimizer_state,
-            bandwidth=bandwidth,
+        # see search.search_stages: rank 0 chooses the cuts, each rank plans its own stage,
+        # and every rank refuses the spans any rank's planner could not fit
+        found = search_stages(
+            search,
+            micro,
+            options,
+            planned_here=[self.rank],
+            choose=lambda refused: self._agree_on_cuts(search, options, refused),
+            share=lambda failed: self._share_refusals(failed, options.budget),
         )
-        refused: set[tuple[int, int, int]] = set()
-        while True:  # see plan.refuse: the search's stage model is checked by memfit's planner
-            cuts = self._agree_on_cuts(search, options, frozenset(refused))
-            graphs = split_stages(search.captured, cuts)
-            examples = stage_inputs(graphs, micro, search.captured)
-            mine = graphs[self.rank]
-            failure: tuple[str, int | None] | None = None
-            try:
-                self.plan: StagePlan = plan_stage(search, mine, examples[self.rank], **options)
-            except BudgetError as err:
-                failure = (str(err), err.smallest_bytes)
-            failures: list[Any] = [None] * stages
-            dist.all_gather_object(failures, failure, group=group)
-            if all(f is None for f in failures):
-                break
-            for s, f in enumerate(failures):
-                if f is not None:
-                    refusal = BudgetError(f[0], budget_bytes=budget_bytes, smallest_bytes=f[1])
-                    refuse(refused, graphs[s], refusal, stages)
+        self.plan: StagePlan = found.plans[self.rank]
+        graphs, examples = found.graphs, found.examples
+        mine = graphs[self.rank]
         self._example_inputs = examples[self.rank]
         self.graph: StageGraph = mine
         from memfit.execution.module import checkpoint
@@ -174,8 +165,7 @@ class Pipeline:
             output_args=output_args,
             group=group,
         )
-        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self._schedule = schedule_cls(
+        self._schedule = _TORCH_SCHEDULES[options.schedule](
             self._stage, microbatches, loss_fn=self._loss, scale_grads=True
         )
         self._input_positions = [search.captured.inputs.index(v) for v in graphs[0].receives]
@@ -189,13 +179,13 @@ class Pipeline:
         return dist.get_global_rank(self._group, group_rank)
 
     def _agree_on_cuts(
-        self, search: Any, options: dict[str, Any], refused: frozenset[tuple[int, int, int]]
+        self, search: Search, options: PipelineOptions, refused: frozenset[Span]
     ) -> list[int]:
         """Rank 0 searches; every rank gets its cuts, or its error, so all fail alike."""
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                cuts = choose_cuts(search, refused=refused, **options)
+                cuts = choose_cuts(search, options, refused)
                 payload[0] = ("ok", cuts, search.costs.forward_seconds)
             except (BudgetError, ValueError) as exc:
                 smallest = getattr(exc, "smallest_bytes", None)
@@ -206,8 +196,22 @@ class Pipeline:
             search.costs = dataclasses.replace(search.costs, forward_seconds=list(rest[1]))
             return list(rest[0])
         if kind == "BudgetError":
-            raise BudgetError(rest[0], budget_bytes=options["budget"], smallest_bytes=rest[1])
+            raise BudgetError(rest[0], budget_bytes=options.budget, smallest_bytes=rest[1])
         raise ValueError(rest[0])
+
+    def _share_refusals(
+        self, failed: dict[int, BudgetError], budget: int | None
+    ) -> dict[int, BudgetError]:
+        """Every rank's refusal of its stage, on every rank, so all search again alike."""
+        mine = failed.get(self.rank)
+        failure = None if mine is None else (str(mine), mine.smallest_bytes)
+        failures: list[Any] = [None] * self.stages
+        dist.all_gather_object(failures, failure, group=self._group)
+        return {
+            s: BudgetError(f[0], budget_bytes=budget, smallest_bytes=f[1])
+            for s, f in enumerate(failures)
+            if f is not None
+        }
 
     def _tie(self, graphs: list[StageGraph]) -> list[tuple[nn.Parameter, Any]]:
         """Process groups over the ranks sharing each tied parameter (created on every rank)."""

@@ -1,0 +1,215 @@
+"""The cut search: where to cut a captured forward into K stages, checked by memfit's planner.
+
+The cut is chosen exactly (``intervals.balance_intervals``) over the candidate cuts of the
+captured forward (``partition.item_boundaries``) for the predicted step of the schedule,
+``(M - 1) * slowest stage + sum of stages``, with every stage's predicted peak within the
+per-device budget (``choose_cuts``). The stage model of that search is GPipe's: a stage keeps,
+per micro-batch in flight, only what crosses its cuts and recomputes the rest in backward, so
+while one micro-batch's backward runs it holds that micro-batch's activations (``costs``).
+
+That model is an estimate; memfit's planner, which decides what each stage really keeps
+(``stages.plan_stage``), may need more. A span it cannot fit within the budget is refused and the
+search runs again without it, until a split whose every stage the planner fits is found
+(``search_stages``, the one loop both ``plan`` and ``Pipeline`` run; ``Pipeline`` plugs in its
+ranks' agreement on the cuts and their refusals).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
+from memfit.pipeline.intervals import CapacityError, balance_intervals
+from memfit.pipeline.partition import StageGraph, split_stages
+from memfit.pipeline.schedule import in_flight, step_peak
+from memfit.pipeline.stages import PipelineOptions, StagePlan, plan_stage, stage_inputs
+from memfit.planning.budget import BudgetError
+from memfit.units import format_bytes
+
+__all__ = [
+    "MAX_REFUSALS",
+    "Span",
+    "StagesFound",
+    "choose_cuts",
+    "refuse",
+    "search_stages",
+]
+
+#: A stage span memfit's planner refused: ``(stage index, first node, end node)``.
+Span = tuple[int, int, int]
+
+
+def choose_cuts(
+    search: Search, options: PipelineOptions, refused: frozenset[Span] = frozenset()
+) -> list[int]:
+    """Node positions of the ``stages - 1`` cuts minimising the predicted step (exact).
+
+    ``refused``: spans memfit's planner could not fit in the budget although the search's model
+    said they would; the search avoids them.
+    """
+    stages, microbatches, schedule = options.stages, options.microbatches, options.schedule
+    budget, bandwidth = options.budget, options.bandwidth
+    costs = search.costs
+    n = costs.count
+    if stages > n:
+        raise ValueError(
+            f"{stages} stages need {stages} pieces, but the model has only {n} between its "
+            f"{n - 1} candidate cuts (module boundaries)"
+        )
+    bounds = costs.boundaries
+    last = bounds[-1]
+    fwd = [0.0]
+    act = [0]
+    for f, a in zip(costs.forward_seconds, costs.activation_bytes):
+        fwd.append(fwd[-1] + f)
+        act.append(act[-1] + a)
+
+    def sent(j: int) -> int:
+        return search.crossing[bounds[j]] if bounds[j] < last else search.output_bytes
+
+    def received(i: int) -> int:
+        return search.crossing[bounds[i]] if i > 0 else 0
+
+    def stage_time(i: int, j: int) -> float:
+        transfer = 2 * sent(j) / bandwidth if bandwidth and j < n else 0.0
+        return TRAINING_FACTOR * (fwd[j] - fwd[i]) + transfer
+
+    # state held by a stage over items [i, j): a union of names, summed once per interval
+    held: dict[tuple[int, int], int] = {}
+    grads: dict[tuple[int, int], int] = {}
+    for i in range(n):
+        names: set[str] = set()
+        total = params_total = 0
+        for j in range(i + 1, n + 1):
+            new = costs.state[j - 1] - names
+            if new:
+                params, buffers, opt = state_bytes(search, new, options.optimizer_state)
+                total += params + buffers + opt
+                params_total += params
+                names |= new
+            held[i, j] = total
+            grads[i, j] = params_total
+
+    over = float(budget or 0) + 1.0
+
+    def stage_memory(s: int, i: int, j: int) -> float:
+        if (s, bounds[i], bounds[j]) in refused:
+            return over
+        flight = in_flight(schedule, s, stages, microbatches)
+        # GPipe's stage: nothing kept but what crosses the cuts; one micro-batch's activations
+        # (all recomputed) and its gradients while its backward runs
+        transient = act[j] - act[i] + grads[i, j]
+        return (
+            held[i, j]
+            + microbatches * (received(i) + (sent(j) if j < n else 0))
+            + step_peak(schedule, microbatches, flight, sent(j), transient, grads[i, j])
+        )
+
+    try:
+        sizes = balance_intervals(
+            n,
+            stages,
+            microbatches=microbatches,
+            stage_time=stage_time,
+            stage_memory=stage_memory if budget is not None else None,
+            capacity=budget,
+        )
+    except CapacityError as exc:
+        if refused:
+            raise BudgetError(
+                f"no split into {stages} stages fits {format_bytes(budget or 0)} per device: "
+                f"memfit's planner could not fit {len(refused)} stage spans the search proposed, "
+                "and no other split fits the search's own estimate",
+                budget_bytes=budget,
+            ) from None
+        raise BudgetError(
+            f"no split into {stages} stages fits {format_bytes(budget or 0)} per device, even "
+            f"with every activation recomputed inside the stages; the smallest per-device "
+            f"budget that fits is about {format_bytes(int(exc.least_capacity))}",
+            budget_bytes=budget,
+            smallest_bytes=int(math.ceil(exc.least_capacity)),
+        ) from None
+    cuts, pos = [], 0
+    for size in sizes[:-1]:
+        pos += size
+        cuts.append(bounds[pos])
+    return cuts
+
+
+#: how many stage spans memfit's planner may refuse before the search gives up
+MAX_REFUSALS = 16
+
+
+def refuse(refused: set[Span], stage: StageGraph, err: BudgetError, stages: int) -> None:
+    """Note a span the planner could not fit; raise ``err`` once too many were refused.
+
+    The cut search's stage model (GPipe's: everything recomputed) is an estimate; memfit's
+    planner, which decides what the stage really keeps, may need more. Then the search runs
+    again without that span, until a split whose every stage the planner fits is found.
+    """
+    refused.add((stage.index, stage.start, stage.end))
+    if len(refused) > max(MAX_REFUSALS, 2 * stages):
+        raise BudgetError(
+            f"{err} (and {len(refused) - 1} other stage spans the search proposed did not fit "
+            "either)",
+            budget_bytes=err.budget_bytes,
+            smallest_bytes=err.smallest_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class StagesFound:
+    """A split every planned stage fits: the cuts, the stage graphs they make, each stage's
+    example inputs, and memfit's plan of each stage this process planned, by stage index."""
+
+    cuts: list[int]
+    graphs: list[StageGraph]
+    examples: list[tuple[torch.Tensor, ...]]
+    plans: dict[int, StagePlan]
+
+
+def search_stages(
+    search: Search,
+    micro: tuple[Any, ...],
+    options: PipelineOptions,
+    *,
+    planned_here: Sequence[int] | None = None,
+    choose: Callable[[frozenset[Span]], list[int]] | None = None,
+    share: Callable[[dict[int, BudgetError]], dict[int, BudgetError]] | None = None,
+) -> StagesFound:
+    """Cut, plan the stages with memfit's planner, and cut again around every span it refuses.
+
+    One process plans every stage (``plan``); ``Pipeline`` plans only its rank's
+    (``planned_here``), takes the cuts rank 0 chose (``choose``, given the spans refused so far;
+    default ``choose_cuts``) and gathers every rank's refusal (``share``, given this process's
+    and returning all of them), so that every rank refuses the same spans and searches again
+    alike. Raises ``BudgetError`` when no split fits, or when too many spans were refused
+    (``refuse``).
+    """
+    refused: set[Span] = set()
+    while True:
+        if choose is None:
+            cuts = choose_cuts(search, options, frozenset(refused))
+        else:
+            cuts = choose(frozenset(refused))
+        graphs = split_stages(search.captured, cuts)
+        examples = stage_inputs(graphs, micro, search.captured)
+        plans: dict[int, StagePlan] = {}
+        failed: dict[int, BudgetError] = {}
+        for s in range(len(graphs)) if planned_here is None else planned_here:
+            try:
+                plans[s] = plan_stage(search, graphs[s], examples[s], options)
+            except BudgetError as err:
+                failed[s] = err
+                break  # the split changes: the later stages' plans would not be used
+        if share is not None:
+            failed = share(failed)
+        if not failed:
+            return StagesFound(cuts, graphs, examples, plans)
+        for s in sorted(failed):
+            refuse(refused, graphs[s], failed[s], options.stages)

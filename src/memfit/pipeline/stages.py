@@ -1,0 +1,333 @@
+"""Stage plans: what each stage of a pipeline keeps, holds and costs, and how one is planned.
+
+Each stage gets memfit's own plan: the stage's graph is planned by memfit's planner (its Pareto
+frontier of peak against recomputation), and the point with the least recomputation whose
+predicted peak, with the other micro-batches in flight, fits the per-device budget is kept
+(re-planned at that budget, which may keep less: its numbers are the prediction). Without a
+budget every stage keeps everything (the fastest plan).
+
+What a stage holds, in the terms of the table ``PipelinePlan`` prints (per device):
+
+* state: its parameters and buffers, their gradients, and the optimizer state if given
+  (``optimizer_state`` bytes per parameter byte: 2 for Adam, 1 for SGD with momentum);
+* buffers: ``torch.distributed.pipelining`` allocates a receive buffer for every micro-batch's
+  input and every micro-batch's output gradient when the schedule first runs, and keeps them,
+  so ``M x (received + sent)`` bytes whatever the schedule;
+* in flight: micro-batches whose forward has run and whose backward has not, each holding what
+  the stage's plan keeps plus its outputs: ``M`` of them under GPipe, at most ``K - s`` under
+  1F1B (stage ``s``; ``schedule.in_flight``);
+* the transient of one micro-batch's forward and backward, as memfit's simulator predicts it,
+  and from the second backward on the gradients accumulated so far beside the new ones
+  (``schedule.step_peak``).
+
+Time per micro-batch is profiled forward time times three (forward, backward at twice the
+forward) plus the recomputation the plan does, plus, when ``bandwidth`` is given, the transfer of
+what crosses the stage's outgoing cut forward and its gradient back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.execution.state import preserved
+from memfit.pipeline.balancing import pipeline_step_time
+from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
+from memfit.pipeline.partition import CapturedForward, StageGraph
+from memfit.pipeline.schedule import (
+    PipelineSchedule,
+    bubble,
+    equal_stages_bubble,
+    in_flight,
+    step_peak,
+)
+from memfit.planning.budget import BudgetError
+from memfit.planning.plan import ParetoPoint
+from memfit.units import format_bytes
+
+__all__ = [
+    "PipelineOptions",
+    "PipelinePlan",
+    "StagePlan",
+    "plan_stage",
+    "stage_inputs",
+]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What a pipeline is asked, checked (``plan.pipeline_options``): what the cut search and
+    every stage's plan read."""
+
+    #: K: the number of stages, one device each
+    stages: int
+    #: M: the micro-batches a mini-batch is split into
+    microbatches: int
+    #: the order the stages run their micro-batches in (what each holds in flight)
+    schedule: PipelineSchedule
+    #: bytes per device, or None: every stage keeps everything
+    budget: int | None
+    #: optimizer state bytes per parameter byte (2 for Adam, 1 for SGD with momentum)
+    optimizer_state: float
+    #: bytes per second between neighbouring stages, or None: transfers take no time
+    bandwidth: float | None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's cut, plan and prediction. Bytes are per device; times per micro-batch."""
+
+    index: int
+    start: int
+    end: int
+    modules: tuple[str, ...]
+    parameter_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+    receive_bytes: int
+    send_bytes: int
+    in_flight: int
+    microbatches: int
+    kept_bytes: int
+    transient_bytes: int
+    forward_seconds: float
+    recompute_seconds: float
+    transfer_seconds: float
+    #: the activation budget memfit plans this stage's graph with (one micro-batch)
+    budget_bytes: int
+    #: the last stage sends nothing: its "sent" bytes are the model's outputs, held per
+    #: micro-batch until the loss's backward, with no gradient buffer
+    is_last: bool = False
+    schedule: PipelineSchedule = PipelineSchedule.GPIPE
+
+    @property
+    def first_module(self) -> str:
+        return self.modules[0] if self.modules else ""
+
+    @property
+    def last_module(self) -> str:
+        return self.modules[-1] if self.modules else ""
+
+    @property
+    def time_seconds(self) -> float:
+        """Forward, backward, recomputation and transfer of one micro-batch."""
+        return (
+            TRAINING_FACTOR * self.forward_seconds + self.recompute_seconds + self.transfer_seconds
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, buffers, gradients and optimizer state: held between steps."""
+        return 2 * self.parameter_bytes + self.buffer_bytes + self.optimizer_bytes
+
+    @property
+    def buffers_bytes(self) -> int:
+        """The schedule's receive buffers: every micro-batch's input and output gradient."""
+        return self.microbatches * (self.receive_bytes + (0 if self.is_last else self.send_bytes))
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Peak above what is live before a step (gradients not yet allocated).
+
+        ``transient_bytes`` is memfit's prediction for one micro-batch's forward and backward,
+        its parameter gradients included. Around it: the other micro-batches in flight, each
+        holding what the plan keeps and its outputs; and, from the second backward on, the
+        gradients accumulated so far, alive beside the new ones the backward makes. Under
+        GPipe the first backward has ``M - 1`` others in flight and no gradients yet, the
+        second ``M - 2`` and the gradients; under 1F1B with more micro-batches than stages, a
+        new forward refills the stage after each backward, so later backwards run beside
+        ``in_flight - 1`` others and the gradients.
+        """
+        return step_peak(
+            self.schedule,
+            self.microbatches,
+            self.in_flight,
+            self.kept_bytes + self.send_bytes,
+            self.transient_bytes,
+            self.parameter_bytes,
+        )
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything the stage's device holds at the peak of a step."""
+        return (
+            self.parameter_bytes
+            + self.buffer_bytes
+            + self.optimizer_bytes
+            + self.buffers_bytes
+            + self.step_peak_bytes
+        )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stage boundaries, per-stage predictions and the predicted step of the schedule."""
+
+    stages: tuple[StagePlan, ...]
+    schedule: PipelineSchedule
+    microbatches: int
+    cuts: tuple[int, ...]
+    budget_bytes: int | None
+    candidate_cuts: int
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted step: ``(M - 1) * slowest stage + sum of stages``."""
+        times = [s.time_seconds for s in self.stages]
+        return pipeline_step_time(times, [1] * len(times), microbatches=self.microbatches)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the devices' time: ``1 - M * mean stage time / step``; for equal stages
+        ``(K - 1) / (M + K - 1)``."""
+        return bubble([s.time_seconds for s in self.stages], self.microbatches)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.peak_bytes for s in self.stages)
+
+    def __str__(self) -> str:
+        k = len(self.stages)
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        lines = [
+            f"memfit pipeline: {k} stages, {self.microbatches} micro-batches, "
+            f"{self.schedule}, budget {budget} per device "
+            f"({self.candidate_cuts} candidate cuts)",
+            f"{'stage':>5} {'time/mb':>9} {'state':>10} {'buffers':>10} "
+            f"{'in flight':>9} {'kept/mb':>10} {'peak':>10}  modules",
+        ]
+        for s in self.stages:
+            span = (
+                s.first_module
+                if s.first_module == s.last_module
+                else (f"{s.first_module} .. {s.last_module}")
+            )
+            lines.append(
+                f"{s.index:>5} {s.time_seconds * 1e3:>7.2f}ms "
+                f"{format_bytes(s.state_bytes):>10} {format_bytes(s.buffers_bytes):>10} "
+                f"{s.in_flight:>9} {format_bytes(s.kept_bytes):>10} "
+                f"{format_bytes(s.peak_bytes):>10}  {span}"
+            )
+        lines.append(
+            f"predicted step {self.step_seconds * 1e3:.2f} ms, bubble {self.bubble:.1%} "
+            f"((K-1)/(M+K-1) = {equal_stages_bubble(k, self.microbatches):.1%}), "
+            f"largest stage peak {format_bytes(self.peak_bytes)}"
+        )
+        return "\n".join(lines)
+
+
+def stage_inputs(
+    stages: Sequence[StageGraph], micro: tuple[Any, ...], captured: CapturedForward
+) -> list[tuple[torch.Tensor, ...]]:
+    """Real example inputs of every stage: the micro-batch run through the stages before it.
+
+    Run without gradients and with buffers and random states restored, so it changes nothing.
+    """
+    values = {
+        node: v
+        for node, v in zip(captured.inputs, [t for t in micro if isinstance(t, torch.Tensor)])
+    }
+    result = []
+    with preserved(captured.buffers), torch.no_grad():
+        for stage in stages:
+            args = tuple(values[v] for v in stage.receives)
+            result.append(
+                tuple(
+                    a.detach().requires_grad_(bool(v.meta["example_value"].requires_grad))
+                    if a.is_floating_point()
+                    else a
+                    for a, v in zip(args, stage.receives)
+                )
+            )
+            out = stage.module(*args)
+            if stage.sends:
+                values.update(zip(stage.sends, out))
+    return result
+
+
+def _choose_point(
+    frontier: Sequence[ParetoPoint], fits: Callable[[ParetoPoint], bool]
+) -> ParetoPoint | None:
+    fitting = [p for p in frontier if fits(p)]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (p.recompute_seconds, p.recompute_flops, p.peak_bytes))
+
+
+def plan_stage(
+    search: Search,
+    stage: StageGraph,
+    inputs: tuple[torch.Tensor, ...],
+    options: PipelineOptions,
+    *,
+    attention: str = "auto",
+) -> StagePlan:
+    """memfit's plan for one stage's graph: the least recomputation that fits the budget.
+
+    Raises ``BudgetError`` when none of memfit's plans for the stage fits the budget.
+    """
+    from memfit.execution.module import plan as memfit_plan
+
+    schedule, microbatches, budget = options.schedule, options.microbatches, options.budget
+    bandwidth = options.bandwidth
+    names = set(stage.state_names)
+    params, buffers, opt = state_bytes(search, names, options.optimizer_state)
+    last = stage.end == len(search.captured.nodes)
+    send = search.output_bytes if last else stage.send_bytes
+    receive = stage.receive_bytes if stage.index > 0 else 0
+    flight = in_flight(schedule, stage.index, options.stages, microbatches)
+    graph_plan = memfit_plan(stage.module, *inputs, budget=1.0, attention=attention)
+    frontier = graph_plan.pareto()
+    fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
+
+    def peak_of(p: ParetoPoint) -> int:
+        return step_peak(schedule, microbatches, flight, p.kept_bytes + send, p.peak_bytes, params)
+
+    def fits(p: ParetoPoint) -> bool:
+        if budget is None:
+            return True
+        return fixed + peak_of(p) <= budget
+
+    point = _choose_point(frontier, fits)
+    if point is None:
+        least = min(fixed + peak_of(p) for p in frontier)
+        raise BudgetError(
+            f"stage {stage.index} ({stage.modules[0] if stage.modules else '?'} ..) does not fit "
+            f"{format_bytes(budget or 0)}: its least predicted peak with memfit's plan is "
+            f"{format_bytes(least)}",
+            budget_bytes=budget,
+            smallest_bytes=least,
+        )
+    # The frontier is a search; the plan ``checkpoint(budget=...)`` makes for that budget is
+    # what runs (it may keep less): predict with that one.
+    chosen = memfit_plan(stage.module, *inputs, budget=point.peak_bytes, attention=attention)
+    costs = search.costs
+    first_item = costs.boundaries.index(stage.start)
+    last_item = costs.boundaries.index(stage.end)
+    forward = sum(costs.forward_seconds[first_item:last_item])
+    ratio = chosen.recompute_flops / chosen.forward_flops if chosen.forward_flops else 0.0
+    transfer = 2 * send / bandwidth if bandwidth and not last else 0.0
+    return StagePlan(
+        index=stage.index,
+        start=stage.start,
+        end=stage.end,
+        modules=tuple(stage.modules),
+        parameter_bytes=params,
+        buffer_bytes=buffers,
+        optimizer_bytes=opt,
+        receive_bytes=receive,
+        send_bytes=send,
+        in_flight=flight,
+        microbatches=microbatches,
+        kept_bytes=chosen.kept_bytes,
+        transient_bytes=chosen.predicted_peak_bytes,
+        forward_seconds=forward,
+        recompute_seconds=ratio * forward,
+        transfer_seconds=transfer,
+        budget_bytes=point.peak_bytes,
+        is_last=last,
+        schedule=schedule,
+    )

@@ -1,0 +1,93 @@
+"""``memfit.pipeline.search``: the one cut search ``plan`` and ``Pipeline`` run, and how it cuts
+again around a span memfit's planner refuses (the planner is replaced here, to refuse at will)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import memfit
+import memfit.pipeline.search as search_module
+from memfit.pipeline import plan
+from memfit.pipeline.costs import prepare_search
+from memfit.pipeline.plan import microbatch, pipeline_options
+from memfit.pipeline.search import search_stages
+from pipeline_models import build
+
+
+def _refusing_first(monkeypatch: pytest.MonkeyPatch, stage: int) -> list[tuple[int, int, int]]:
+    """Make memfit's planner refuse the first span proposed for ``stage``; returns the spans
+    it was asked to plan."""
+    real = search_module.plan_stage
+    asked: list[tuple[int, int, int]] = []
+
+    def planner(search: Any, graph: Any, inputs: Any, options: Any, **kwargs: Any) -> Any:
+        span = (graph.index, graph.start, graph.end)
+        asked.append(span)
+        if graph.index == stage and not any(a[0] == stage for a in asked[:-1]):
+            raise memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+        return real(search, graph, inputs, options, **kwargs)
+
+    monkeypatch.setattr(search_module, "plan_stage", planner)
+    return asked
+
+
+def test_a_span_the_planner_refuses_is_cut_around(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x, target, loss_fn = build("skip")
+    budget = 100 * plan(model, x, loss_fn, stages=2, microbatches=4).peak_bytes
+    asked = _refusing_first(monkeypatch, stage=0)
+    planned = plan(model, x, loss_fn, stages=2, microbatches=4, budget=budget)
+    refused = asked[0]
+    assert refused[0] == 0 and len(asked) == 3  # refused, then both stages of a new split
+    assert (0, planned.stages[0].start, planned.stages[0].end) != refused
+    assert [(s.index, s.start, s.end) for s in planned.stages] == asked[1:]
+
+
+def test_too_many_refusals_end_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x, target, loss_fn = build("skip")
+
+    def planner(search: Any, graph: Any, inputs: Any, options: Any, **kwargs: Any) -> Any:
+        raise memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+
+    monkeypatch.setattr(search_module, "plan_stage", planner)
+    with pytest.raises(memfit.BudgetError, match="refused by the test|planner could not fit"):
+        plan(model, x, loss_fn, stages=2, microbatches=4, budget=10**12)
+
+
+def test_one_process_plans_its_stage_and_refuses_what_another_shares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Pipeline``'s use, in one process: plan stage 1 only; "another rank" refuses stage 0."""
+    model, x, target, loss_fn = build("skip")
+    options = pipeline_options(
+        stages=2,
+        microbatches=4,
+        schedule="gpipe",
+        budget=10**12,
+        optimizer_state=0.0,
+        bandwidth=None,
+    )
+    micro = microbatch((x,), 4)
+    search = prepare_search(model, micro, 128)
+    shared: list[dict[int, memfit.BudgetError]] = []
+    first_zero: list[tuple[int, int]] = []
+
+    def share(failed: dict[int, memfit.BudgetError]) -> dict[int, memfit.BudgetError]:
+        shared.append(dict(failed))
+        if len(shared) > 1:
+            return failed
+        return {**failed, 0: memfit.BudgetError("stage 0 refused elsewhere", budget_bytes=None)}
+
+    real_split = search_module.split_stages
+
+    def split(captured: Any, cuts: Any) -> Any:
+        graphs = real_split(captured, cuts)
+        first_zero.append((graphs[0].start, graphs[0].end))
+        return graphs
+
+    monkeypatch.setattr(search_module, "split_stages", split)
+    found = search_stages(search, micro, options, planned_here=[1], share=share)
+    assert list(found.plans) == [1] and shared == [{}, {}]
+    assert len(first_zero) == 2 and first_zero[1] != first_zero[0]
+    assert found.plans[1].start == found.cuts[0] == first_zero[1][1]
