@@ -22,6 +22,7 @@ import torch
 
 from memfit.cli.errors import CliError
 from memfit.cli.options import HelpFormatter
+from memfit.pipeline.schedule import SCHEDULES, PipelineSchedule, equal_stages_bubble
 from memfit.units import format_bytes
 
 __all__ = ["add_parser", "run"]
@@ -49,7 +50,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory")
     p.add_argument("--stages", type=int, required=True, help="number of stages (K)")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step (M)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+    p.add_argument("--schedule", choices=SCHEDULES, default=PipelineSchedule.GPIPE.value)
     p.add_argument("--budget", help="bytes per device, e.g. 2GiB (default: none)")
     p.add_argument(
         "--optimizer-state",
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     lines.append(
         f"step: measured {step * 1e3:.1f} ms, predicted {planned.step_seconds * 1e3:.1f} ms; "
         f"bubble measured {max(0.0, 1 - busy / step):.1%}, predicted {planned.bubble:.1%}, "
-        f"(K-1)/(M+K-1) = {(k - 1) / (m + k - 1):.1%}"
+        f"(K-1)/(M+K-1) = {equal_stages_bubble(k, m):.1%}"
     )
     lines.append("peaks are above what is live before a step (state and buffers excluded)")
     console.print("\n".join(lines), highlight=False, markup=False)
