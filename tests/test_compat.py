@@ -7,6 +7,7 @@ training step failing somewhere deep inside capture or measurement.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import pytest
@@ -84,8 +85,7 @@ def test_aot_autograd_split_and_boxed_code() -> None:
             assert not args, "the boxed code clears its argument list"
             return out
 
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+        return _compat.mark_boxed_call(run)  # called with one list, which it may clear
 
     torch.compiler.reset()
     before = _compat.unique_graph_count()
@@ -242,6 +242,48 @@ def test_compiled_function_ctx_and_will_engine_accumulate() -> None:
     f(w, v).backward(inputs=[v])
     torch.autograd.grad(f(w, v), [w])
     assert asked == [True, True, False, False, False, False]
+
+
+def test_donated_buffers_enabled_reads_aotautograds_config_on_each_call() -> None:
+    import torch._functorch.config as functorch_config
+
+    assert _compat.donated_buffers_enabled() is bool(functorch_config.donated_buffer)
+    for donated in (False, True):
+        with functorch_config.patch(donated_buffer=donated):
+            assert _compat.donated_buffers_enabled() is donated
+
+
+def test_has_gradient_hooks_sees_a_tensor_hook_and_a_post_accumulate_hook() -> None:
+    for register in ("register_hook", "register_post_accumulate_grad_hook"):
+        leaf = torch.zeros(2, requires_grad=True)
+        assert not _compat.has_gradient_hooks(leaf)
+        handle = getattr(leaf, register)(lambda value: None)
+        assert _compat.has_gradient_hooks(leaf), register
+        handle.remove()
+        assert not _compat.has_gradient_hooks(leaf), register
+
+
+def test_op_schema_says_which_ops_write_and_which_return_views() -> None:
+    aten = torch.ops.aten
+    assert _compat.op_schema(aten.add_.Tensor).is_mutable
+    assert not _compat.op_schema(aten.mm.default).is_mutable
+    assert _compat.op_schema(aten.t.default).returns[0].alias_info is not None
+    assert _compat.op_schema(aten.mm.default).returns[0].alias_info is None
+    assert _compat.op_schema(aten.mm.default).name == "aten::mm"
+    assert _compat.op_schema(operator.getitem) is None
+
+
+def test_child_module_finds_children_only_under_each_of_their_names() -> None:
+    parent = torch.nn.Module()
+    child = torch.nn.Linear(1, 1)
+    parent.add_module("a", child)
+    parent.add_module("b", child)
+    parent.register_module("empty", None)
+    parent.register_buffer("buffer", torch.zeros(1))
+    assert _compat.child_module(parent, "a") is child
+    assert _compat.child_module(parent, "b") is child
+    for name in ("empty", "buffer", "missing"):
+        assert _compat.child_module(parent, name) is None, name
 
 
 def test_eager_module_calls_name_the_modules_whose_call_broke_the_graph() -> None:

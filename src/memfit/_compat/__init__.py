@@ -13,12 +13,18 @@ Rule for the rest of the package: no ``import`` from ``torch._*``, ``torch.utils
 ``torch.compiler.reset``, ``torch.profiler.profile``, ``torch.library``, ``torch.fx``) are used
 directly.
 
+Private *attributes* count too: outside this package no code reads ``torch._dynamo.config``,
+``torch._C._x`` or ``node.target._schema`` (``tests/test_layers.py`` checks, and its NOTE
+[Private torch names] says exactly what counts); op names under ``torch.ops``
+(``torch.ops.aten._softmax.default``) are public.
+
 One module per torch subsystem, every entry re-exported here: ``names`` (pytrees, AOTAutograd's
 backend factory, fake modes, storage identities), ``partitioner`` (AOTAutograd's split and
 torch's min-cut), ``autograd`` (tangents, a compiled function's ctx, donation, the engine's
-accumulation, boxed code), ``dynamo`` (counters, the recompile limit), ``logging_config``
-(logging inside a captured forward), ``sizes`` (symbolic sizes), ``profiler`` (raw events),
-``inductor`` (what the benchmarks and the Inductor executor compile with), ``measurement``.
+accumulation and a tensor's hooks, boxed code), ``dynamo`` (counters, the recompile limit),
+``logging_config`` (logging inside a captured forward), ``sizes`` (symbolic sizes), ``profiler``
+(raw events), ``inductor`` (what the benchmarks and the Inductor executor compile with),
+``measurement``, ``ops`` (an op's schema), ``modules`` (nn.Module's children).
 """
 
 from __future__ import annotations
@@ -35,12 +41,17 @@ __all__ = [
     "aot_autograd",
     "backward_keeps_graph",
     "own_donation",
+    "donated_buffers_enabled",
     "boxed_codegen",
+    "mark_boxed_call",
     "compiled_backward_ctx",
     "compiled_function_ctx",
     "eager_module_calls",
     "will_engine_accumulate",
     "accumulate_grad_nodes",
+    "has_gradient_hooks",
+    "op_schema",
+    "child_module",
     "detect_fake_mode",
     "disable_current_modes",
     "extract_fwd_bwd_modules",
@@ -105,8 +116,11 @@ from memfit._compat.autograd import (  # noqa: E402
     boxed_codegen,
     compiled_backward_ctx,
     compiled_function_ctx,
+    donated_buffers_enabled,
     eager_module_calls,
+    has_gradient_hooks,
     is_tangent,
+    mark_boxed_call,
     own_donation,
     will_engine_accumulate,
 )
@@ -136,6 +150,9 @@ from memfit._compat.logging_config import (  # noqa: E402
 from memfit._compat.measurement import (  # noqa: E402
     profiler_started_anywhere,
 )
+from memfit._compat.modules import (  # noqa: E402
+    child_module,
+)
 from memfit._compat.names import (  # noqa: E402
     OpOverload,
     StorageWeakRef,
@@ -149,6 +166,9 @@ from memfit._compat.names import (  # noqa: E402
     tree_map,
     tree_map_only,
     tree_unflatten,
+)
+from memfit._compat.ops import (  # noqa: E402
+    op_schema,
 )
 from memfit._compat.partitioner import (  # noqa: E402
     MIN_CUT_MAX_FLOW,

@@ -7,8 +7,9 @@ Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -20,8 +21,11 @@ __all__ = [
     "boxed_codegen",
     "compiled_backward_ctx",
     "compiled_function_ctx",
+    "donated_buffers_enabled",
     "eager_module_calls",
+    "has_gradient_hooks",
     "is_tangent",
+    "mark_boxed_call",
     "own_donation",
     "will_engine_accumulate",
 ]
@@ -91,6 +95,15 @@ def own_donation() -> None:
         context.fw_metadata.bw_donated_idxs = []
 
 
+def donated_buffers_enabled() -> bool:
+    """Whether AOTAutograd lets a backward write into its donated saved values
+    (``torch._functorch.config.donated_buffer``, checked 2.13.0; on by default). Read on each
+    call, so ``torch._functorch.config.patch`` turns memfit's donation off with torch's."""
+    import torch._functorch.config
+
+    return bool(torch._functorch.config.donated_buffer)
+
+
 def backward_keeps_graph() -> bool:
     """Whether the backward running now keeps its graph for another pass (``retain_graph`` or
     ``create_graph``): ``torch._C._autograd._get_current_graph_task_keep_graph`` (checked
@@ -152,6 +165,16 @@ def will_engine_accumulate(leaf: torch.Tensor, node: Any = None) -> bool:
         return False
 
 
+def has_gradient_hooks(leaf: torch.Tensor) -> bool:
+    """Whether a hook registered on ``leaf`` would see its gradient: ``register_hook``'s
+    (``_backward_hooks``) or ``register_post_accumulate_grad_hook``'s
+    (``_post_accumulate_grad_hooks``), each None or an empty dict when there is none (checked
+    2.13.0). Such a gradient must reach ``.grad`` through AccumulateGrad, which runs them."""
+    return bool(getattr(leaf, "_backward_hooks", None)) or bool(
+        getattr(leaf, "_post_accumulate_grad_hooks", None)
+    )
+
+
 def accumulate_grad_nodes(node: Any) -> dict[int, Any]:
     """The AccumulateGrad nodes among autograd node ``node``'s next functions (the leaves its
     inputs came from), by ``id`` of their leaf (each node holds its leaf alive, so an id found
@@ -176,3 +199,18 @@ def boxed_codegen() -> Any:
     saved tensor, in a backward graph) can be freed after its last use (checked 2.13.0).
     """
     return _BoxedCodeGen()
+
+
+_Boxed = TypeVar("_Boxed", bound=Callable[..., Any])
+
+
+def mark_boxed_call(run: _Boxed) -> _Boxed:
+    """``run``, marked as taking its inputs as one list (AOTAutograd's boxed calling convention).
+
+    AOTAutograd calls a compiled forward or backward with one list of inputs where the function
+    carries ``_boxed_call = True`` (what ``torch._functorch.aot_autograd.make_boxed_func`` sets on
+    the wrapper it makes, checked 2.13.0), and unpacks them otherwise. Marking memfit's own
+    function spares the wrapper, and lets the function clear the list as it reads it.
+    """
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

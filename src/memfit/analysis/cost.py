@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import tree_map
+from memfit._compat import op_schema, tree_map
 from memfit.analysis.graph import JointGraph, is_view_op, node_tensors
 from memfit.analysis.sizes import HINTS, Sizes
 
@@ -128,7 +128,7 @@ def node_flops(node: fx.Node, sizes: Sizes = HINTS) -> int:
 
 
 def _is_view(node: fx.Node) -> bool:
-    if getattr(node.target, "_schema", None) is None:
+    if op_schema(node.target) is None:
         return True  # getitem and other Python-level glue
     return is_view_op(node)
 

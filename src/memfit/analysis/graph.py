@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import StorageWeakRef, is_sym_node, is_tangent, size_symbols, tree_flatten
+from memfit._compat import (
+    StorageWeakRef,
+    is_sym_node,
+    is_tangent,
+    op_schema,
+    size_symbols,
+    tree_flatten,
+)
 from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
 
@@ -74,7 +81,7 @@ def node_tensors(node: fx.Node) -> list[torch.Tensor]:
 def is_view_op(node: fx.Node) -> bool:
     """Whether ``node`` is an ATen op whose result aliases an input (a view such as ``t`` or
     ``view``, per its schema). False for Python glue without a schema (``getitem``)."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
@@ -114,7 +121,7 @@ _DROPOUT_ONLY = frozenset(
 
 def _draws_nothing(node: fx.Node) -> bool:
     """Whether a seeded op is one of ``_DROPOUT_ONLY`` with a constant ``dropout_p`` of 0."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None or schema.name not in _DROPOUT_ONLY:
         return False
     names = [a.name for a in schema.arguments]

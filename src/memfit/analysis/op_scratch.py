@@ -51,7 +51,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import OpOverload, disable_current_modes, size_hint, tree_flatten, tree_map
+from memfit._compat import (
+    OpOverload,
+    disable_current_modes,
+    op_schema,
+    size_hint,
+    tree_flatten,
+    tree_map,
+)
 from memfit.analysis.graph import allocated_bytes, is_random, is_view_op, node_tensors
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
@@ -126,7 +133,7 @@ def _runnable(node: fx.Node) -> bool:
         return False
     if not isinstance(node.target, OpOverload):
         return False
-    if node.target._schema.is_mutable or is_view_op(node):
+    if op_schema(node.target).is_mutable or is_view_op(node):
         return False  # in-place ops and views allocate nothing of their own
     return all(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
 

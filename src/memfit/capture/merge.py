@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import is_tangent
+from memfit._compat import OpOverload, is_tangent, op_schema
 
 __all__ = ["merge_backward_duplicates"]
 
@@ -57,9 +57,9 @@ def _mergeable(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+    if op_schema(target).is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False
     return target is not torch.ops.aten.empty.memory_format
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import accumulate_grad_nodes, will_engine_accumulate
+from memfit._compat import accumulate_grad_nodes, has_gradient_hooks, will_engine_accumulate
 
 __all__ = ["LEAVES", "LeafNotes", "accumulating", "accumulate_into_grads", "output_values"]
 
@@ -105,8 +105,7 @@ def _addable(leaf: torch.Tensor, grad: torch.Tensor | None, made: torch.Tensor) 
         and grad.shape == made.shape
         and grad.dtype == made.dtype
         and grad.device == made.device
-        and not getattr(leaf, "_backward_hooks", None)
-        and not getattr(leaf, "_post_accumulate_grad_hooks", None)
+        and not has_gradient_hooks(leaf)
     )
 
 

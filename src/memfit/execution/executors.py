@@ -26,6 +26,7 @@ import torch.fx as fx
 from memfit._compat import (
     boxed_codegen,
     dense_memory_format,
+    donated_buffers_enabled,
     forward_output_strides,
     inductor_compile,
     inductor_decompositions,
@@ -71,7 +72,8 @@ STATIC_INPUT = "memfit_static_input"
 #: storage with (``execution.partition``): the argument list is its last reference, so Inductor
 #: may write the backward's own buffers into it after its last read, as ``torch.compile``'s
 #: backward does with AOTAutograd's donated buffers. Honoured only where the caller says the
-#: inputs are used once (``donate``) and ``torch._functorch.config.donated_buffer`` is on.
+#: inputs are used once (``donate``) and AOTAutograd's ``donated_buffer`` is on
+#: (``memfit._compat.donated_buffers_enabled``).
 DONATED = "memfit_donated"
 
 #: The kinds of graph AOTAutograd hands a compiler.
@@ -220,7 +222,7 @@ def _inductor(
     examples = [example_inputs[i] for i in read]
     static = [j for j, i in enumerate(read) if placeholders[i].meta.get(STATIC_INPUT)]
     donated: list[int] = []
-    if donate and kind == "backward" and torch._functorch.config.donated_buffer:
+    if donate and kind == "backward" and donated_buffers_enabled():
         donated = [j for j, i in enumerate(read) if placeholders[i].meta.get(DONATED)]
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     (outs,) = output.args

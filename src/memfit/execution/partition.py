@@ -40,7 +40,13 @@ from collections.abc import Set as AbstractSet
 import torch
 import torch.fx as fx
 
-from memfit._compat import StorageWeakRef, extract_fwd_bwd_modules, is_sym_node, is_tangent
+from memfit._compat import (
+    StorageWeakRef,
+    extract_fwd_bwd_modules,
+    is_sym_node,
+    is_tangent,
+    op_schema,
+)
 from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
@@ -239,7 +245,7 @@ def _mutated(placeholder: fx.Node) -> bool:
     while aliases:
         value = aliases.pop()
         for user in value.users:
-            schema = getattr(user.target, "_schema", None)
+            schema = op_schema(user.target)
             if schema is None:
                 continue
             for i, arg in enumerate(schema.arguments):

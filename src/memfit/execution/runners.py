@@ -23,6 +23,7 @@ from memfit._compat import (
     backward_keeps_graph,
     compiled_backward_ctx,
     compiled_function_ctx,
+    mark_boxed_call,
     own_donation,
 )
 from memfit.capture.tangents import tangent_positions, without_tangents
@@ -86,8 +87,7 @@ def boxed(
             on_run(args)
             return compiled(args)
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return mark_boxed_call(run)
 
 
 PLAN_META = "memfit_plan"
@@ -134,8 +134,7 @@ def boxed_forward(
         watch.note_forward(ctx, outputs)
         return outputs
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return mark_boxed_call(run)
 
 
 class Shared:
@@ -204,5 +203,4 @@ def boxed_backward(
         args.extend(grads)  # the trailing inputs of an accumulating graph
         return graphs[key](args)
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return mark_boxed_call(run)
