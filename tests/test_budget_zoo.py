@@ -26,7 +26,7 @@ FRACTIONS = (1.0, 0.5, 0.25)
 def test_budgets_are_met_predicted_and_monotonic(case: ZooCase, device: str) -> None:
     args, kwargs = tree_to(case.make_inputs(), device)
     model = case.make_model().to(device)
-    full = memfit.plan(model, *args, budget=1.0, **kwargs)
+    full = memfit.plan(model, *args, policy=1.0, **kwargs)
     smallest, baseline = full.pareto()[0].peak_bytes, full.baseline_peak_bytes
     # Small zoo models often cannot reach 0.5 or 0.25 (those must then raise); the midpoint
     # between the smallest and plain autograd is always feasible and is a real trade-off.
@@ -41,7 +41,7 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase, device: str) -> 
     measured: list[tuple[str, int]] = []
     for budget in budgets:
         torch.compiler.reset()
-        wrapped = memfit.checkpoint(model, budget=budget)
+        wrapped = memfit.checkpoint(model, budget)
         try:
             peak = measured_step_peak(case, wrapped, args, kwargs, device)
         except memfit.BudgetError as err:

@@ -108,7 +108,7 @@ def test_attention_off_leaves_the_graph_as_written() -> None:
     model = variant.make()
     inputs = _inputs(variant)
     ref_out, ref_grads, _ = _step(model, inputs)
-    wrapped = memfit.checkpoint(model, "none", attention="off")
+    wrapped = memfit.checkpoint(model, "none", options=memfit.Options(attention="off"))
     out, grads, _ = _step(wrapped, inputs)
     assert wrapped.memfit.plan.attention == ()
     assert torch.equal(out, ref_out)
@@ -136,7 +136,7 @@ def test_probabilities_read_elsewhere_are_left_alone_and_reported() -> None:
 
 def test_bad_attention_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="attention must be one of"):
-        memfit.checkpoint(SelfAttention("fused_qkv"), attention="flash")
+        memfit.checkpoint(SelfAttention("fused_qkv"), options=memfit.Options(attention="flash"))
 
 
 def test_the_quadratic_tensors_are_no_longer_kept() -> None:
@@ -146,7 +146,7 @@ def test_the_quadratic_tensors_are_no_longer_kept() -> None:
     x = torch.randn(1, 256, D)
     kept = {}
     for mode in ("off", "auto"):
-        wrapped = memfit.checkpoint(model, "none", attention=mode)
+        wrapped = memfit.checkpoint(model, "none", options=memfit.Options(attention=mode))
         _step(wrapped, (x,))
         kept[mode] = wrapped.memfit.plan.kept_bytes
     scores_bytes = 1 * 4 * 256 * 256 * 4
@@ -231,7 +231,7 @@ def test_additive_decoder_keeps_no_tanh_per_step() -> None:
     inputs = _additive_inputs(steps=8, keys=64)
     kept = {}
     for mode in ("off", "auto"):
-        wrapped = memfit.checkpoint(model, "none", attention=mode)
+        wrapped = memfit.checkpoint(model, "none", options=memfit.Options(attention=mode))
         _step(wrapped, inputs)
         kept[mode] = wrapped.memfit.plan.kept_bytes
     tanh_per_step = 2 * 64 * 32 * 4

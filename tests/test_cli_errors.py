@@ -102,7 +102,7 @@ def test_the_script_restarts_itself_with_passive_openmp(finished: dict) -> None:
         (["profile", f"{FACTORIES}:tiny_mlp", "--device", "tpu"], "--device 'tpu'"),
         (["profile", f"{FACTORIES}:tiny_mlp", "--dtype", "int8"], "--dtype 'int8'"),
         (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "none,fast"], "'fast' is not a policy"),
-        (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "budget=lots"], "cannot parse budget"),
+        (["profile", f"{FACTORIES}:tiny_mlp", "--policies", "2lots"], "cannot parse budget"),
         (["profile", f"{FACTORIES}:tiny_mlp_model", "--input-shape", "16,x"], "is not a shape"),
         (["profile", f"{FACTORIES}:tiny_mlp", "--batch-step", "0"], "--batch-step 0"),
         (

@@ -59,10 +59,10 @@ def test_dtypes_modes_shapes() -> None:
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(None) is None
     with pytest.raises(CliError, match="floating-point"):
         parse_dtype("int8")
-    labels = [m.label for m in parse_policies("memory, speed,memory,budget=0.5,budget=64MiB")]
+    labels = [m.label for m in parse_policies("memory, speed,memory,0.5,64MiB")]
     assert labels == ["none", "memory", "speed", "budget 50%", "budget 64.00 MiB"]
     assert parse_policies("none")[0].call() == "memfit.checkpoint(model, 'none')"
-    assert parse_policies("budget=0.25")[1].call() == "memfit.checkpoint(model, budget=0.25)"
+    assert parse_policies("0.25")[1].call() == "memfit.checkpoint(model, 0.25)"
     with pytest.raises(CliError, match="'fast' is not a policy"):
         parse_policies("fast")
     assert parse_shape("8,3,32,32") == parse_shape("8x3x32x32") == (8, 3, 32, 32)
@@ -72,17 +72,17 @@ def test_dtypes_modes_shapes() -> None:
 
 
 def test_autotune_marks_every_budget_and_needs_one() -> None:
-    policies = parse_policies("memory,budget=0.5", autotune=True)
+    policies = parse_policies("memory,0.5", autotune=True)
     assert [p.label for p in policies] == ["none", "memory", "budget 50% + autotune"]
     assert policies[2].call() == (
-        "memfit.checkpoint(model, budget=0.5, executor='inductor', autotune=True)"
+        "memfit.checkpoint(model, 0.5, executor='inductor', options=memfit.Options(autotune=True))"
     )
     with pytest.raises(CliError, match="names no budget"):
         parse_policies("memory,speed", autotune=True)
 
 
 def test_offload_adds_swap_and_offload_twins() -> None:
-    labels = [p.label for p in parse_policies("speed,memory,budget=0.5", offload=True)]
+    labels = [p.label for p in parse_policies("speed,memory,0.5", offload=True)]
     assert labels == [
         "none",
         "speed",

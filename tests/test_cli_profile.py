@@ -202,6 +202,6 @@ def test_bad_offload_dir_is_a_cli_error(tmp_path: Path) -> None:
 
 
 def test_autotune_without_inductor_is_a_cli_error() -> None:
-    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--policies", "budget=0.5", "--autotune")
+    proc = run_memfit("profile", f"{FACTORIES}:tiny_mlp", "--policies", "0.5", "--autotune")
     assert proc.returncode != 0
     assert "--executor inductor" in proc.stderr + proc.stdout

@@ -113,11 +113,11 @@ def test_peak_within_prediction_and_budget_held() -> None:
     plain = memfit.measure(lambda: F.cross_entropy(model(x), y).backward())
     model.zero_grad(set_to_none=True)
     with pytest.raises(memfit.BudgetError) as refused:
-        F.cross_entropy(memfit.checkpoint(model, budget=1, executor="inductor")(x), y)
+        F.cross_entropy(memfit.checkpoint(model, 1, executor="inductor")(x), y)
     smallest = refused.value.smallest_bytes
     assert smallest is not None and smallest < plain.peak_bytes
     budget = (smallest + plain.peak_bytes) // 2
-    wrapped = memfit.checkpoint(model, budget=budget, executor="inductor")
+    wrapped = memfit.checkpoint(model, budget, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()  # capture, plan, compile, measure
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
@@ -126,7 +126,7 @@ def test_peak_within_prediction_and_budget_held() -> None:
     assert abs(step.peak_bytes - predicted) <= 0.1 * predicted, (step.peak_bytes, predicted)
     assert "measured once" in wrapped.memfit.plan.graphs[0].note
     # the least peak a refusal names is one memfit can then be asked for (measured, compiled)
-    at_least = memfit.checkpoint(model, budget=smallest, executor="inductor")
+    at_least = memfit.checkpoint(model, smallest, executor="inductor")
     F.cross_entropy(at_least(x), y).backward()
     model.zero_grad(set_to_none=True)
     step = memfit.measure(lambda: F.cross_entropy(at_least(x), y).backward())
@@ -148,7 +148,7 @@ def _half_at_batch_one(monkeypatch, scale: float):
 
     monkeypatch.setattr(inductor_fit, "calibrate", scaled)
     x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
-    wrapped = memfit.checkpoint(_net(), budget=0.5, executor="inductor")
+    wrapped = memfit.checkpoint(_net(), 0.5, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()
     (graph,) = wrapped.memfit.plan.graphs
     return graph, (x, y)
@@ -167,7 +167,7 @@ def test_a_fraction_met_only_at_the_least_peak_is_held_to_its_compiled_peak(monk
     assert graph.budget_bytes == graph.predicted_peak_bytes
     assert "the least peak of such a plan, once compiled" in graph.note
     with pytest.raises(memfit.BudgetError):
-        in_bytes = memfit.checkpoint(_net(), budget=least_simulated, executor="inductor")
+        in_bytes = memfit.checkpoint(_net(), least_simulated, executor="inductor")
         F.cross_entropy(in_bytes(x), y).backward()
 
 
@@ -200,14 +200,14 @@ def test_a_fraction_no_compiled_plan_meets_in_bytes_is_met_as_a_smaller_one_is(
     fraction = 1 - (graph.baseline_peak_bytes - target) / graph.baseline_kept_bytes
     assert 0.5 < fraction < 1
     torch.compiler.reset()
-    wrapped = memfit.checkpoint(_net(), budget=fraction, executor="inductor")
+    wrapped = memfit.checkpoint(_net(), fraction, executor="inductor")
     F.cross_entropy(wrapped(x), y).backward()
     (held,) = wrapped.memfit.plan.graphs
     assert held.kept_bytes <= fraction * held.baseline_kept_bytes
     assert held.budget_bytes == held.predicted_peak_bytes > target
     assert "a plan keeping that fraction, once compiled" in held.note
     with pytest.raises(memfit.BudgetError):  # a budget in bytes stays a hard limit
-        in_bytes = memfit.checkpoint(_net(), budget=target, executor="inductor")
+        in_bytes = memfit.checkpoint(_net(), target, executor="inductor")
         F.cross_entropy(in_bytes(x), y).backward()
 
 
@@ -220,7 +220,7 @@ def test_a_fraction_no_plan_keeps_is_still_refused(monkeypatch) -> None:
     assert least_kept > 0.2 * graph.baseline_kept_bytes
     torch.compiler.reset()
     with pytest.raises(memfit.BudgetError) as refused:
-        wrapped = memfit.checkpoint(_net(), budget=0.2, executor="inductor")
+        wrapped = memfit.checkpoint(_net(), 0.2, executor="inductor")
         F.cross_entropy(wrapped(x), y).backward()
     assert refused.value.smallest_bytes is not None
 
@@ -259,7 +259,7 @@ def test_memory_and_a_budget_look_past_a_least_simulated_plan_that_compiles_high
     meets once compiled, is then searched as ``"memory"`` is, and met by such a plan; it was
     refused, naming the least simulated plan's compiled peak."""
     x, y = torch.randn(1, 3, 16, 16), torch.zeros(1, dtype=torch.long)
-    least_simulated = memfit.plan(_net(), x, executor="inductor").pareto()[0].peak_bytes
+    least_simulated = memfit.plan(_net(), x, policy=1.0, executor="inductor").pareto()[0].peak_bytes
     torch.compiler.reset()
     _least_compiling_high(monkeypatch)
     memory = memfit.checkpoint(_net(), "memory", executor="inductor")
@@ -269,7 +269,7 @@ def test_memory_and_a_budget_look_past_a_least_simulated_plan_that_compiles_high
     torch.compiler.reset()
     monkeypatch.undo()  # a fresh "least so far"
     _least_compiling_high(monkeypatch)
-    at_least = memfit.checkpoint(_net(), budget=least_simulated, executor="inductor")
+    at_least = memfit.checkpoint(_net(), least_simulated, executor="inductor")
     F.cross_entropy(at_least(x), y).backward()
     (held,) = at_least.memfit.plan.graphs
     assert held.budget_bytes == least_simulated
@@ -280,7 +280,7 @@ def test_a_refused_budget_keeps_a_compiled_plan_within_it_over_a_cheaper_one_abo
     """Searched as ``"memory"``'s, a refused budget's plans are held to the first plan's
     compiled peak (140 here): the cheapest of them (135) is above the budget (115) while another
     (110) is within it. That one is kept; with none within, the least peak, which is named."""
-    frontier = memfit.plan(_net(), torch.randn(1, 3, 16, 16)).graphs[0]
+    frontier = memfit.plan(_net(), torch.randn(1, 3, 16, 16), policy=1.0).graphs[0]
 
     def compiled(peak: int, seconds: float) -> memfit.GraphPlan:
         return dataclasses.replace(frontier, predicted_peak_bytes=peak, recompute_seconds=seconds)
@@ -311,7 +311,9 @@ def _budget_one_timed(
     x, y = _batch()
     ref = _net()
     model = copy.deepcopy(ref)
-    wrapped = memfit.checkpoint(model, budget=1.0, executor="inductor", autotune=autotune)
+    wrapped = memfit.checkpoint(
+        model, 1.0, executor="inductor", options=memfit.Options(autotune=autotune)
+    )
     F.cross_entropy(wrapped(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
     (graph,) = wrapped.memfit.plan.graphs
@@ -361,13 +363,15 @@ def test_without_autotune_a_budget_compiles_and_times_no_rival(
 
 def test_autotune_needs_a_budget_and_inductor() -> None:
     with pytest.raises(ValueError, match="executor='inductor'"):
-        memfit.checkpoint(_net(), budget=0.5, autotune=True)
+        memfit.checkpoint(_net(), 0.5, options=memfit.Options(autotune=True))
     with pytest.raises(ValueError, match="give a budget"):
-        memfit.checkpoint(_net(), "memory", executor="inductor", autotune=True)
+        memfit.checkpoint(
+            _net(), "memory", executor="inductor", options=memfit.Options(autotune=True)
+        )
     with pytest.raises(ValueError, match="executor='inductor'"):
-        memfit.step(lambda x: _net()(x).sum(), budget=0.5, autotune=True)
+        memfit.step(lambda x: _net()(x).sum(), policy=0.5, options=memfit.Options(autotune=True))
     with pytest.raises(TypeError, match="autotune is True or False"):
-        memfit.checkpoint(_net(), budget=0.5, executor="inductor", autotune="yes")  # type: ignore[arg-type]
+        memfit.checkpoint(_net(), 0.5, executor="inductor", options=memfit.Options(autotune="yes"))  # type: ignore[arg-type]
 
 
 def test_timing_a_budgets_plans_leaves_training_plain_pytorchs(
@@ -443,7 +447,7 @@ def test_budget_unmeasured_under_a_profiler_says_so() -> None:
     measured: the budget is checked against Inductor's schedule only, and memfit warns."""
     x, y = _batch()
     model = _net()
-    wrapped = memfit.checkpoint(model, budget=0.9, executor="inductor")
+    wrapped = memfit.checkpoint(model, 0.9, executor="inductor")
     with pytest.warns(UserWarning, match="could not be measured"):
         memfit.measure(lambda: F.cross_entropy(wrapped(x), y).backward())
     assert "Inductor's schedule" in wrapped.memfit.plan.graphs[0].note
@@ -531,7 +535,7 @@ def test_step_with_inductor() -> None:
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    train_step = memfit.step(loss_of, budget=0.6, executor="inductor")
+    train_step = memfit.step(loss_of, policy=0.6, executor="inductor")
     train_step(x, y).backward()
     F.cross_entropy(ref(x), y).backward()
     _assert_same_training(model, ref)

@@ -1,7 +1,7 @@
 """The layering written in each folder's README holds in the code: no module imports upwards.
 
 ``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``,
-``memfit.units`` and ``memfit.warn`` only), then capture (whose attention pass rewrites into
+``memfit.units``, ``memfit.warn`` and ``memfit.choice`` only), then capture (whose attention pass rewrites into
 ``nn``'s kernels) and measurement, then analysis, planning, execution and ``pipeline``, each
 importing only layers below it; the CLI, the benchmarks and the package root may import
 anything. Only ``memfit._compat`` reaches torch's private API: it alone imports torch's private
@@ -24,6 +24,7 @@ LAYERS = {
     "_compat": 0,
     "units": 0,
     "warn": 0,
+    "choice": 0,
     "nn": 1,
     "capture": 2,
     "measurement": 2,

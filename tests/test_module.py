@@ -33,6 +33,7 @@ import memfit
 from conftest import CUDA
 from memfit._compat import frames_converted
 from memfit.bench.zoo import ZOO, ZooCase, tree_to
+from memfit.planning.budget import Budget
 
 RTOL, ATOL = 1e-5, 1e-6
 #: Inductor's fused kernels reassociate sums: gradients agree to fp32 tolerance, not to the bit.
@@ -103,8 +104,8 @@ def _close(
 def _wrap(case: ZooCase, model: nn.Module, mode: str, device: str, executor: str) -> nn.Module:
     if mode == "budget-min":  # the most aggressive budget plan: the smallest feasible peak
         args, kwargs = tree_to(case.make_inputs(), device)
-        smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
-        return memfit.checkpoint(model, budget=smallest, executor=executor)
+        smallest = memfit.plan(model, *args, policy=1.0, **kwargs).pareto()[0].peak_bytes
+        return memfit.checkpoint(model, smallest, executor=executor)
     policy = _names_for(model) if mode == "names" else mode
     return memfit.checkpoint(model, policy, executor=executor)
 
@@ -354,7 +355,10 @@ def test_plan_prints_summary() -> None:
     [
         ("fast", ValueError, ["'fast'", "'memory'", "'speed'"]),
         ("memroy", ValueError, ["did you mean 'memory'"]),
-        (3, TypeError, ["int"]),
+        (None, TypeError, ["NoneType"]),
+        (True, TypeError, ["True"]),
+        (0, ValueError, ["positive"]),
+        ("budget=0.5", ValueError, ["'0.5'", "removed"]),
         (["0", 5], TypeError, ["5"]),
         (["layers.0"], ValueError, ["'layers.0'", "closest"]),
     ],
@@ -372,30 +376,46 @@ def test_not_a_module() -> None:
         memfit.checkpoint(lambda x: x)  # type: ignore[arg-type]
 
 
-def test_old_checkpoints_keyword_still_works_and_warns() -> None:
+@pytest.mark.parametrize(
+    "removed",
+    [
+        {"budget": 0.5},
+        {"checkpoints": "speed"},
+        {"attention": "off"},
+        {"offload_to": "disk"},
+        {"offload_dir": "/tmp"},
+        {"autotune": True},
+        {"max_shapes": 2},
+        {"measure_outside": False},
+    ],
+)
+def test_removed_keywords_are_refused(removed: dict[str, Any]) -> None:
+    """0.2 has one spelling of each: the budget is the policy, the knobs are in Options."""
+    with pytest.raises(TypeError, match=next(iter(removed))):
+        memfit.checkpoint(nn.Linear(2, 2), **removed)
+
+
+def test_a_budget_is_bytes_a_size_or_a_fraction() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    with pytest.warns(DeprecationWarning, match="policy"):
-        wrapped = memfit.checkpoint(model, checkpoints="speed")
-    assert wrapped.memfit.policy == memfit.Policy("speed")
-    with pytest.raises(ValueError, match="once"):
-        memfit.checkpoint(model, "memory", checkpoints="speed")
-
-
-def test_budget_policy_text_equals_budget_keyword() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    assert (
-        memfit.checkpoint(model, "budget=0.5").memfit.policy
-        == memfit.checkpoint(model, budget=0.5).memfit.policy
-    )
-
-
-def test_budget_and_policy_are_exclusive() -> None:
-    with pytest.raises(ValueError, match="either"):
-        memfit.checkpoint(nn.Linear(2, 2), "memory", budget=0.5)
+    assert memfit.checkpoint(model, 0.5).memfit.policy.budget == Budget(fraction=0.5)
+    assert memfit.checkpoint(model, "0.5").memfit.policy.budget == Budget(fraction=0.5)
+    assert memfit.checkpoint(model, "2MiB").memfit.policy.budget == Budget(bytes=2 * 2**20)
+    assert memfit.checkpoint(model, 4096).memfit.policy.budget == Budget(bytes=4096)
     with pytest.raises(ValueError, match="fraction"):
-        memfit.checkpoint(nn.Linear(2, 2), budget=1.5)
+        memfit.checkpoint(nn.Linear(2, 2), 1.5)
     with pytest.raises(ValueError, match="cannot parse"):
-        memfit.checkpoint(nn.Linear(2, 2), budget="lots")
+        memfit.checkpoint(nn.Linear(2, 2), "2lots")
+
+
+def test_offload_is_a_switch_and_its_settings_are_options() -> None:
+    with pytest.raises(TypeError, match="Options"):
+        memfit.checkpoint(nn.Linear(2, 2), "memory", offload="disk")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="memfit.Options"):
+        memfit.checkpoint(nn.Linear(2, 2), options={"attention": "off"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'eager', 'inductor'"):
+        memfit.checkpoint(nn.Linear(2, 2), executor="fast")
+    assert memfit.Options(attention="off").attention is memfit.Attention.OFF
+    assert memfit.Executor("inductor") == "inductor"
 
 
 def test_plan_leaves_model_and_rng_untouched() -> None:
@@ -405,7 +425,7 @@ def test_plan_leaves_model_and_rng_untouched() -> None:
     args, kwargs = case.make_inputs()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    plan = memfit.plan(model, *args, budget=0.9, **kwargs)
+    plan = memfit.plan(model, *args, policy=0.9, **kwargs)
     assert torch.equal(torch.get_rng_state(), rng)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -417,7 +437,7 @@ def test_plan_leaves_model_and_rng_untouched() -> None:
 def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
     case = next(c for c in ZOO if c.name == "resnet")
     args, kwargs = case.make_inputs()
-    by_fraction = memfit.plan(case.make_model(), *args, budget=0.85, **kwargs)
+    by_fraction = memfit.plan(case.make_model(), *args, policy=0.85, **kwargs)
     torch.compiler.reset()
     # A fraction is of the activations plain autograd keeps; the rest of the step is added.
     base = by_fraction.baseline_peak_bytes
@@ -425,7 +445,7 @@ def test_fraction_and_equivalent_bytes_give_the_same_plan() -> None:
     assert by_fraction.budget_bytes >= base - round(0.15 * by_fraction.baseline_kept_bytes)
     in_bytes = by_fraction.budget_bytes
     assert 0.85 * base < in_bytes < base
-    by_bytes = memfit.plan(case.make_model(), *args, budget=in_bytes, **kwargs)
+    by_bytes = memfit.plan(case.make_model(), *args, policy=in_bytes, **kwargs)
     assert by_bytes.budget_bytes == by_fraction.budget_bytes == in_bytes
     assert by_fraction.recompute_flops > 0  # a real trade-off, not plain autograd
     assert by_bytes.kept == by_fraction.kept and by_bytes.recomputed == by_fraction.recomputed
@@ -437,9 +457,9 @@ def test_infeasible_budget_raises_with_the_smallest() -> None:
     case = next(c for c in ZOO if c.name == "resnet")
     args, kwargs = case.make_inputs()
     model = case.make_model()
-    smallest = memfit.plan(model, *args, **kwargs).pareto()[0].peak_bytes
+    smallest = memfit.plan(model, *args, policy=1.0, **kwargs).pareto()[0].peak_bytes
     torch.compiler.reset()
-    wrapped = memfit.checkpoint(model, budget=smallest - 1)
+    wrapped = memfit.checkpoint(model, smallest - 1)
     with pytest.raises(memfit.BudgetError) as info:
         wrapped(*args, **kwargs)
     assert info.value.smallest_bytes == smallest

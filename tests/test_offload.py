@@ -14,10 +14,10 @@ import memfit
 from conftest import CUDA
 from memfit.bench.zoo import ZOO, case
 from memfit.execution import offload as off
-from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+from memfit.execution.offload import OffloadError, OffloadStore
 
 #: A link so fast the plan offloads every candidate, whatever this machine's disk does.
-EVERYTHING = OffloadOptions(bandwidth=1e18, min_bytes=1)
+EVERYTHING = memfit.Options(offload_bandwidth=1e18, offload_min_bytes=1)
 
 
 def _mlp() -> nn.Module:
@@ -76,8 +76,8 @@ def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -
     monkeypatch.setattr(off.store, "DEBUG_DELAY_S", 0.01)
     monkeypatch.setattr(off.store, "DEBUG_POISON", True)
     plain, swapped = _mlp(), _mlp()
-    options = OffloadOptions(directory=str(tmp_path), bandwidth=1e18, min_bytes=1)
-    wrapped = memfit.checkpoint(swapped, "swap", offload=options)
+    options = memfit.Options(offload_dir=str(tmp_path), offload_bandwidth=1e18, offload_min_bytes=1)
+    wrapped = memfit.checkpoint(swapped, "swap", options=options)
     loss = wrapped(X).square().mean()
     loss.backward()
     ref = plain(X).square().mean()
@@ -91,7 +91,7 @@ def test_swap_with_delayed_copies_gives_plain_gradients(monkeypatch, tmp_path) -
 @pytest.mark.slow
 def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
     none = memfit.checkpoint(_mlp(), "none")
-    swapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    swapped = memfit.checkpoint(_mlp(), "swap", options=EVERYTHING)
     none(X).square().mean().backward()  # capture and plan
     peak_none = memfit.measure(lambda: none(X).square().mean().backward()).peak_bytes
 
@@ -115,7 +115,7 @@ def test_offloaded_sources_are_freed_and_nothing_grows() -> None:
 
 
 def test_abandoned_step_removes_its_files() -> None:
-    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    wrapped = memfit.checkpoint(_mlp(), "swap", options=EVERYTHING)
     wrapped(X).sum().backward()
     loss = wrapped(X).sum()  # a forward whose backward never runs
     assert wrapped.memfit.offload_store.pending_files
@@ -124,18 +124,18 @@ def test_abandoned_step_removes_its_files() -> None:
 
 
 def test_budget_with_offload_reaches_below_recompute_only() -> None:
-    lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
+    lowest = memfit.plan(_mlp(), X, policy=1.0).pareto()[0].peak_bytes
     with pytest.raises(memfit.BudgetError):
-        memfit.plan(_mlp(), X, budget=int(lowest * 0.8))
+        memfit.plan(_mlp(), X, policy=int(lowest * 0.8))
     budget = int(lowest * 0.8)
-    plan = memfit.plan(_mlp(), X, budget=budget, offload=EVERYTHING)
+    plan = memfit.plan(_mlp(), X, policy=budget, options=EVERYTHING, offload=True)
     assert plan.predicted_peak_bytes <= budget
     assert plan.offloaded and plan.host_peak_bytes == plan.offloaded_bytes
     assert "offloaded" in str(plan)
     plain = _mlp()
     plain(X).square().mean().backward()
     model = _mlp()
-    wrapped = memfit.checkpoint(model, budget=budget, offload=EVERYTHING)
+    wrapped = memfit.checkpoint(model, budget, options=EVERYTHING, offload=True)
     wrapped(X).square().mean().backward()
     assert wrapped.memfit.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
@@ -147,8 +147,8 @@ def test_budget_with_offload_reaches_below_recompute_only() -> None:
     # With the host side capped, the least peak recomputes and offloads together; gradients stay
     # plain PyTorch's.
     model = _mlp()
-    capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=2**20)
-    lowest_of_all = memfit.checkpoint(model, "memory", offload=capped)
+    capped = memfit.Options(offload_bandwidth=1e18, offload_min_bytes=1, host_budget=2**20)
+    lowest_of_all = memfit.checkpoint(model, "memory", options=capped, offload=True)
     lowest_of_all(X).square().mean().backward()
     assert lowest_of_all.memfit.plan.recomputed and lowest_of_all.memfit.plan.offloaded
     assert all(torch.equal(a, b) for a, b in zip(_grads(plain), _grads(model)))
@@ -164,7 +164,7 @@ def test_zoo_swap_is_bit_identical_to_keeping_everything(name: str) -> None:
     c = case(name)
     args, kwargs = c.make_inputs()
     results = []
-    for policy, extra in (("none", {}), ("swap", {"offload": EVERYTHING})):
+    for policy, extra in (("none", {}), ("swap", {"options": EVERYTHING})):
         torch.manual_seed(1)
         model = c.make_model()
         wrapped = memfit.checkpoint(model, policy, **extra)
@@ -183,24 +183,26 @@ def test_zoo_swap_is_bit_identical_to_keeping_everything(name: str) -> None:
 
 def test_bad_offload_dir_is_refused_before_any_step(tmp_path) -> None:
     with pytest.raises(OffloadError, match="does not exist"):
-        memfit.checkpoint(_mlp(), "swap", offload_dir=str(tmp_path / "missing"))
+        memfit.checkpoint(
+            _mlp(), "swap", options=memfit.Options(offload_dir=str(tmp_path / "missing"))
+        )
     a_file = tmp_path / "file"
     a_file.write_text("")
     with pytest.raises(OffloadError, match="not a directory"):
-        memfit.checkpoint(_mlp(), "swap", offload_dir=str(a_file))
+        memfit.checkpoint(_mlp(), "swap", options=memfit.Options(offload_dir=str(a_file)))
     with pytest.raises(ValueError, match="offload_to must be"):
-        memfit.checkpoint(_mlp(), "swap", offload_to="tape")
+        memfit.checkpoint(_mlp(), "swap", options=memfit.Options(offload_to="tape"))
 
 
 def test_host_offload_of_cpu_activations_says_use_disk() -> None:
-    wrapped = memfit.checkpoint(_mlp(), "swap", offload_to="host")
+    wrapped = memfit.checkpoint(_mlp(), "swap", options=memfit.Options(offload_to="host"))
     with pytest.raises(OffloadError, match="offload_to='disk'"):
         wrapped(X)
 
 
 def test_offload_options_need_an_offloading_policy() -> None:
     with pytest.raises(ValueError, match="offload=True"):
-        memfit.checkpoint(_mlp(), "speed", offload_dir="/tmp")
+        memfit.checkpoint(_mlp(), "speed", options=memfit.Options(offload_dir="/tmp"))
     with pytest.raises(ValueError, match="offload=True goes with"):
         memfit.checkpoint(_mlp(), "speed", offload=True)
 
@@ -212,7 +214,7 @@ def test_full_disk_is_a_clear_error_and_leaves_no_file(monkeypatch) -> None:
         os.remove(path)  # what _write_file does on failure
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    wrapped = memfit.checkpoint(_mlp(), "swap", options=EVERYTHING)
     wrapped(X).sum().backward()
     monkeypatch.setattr(off.store, "_write_file", full)
     with pytest.raises(OffloadError, match="free disk space"):
@@ -241,15 +243,15 @@ def test_host_arena_is_allocated_once_and_never_fragments() -> None:
 
 
 def test_host_budget_caps_what_is_offloaded() -> None:
-    capped = OffloadOptions(bandwidth=1e18, min_bytes=1, host_budget=600 * 1024)
-    wrapped = memfit.checkpoint(_mlp(), "swap", offload=capped)
+    capped = memfit.Options(offload_bandwidth=1e18, offload_min_bytes=1, host_budget=600 * 1024)
+    wrapped = memfit.checkpoint(_mlp(), "swap", options=capped)
     wrapped(X).sum().backward()
     assert 0 < wrapped.memfit.plan.host_peak_bytes <= 600 * 1024
-    lowest = memfit.plan(_mlp(), X, budget=1.0).pareto()[0].peak_bytes
+    lowest = memfit.plan(_mlp(), X, policy=1.0).pareto()[0].peak_bytes
     with pytest.raises(memfit.BudgetError, match="offload was limited"):
-        memfit.plan(_mlp(), X, budget=int(lowest * 0.8), offload=capped)
+        memfit.plan(_mlp(), X, policy=int(lowest * 0.8), options=capped, offload=True)
     with pytest.raises(ValueError, match="not a fraction"):
-        OffloadOptions(host_budget=0.5)
+        memfit.Options(host_budget=0.5)
 
 
 @CUDA
@@ -258,7 +260,7 @@ def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(mon
     device = torch.device("cuda")
     x = X.to(device)
     peaks, grads, wrappers = {}, {}, {}
-    for policy, extra in (("none", {}), ("swap", {"offload": EVERYTHING})):
+    for policy, extra in (("none", {}), ("swap", {"options": EVERYTHING})):
         model = _mlp().to(device)
         wrapped = memfit.checkpoint(model, policy, **extra)
         wrapped(x).square().mean().backward()
@@ -279,7 +281,7 @@ def test_cuda_host_offload_is_exact_frees_device_memory_and_reuses_its_arena(mon
 
 
 def test_a_second_backward_through_offloaded_values_is_refused() -> None:
-    wrapped = memfit.checkpoint(_mlp(), "swap", offload=EVERYTHING)
+    wrapped = memfit.checkpoint(_mlp(), "swap", options=EVERYTHING)
     loss = wrapped(X).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(OffloadError, match="retain_graph=True is not supported"):

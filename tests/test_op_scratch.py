@@ -243,8 +243,8 @@ import torch, torch.nn as nn, memfit
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).cuda()
 x = torch.randn(8, 16, device="cuda")
-first = memfit.plan(model, x, budget=1.0)
-second = memfit.plan(model, x, budget=1.0)
+first = memfit.plan(model, x, policy=1.0)
+second = memfit.plan(model, x, policy=1.0)
 print(first.baseline_peak_bytes, second.baseline_peak_bytes)
 """
 

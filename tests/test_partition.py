@@ -326,13 +326,12 @@ def test_static_inputs_are_parameters_and_what_the_forward_computes(
 
 def test_offloaded_values_are_not_static(split_graphs: list[Split]) -> None:
     """An offloaded value comes back through memfit's transfers: left to Inductor's check."""
-    from memfit.execution.offload import OffloadOptions
     from memfit.planning.decision import Decision
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
-    options = OffloadOptions(bandwidth=1e18, min_bytes=1)
-    memfit.checkpoint(model, "swap", offload=options)(torch.randn(16, 8)).sum().backward()
+    options = memfit.Options(offload_bandwidth=1e18, offload_min_bytes=1)
+    memfit.checkpoint(model, "swap", options=options)(torch.randn(16, 8)).sum().backward()
     (split,) = split_graphs
     offloaded = {n for n, d in split.plan.decisions.items() if d is Decision.OFFLOAD}
     assert offloaded

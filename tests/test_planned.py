@@ -88,7 +88,7 @@ def test_captures_past_dynamos_process_wide_cap_all_plan() -> None:
 def test_past_max_shapes_a_new_shape_runs_unplanned_with_a_warning_at_the_users_line() -> None:
     """A new batch size needs a second capture (the size as a symbol): past ``max_shapes=1`` it
     runs unplanned, with a warning."""
-    wrapped = memfit.checkpoint(_mlp(), "memory", max_shapes=1)
+    wrapped = memfit.checkpoint(_mlp(), "memory", options=memfit.Options(max_shapes=1))
     plain = _mlp()
     assert not _train_call(wrapped, 8)
     eight = wrapped.memfit.plan.predicted_peak_bytes
@@ -128,7 +128,7 @@ def test_inference_calls_keep_the_training_plan() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_max_shapes_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="max_shapes"):
-        memfit.checkpoint(_mlp(), max_shapes=bad)  # type: ignore[arg-type]
+        memfit.checkpoint(_mlp(), options=memfit.Options(max_shapes=bad))  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
@@ -142,7 +142,7 @@ def test_a_loss_outside_the_wrapper_is_measured_and_reserved_from_the_second_ste
     prediction covers the whole step and a byte budget holds."""
     model, (x, y) = lm(), batch()
     reference = lm()
-    options = {"budget": "28MiB"} if policy == "budget" else {"policy": policy}
+    options = {"policy": "28MiB" if policy == "budget" else policy}
     wrapped = memfit.checkpoint(model, **options)  # type: ignore[arg-type]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -167,7 +167,7 @@ def test_a_loss_outside_the_wrapper_is_measured_and_reserved_from_the_second_ste
 
 def test_measure_outside_false_keeps_the_first_plan() -> None:
     model, (x, y) = lm(), batch()
-    wrapped = memfit.checkpoint(model, "memory", measure_outside=False)
+    wrapped = memfit.checkpoint(model, "memory", options=memfit.Options(measure_outside=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "outside memfit's graphs" warning
         for _ in range(2):
@@ -242,7 +242,7 @@ def test_a_budget_with_the_loss_outside_on_cpu_says_it_cannot_cover_it() -> None
     """On CPU, outside ``memfit.measure``, memfit cannot see what a loss computed outside the
     model holds: a budget says so once, at the first step, with what to do."""
     model, (x, y) = lm(), batch()
-    wrapped = memfit.checkpoint(model, budget=0.5)
+    wrapped = memfit.checkpoint(model, 0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -252,7 +252,7 @@ def test_a_budget_with_the_loss_outside_on_cpu_says_it_cannot_cover_it() -> None
 
 
 def test_a_budget_on_a_model_returning_its_loss_says_nothing_of_the_loss() -> None:
-    model = memfit.checkpoint(_LossModel(), budget=0.5)
+    model = memfit.checkpoint(_LossModel(), 0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(torch.randn(64, 32)).backward()

@@ -178,7 +178,7 @@ def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tenso
 def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
     model, plain, plain_grads = _plain()
     budget = int(0.8 * plain)
-    step = memfit.step(lambda: model(X).square().mean(), budget=budget)
+    step = memfit.step(lambda: model(X).square().mean(), policy=budget)
     peak, grads = _trained(model, step)
     for g, h in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(g, h, rtol=0, atol=0)
@@ -201,13 +201,13 @@ def test_a_fraction_is_of_the_whole_steps_activations() -> None:
             model.zero_grad(set_to_none=True)
     share = memory.plan.kept_bytes / memory.plan.baseline_kept_bytes  # ~0.55 here
     feasible = round(share + 0.05, 2)
-    step = memfit.step(lambda: model(X).square().mean(), budget=feasible)
+    step = memfit.step(lambda: model(X).square().mean(), policy=feasible)
     peak, _ = _trained(model, step)
     plan = step.plan
     expected = round(plan.baseline_peak_bytes - (1 - feasible) * plan.baseline_kept_bytes)
     assert plan.budget_bytes is not None and abs(plan.budget_bytes - expected) <= 1
     assert peak <= 1.05 * plan.budget_bytes and peak < plain
-    below = memfit.step(lambda: model(X).square().mean(), budget=round(share - 0.05, 2))
+    below = memfit.step(lambda: model(X).square().mean(), policy=round(share - 0.05, 2))
     with pytest.raises(memfit.BudgetError, match="whole step") as err:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -179,7 +179,9 @@ def test_none_peaks_as_eager_on_huggingface(name: str, attention: str) -> None:
         return _CausalLM(model)
 
     eager = _hf_step_peak(make(), name)
-    peak = _hf_step_peak(memfit.checkpoint(make(), "none", attention=attention), name)
+    peak = _hf_step_peak(
+        memfit.checkpoint(make(), "none", options=memfit.Options(attention=attention)), name
+    )
     assert peak <= 1.02 * eager, f"{name}: none peaks at {peak / eager:.3f}x eager"
 
 

@@ -161,7 +161,7 @@ def test_plan_shows_the_regions_without_training() -> None:
     before = [b.clone() for b in model.buffers()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = memfit.plan(model, torch.randn(16, 32), budget=0.5)
+        plan = memfit.plan(model, torch.randn(16, 32), policy=0.5)
     assert [r.module for r in plan.regions] == ["layers.0", "layers.1", "layers.2"]
     assert all(r.kind == "BranchyLayer" and "test_regions.py" in r.where for r in plan.regions)
     assert "recomputed whole  3 calls of layers.0" in str(plan)
@@ -172,7 +172,7 @@ def test_choose_regions_picks_the_innermost_modules_the_policy_recomputes() -> N
     observed = {"", "blocks.0", "blocks.0.attn", "blocks.1", "blocks.1.attn", "head"}
     innermost = ("blocks.0.attn", "blocks.1.attn", "head")
     assert choose_regions(observed, parse_policy("memory")) == innermost
-    assert choose_regions(observed, parse_policy("budget=0.5")) == innermost
+    assert choose_regions(observed, parse_policy(0.5)) == innermost
     for name in ("none", "speed", "collection", "swap"):
         assert choose_regions(observed, parse_policy(name)) == (), name
     assert choose_regions(observed, Policy("memory", offload=True)) == ()

@@ -33,7 +33,7 @@ def test_a_step_predicts_its_whole_peak_and_keeps_plain_gradients(policy: str) -
     plain = memfit.measure(lambda: lm_loss(model, x, y).backward())
     model.zero_grad(set_to_none=True)
 
-    options = {"budget": 0.5} if policy == "budget" else {"policy": policy}
+    options = {"policy": 0.5 if policy == "budget" else policy}
     step = memfit.step(lambda x, y: lm_loss(model, x, y), **options)
     loss = step(x, y)
     loss.backward()
@@ -70,7 +70,7 @@ def test_step_as_a_decorator_bare_with_arguments_and_on_a_method() -> None:
         def __init__(self) -> None:
             self.model = model
 
-        @memfit.step(budget=0.9)
+        @memfit.step(policy=0.9)
         def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return lm_loss(self.model, x, y)
 
@@ -96,14 +96,14 @@ def test_the_plan_is_asked_for_before_a_training_call() -> None:
 def test_bad_arguments_are_refused_before_any_step() -> None:
     with pytest.raises(ValueError, match="no single model"):
         memfit.step(policy=["layer1"])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="either a policy or budget"):
-        memfit.step(lambda: None, policy="memory", budget=0.5)
+    with pytest.raises(TypeError, match="give the policy once"):
+        memfit.step(0.5, policy="speed")
     with pytest.raises(TypeError, match="expects a function"):
         memfit.step(policy="memory")(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="already a memfit.step"):
         memfit.step(memfit.step(lambda: None))
     with pytest.raises(ValueError, match="attention"):
-        memfit.step(lambda: None, attention="fast")
+        memfit.step(lambda: None, options=memfit.Options(attention="fast"))
 
 
 def test_pickling_a_step_names_state_dict() -> None:

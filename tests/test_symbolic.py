@@ -64,7 +64,7 @@ def _mlp() -> nn.Module:
 def test_a_byte_budget_holds_at_every_batch_size_and_beyond_its_range_plans_again() -> None:
     model = _mlp()
     budget = 3 * 2**20
-    step = memfit.step(lambda x: model(x).square().mean(), budget=budget)
+    step = memfit.step(lambda x: model(x).square().mean(), policy=budget)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no budget miss, no unplanned call
         for batch in (64, 96):  # the first capture, then the batch size as a symbol

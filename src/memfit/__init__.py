@@ -9,9 +9,9 @@ Private torch APIs are reached only through ``memfit._compat``.
 
 from memfit import nn
 from memfit.capture.mark import mark
-from memfit.execution.executors import EXECUTORS
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
-from memfit.execution.offload import OffloadError, OffloadOptions
+from memfit.execution.offload import OffloadError
+from memfit.execution.options import Attention, Executor, OffloadTarget, Options
 from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
@@ -20,9 +20,11 @@ from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
 from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
-    "EXECUTORS",
+    "Options",
+    "Executor",
+    "Attention",
+    "OffloadTarget",
     "OffloadError",
-    "OffloadOptions",
     "checkpoint",
     "remove",
     "step",

@@ -15,7 +15,7 @@ import torch
 
 from memfit.cli.errors import CliError
 from memfit.planning.budget import parse_budget
-from memfit.planning.policy import BUDGET, NAMED, Policy, parse_policy
+from memfit.planning.policy import NAMED, Policy, parse_policy
 
 __all__ = [
     "HelpFormatter",
@@ -128,20 +128,20 @@ def parse_policies(text: str, *, offload: bool = False, autotune: bool = False) 
             policy = parse_policy(raw)
         except (TypeError, ValueError) as err:
             raise CliError(f"--policies {raw!r}: {err}") from None
-        if autotune and policy.name == BUDGET:
+        if autotune and policy.budget is not None:
             policy = dataclasses.replace(policy, autotune=True)
         if policy not in policies:
             policies.append(policy)
     if offload:
         for policy in list(policies):
-            if policy.name in ("memory", BUDGET) and not policy.offload:
+            if policy.chooses_what_to_keep and not policy.offload:
                 twin = dataclasses.replace(policy, offload=True)
                 if twin not in policies:
                     policies.append(twin)
         if Policy("swap") not in policies:
             policies.append(Policy("swap"))
     if autotune and not any(p.autotune for p in policies):
-        raise CliError(f"--autotune times budgets' plans: --policies {text!r} names no budget=B")
+        raise CliError(f"--autotune times budgets' plans: --policies {text!r} names no budget")
     return policies
 
 

@@ -9,7 +9,7 @@ For the model a factory builds (see ``memfit.cli.target``) this reports, all mea
 3. with ``--budget``: the largest batch whose whole training step fits, per policy, searched with
    real steps (``memfit.cli.batch_search``);
 4. with ``--pareto``: the budget planner's frontier of predicted peak against recompute cost, as a
-   PNG (``memfit.plan(..., budget=1.0).pareto()``);
+   PNG (``memfit.plan(..., policy=1.0).pareto()``);
 5. with ``--json``: all of it as ``profile.json`` (schema in ``memfit.cli.report``).
 
 Files go to ``--out`` (default ``memfit-profile`` in the temporary directory, never the working
@@ -109,11 +109,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     )
     p.add_argument(
         "--policies",
-        "--modes",
         default="none,speed,memory",
-        help=f"comma-separated policies: {POLICY_NAMES}, budget=B "
-        "(default: none,speed,memory; none is always run, as the baseline; "
-        "--modes is the old name)",
+        help=f"comma-separated policies: {POLICY_NAMES}, or a budget (a fraction such as 0.5 "
+        "or a size such as 2GiB) (default: none,speed,memory; none is always run, as the "
+        "baseline)",
     )
     p.add_argument(
         "--offload",
@@ -124,7 +123,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     p.add_argument("--offload-to", choices=["host", "disk"], help="where offloaded values go")
     p.add_argument(
         "--executor",
-        choices=memfit.EXECUTORS,
+        choices=[str(e) for e in memfit.Executor],
         default="eager",
         help="how memfit runs its plans: eager (ATen kernels, gradients bit-equal to plain "
         "PyTorch) or inductor (torch.compile's fused kernels, to float tolerance)",
@@ -237,11 +236,9 @@ def _input_entries(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[s
     return out
 
 
-def _offload_options(args: argparse.Namespace) -> memfit.OffloadOptions | None:
-    if args.offload_to is None and args.offload_dir is None:
-        return None
+def _options(args: argparse.Namespace) -> memfit.Options:
     try:
-        return memfit.OffloadOptions(to=args.offload_to, directory=args.offload_dir)
+        return memfit.Options(offload_to=args.offload_to, offload_dir=args.offload_dir)
     except (ValueError, memfit.OffloadError) as err:
         raise CliError(f"--offload-dir/--offload-to: {err}") from None
 
@@ -254,7 +251,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.autotune and args.executor != "inductor":
         raise CliError("--autotune times plans as Inductor compiles them: add --executor inductor")
     policies = parse_policies(args.policies, offload=args.offload, autotune=args.autotune)
-    offload = _offload_options(args)
+    options = _options(args)
     budget = parse_batch_budget(args.budget) if args.budget is not None else None
     shapes = [parse_shape(s) for s in args.input_shape]
     _check_ints(args)
@@ -265,7 +262,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     model.train()
     inputs = move_inputs((target.args, target.kwargs), device, dtype)
     work = Workload(
-        model, tuple(inputs[0]), dict(inputs[1]), offload=offload, executor=args.executor
+        model, tuple(inputs[0]), dict(inputs[1]), options=options, executor=args.executor
     )
     name = type(model).__name__
     weights, batch_bytes = resident_bytes(model, work.args, work.kwargs)
@@ -307,8 +304,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
         results = run_policies(work, policies, device, args.timing_runs, progress)
         frontier = None
         if args.pareto:
-            task = progress.add_task("pareto: planning with budget=1.0", total=1)
-            plan = memfit.plan(model, *work.args, budget=1.0, **work.kwargs)
+            task = progress.add_task("pareto: planning with budget 100%", total=1)
+            plan = memfit.plan(model, *work.args, policy=1.0, **work.kwargs)
             frontier = list(plan.pareto())
             progress.update(task, advance=1, description="pareto frontier planned")
         searches = []

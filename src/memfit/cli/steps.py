@@ -35,7 +35,6 @@ import memfit
 from memfit._compat import tree_flatten
 from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
-from memfit.execution.offload import OffloadOptions
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
@@ -80,7 +79,7 @@ class Workload:
     kwargs: dict[str, Any] = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
     #: where policies that offload put their activations (``--offload-to``, ``--offload-dir``)
-    offload: OffloadOptions | None = None
+    options: memfit.Options = field(default_factory=memfit.Options)
     #: how memfit runs its plans (``--executor``): ``"eager"`` kernels or Inductor's
     executor: str = "eager"
 
@@ -91,12 +90,11 @@ class Workload:
         of weights, so each policy gets a shallow copy (``copy.copy``: its own object, the
         model's parameter, buffer and submodule dictionaries), as several ``torch.compile``
         variants of one model would."""
-        options = self.offload if policy.offload else None
         return memfit.checkpoint(
             copy.copy(self.model if model is None else model),
             policy,
-            offload=options or False,
             executor=self.executor,
+            options=self.options if policy.offload else None,
         )
 
     def step(self, module: nn.Module, marks: list[float] | None = None) -> Callable[[], float]:

@@ -329,18 +329,14 @@ def make_backend(
             ):
                 raise
             graph_plan = refuse(err.budget_bytes)
-        if executor == INDUCTOR and jg.symbols and policy.name == BUDGET and not measured_fit:
+        if executor == INDUCTOR and jg.symbols and policy.budget is not None and not measured_fit:
             warn_user(SYMBOLIC_BUDGET_WARNING)
         fw: fx.GraphModule | None = None
         bw: fx.GraphModule | None = None
         measured = False  # whether the plan's peaks were measured once compiled
         if measured_fit:
             byte_budget = policy.budget is not None and policy.budget.fraction is None
-            fraction = (
-                policy.budget.fraction
-                if policy.name == BUDGET and policy.budget is not None
-                else None
-            )
+            fraction = policy.budget.fraction if policy.budget is not None else None
             limit_bytes: int | None = None
             # A fraction whose bytes are a plan's simulated peak (see reached_fraction): held
             # to what that plan peaks at once compiled where that is higher.
@@ -350,7 +346,7 @@ def make_backend(
                 and not spent
                 and reached_fraction(policy, graph_plan)
             )
-            if not refused and policy.name == BUDGET and graph_plan.budget_bytes is not None:
+            if not refused and policy.budget is not None and graph_plan.budget_bytes is not None:
                 own = byte_budget and graph_share is None
                 limit_bytes = graph_plan.budget_bytes - (spent if own else 0)
                 if (
@@ -363,7 +359,7 @@ def make_backend(
                     refused.append(limit_bytes)
                     limit_bytes = None
             at_least_peak_ok = graph_share is None and not spent
-            at_least_peak = (policy.name == "memory" or bool(refused)) and at_least_peak_ok
+            at_least_peak = (policy.least_memory or bool(refused)) and at_least_peak_ok
             if at_least_peak:
                 least_simulated.append(graph_plan.predicted_peak_bytes)
             reach_bytes = graph_plan.budget_bytes

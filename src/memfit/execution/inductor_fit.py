@@ -31,7 +31,7 @@ from memfit.planning.frontier import MIN_GAP
 from memfit.planning.measured_search import Tried, search_plans
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import with_executor_peaks
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
@@ -307,7 +307,7 @@ def reached_fraction(policy: Policy, graph_plan: GraphPlan) -> bool:
     ``budget=0.6``: 2.49 MiB against 2.36), and holding it to the simulation refused the budget.
     """
     budget = policy.budget
-    if policy.name != BUDGET or budget is None or budget.fraction is None:
+    if policy.budget is None or budget is None or budget.fraction is None:
         return False
     if graph_plan.budget_bytes is None:
         return False

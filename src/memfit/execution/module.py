@@ -20,7 +20,7 @@ graph serves a range of sizes: see ``execution.planned``). Submodule names in a 
 (``memfit.checkpoint(model, ["layer1"])``) are turned into marks by forward hooks that act only
 while memfit captures, so the user's own eager calls are untouched.
 
-``memfit.plan`` answers "what would memfit do within this budget?" without training: it applies
+``memfit.plan`` answers "what would ``memfit.checkpoint`` do?" without training: it applies
 memfit for one capture (one forward, under the plan), removes it again, and puts back every
 buffer and random-number state the forward touched, so BatchNorm statistics and later dropout
 masks are as if it never ran.
@@ -41,20 +41,13 @@ import torch
 import torch.nn as nn
 
 from memfit._compat import tree_map
-from memfit.capture.attention import ATTENTION_MODES
 from memfit.capture.mark import mark
-from memfit.execution.executors import EAGER, check_executor
-from memfit.execution.offload import OffloadOptions, OffloadStore
-from memfit.execution.planned import (
-    DEFAULT_MAX_SHAPES,
-    STEP_ROUNDS,
-    PlannedCall,
-    memfit_call_running,
-)
+from memfit.execution.offload import OffloadStore
+from memfit.execution.options import Executor, Options, PolicyLike, resolve
+from memfit.execution.planned import STEP_ROUNDS, PlannedCall, memfit_call_running
 from memfit.execution.state import preserved
-from memfit.planning.budget import Budget, parse_budget
 from memfit.planning.plan import Plan
-from memfit.planning.policy import BUDGET, Policy, parse_policy
+from memfit.planning.policy import Policy
 
 __all__ = ["checkpoint", "remove", "plan", "CheckpointedModule", "Checkpointing"]
 
@@ -124,14 +117,11 @@ def _mark_output_hook(module: nn.Module, args: Any, out: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _Settings:
-    """What ``memfit.checkpoint`` was asked for, checked: kept to apply memfit to a copy."""
+    """What ``memfit.checkpoint`` was asked for, resolved: kept to apply memfit to a copy."""
 
     policy: Policy
-    attention: str
-    offload: OffloadOptions | None
-    max_shapes: int
-    measure_outside: bool
-    executor: str
+    options: Options
+    executor: Executor
 
 
 class Checkpointing:
@@ -157,13 +147,10 @@ class Checkpointing:
         self._planned = PlannedCall(
             self.original_forward,
             settings.policy,
+            settings.options,
+            settings.executor,
             name=base_class.__name__,
-            attention=settings.attention,
-            offload=settings.offload,
-            max_shapes=settings.max_shapes,
-            measure_outside=settings.measure_outside,
             modules=model,
-            executor=settings.executor,
         )
         named = dict(model.named_modules())
         #: (submodule name, hook handle) per listed submodule
@@ -481,216 +468,79 @@ def _validate_names(model: nn.Module, names: Sequence[str]) -> None:
 
 def checkpoint(
     model: M,
-    policy: Policy | str | Sequence[str] | None = None,
+    policy: PolicyLike = "memory",
     *,
-    budget: int | str | float | Budget | None = None,
-    attention: str = "auto",
-    checkpoints: str | Sequence[str] | None = None,
-    offload: bool | OffloadOptions = False,
-    offload_to: str | None = None,
-    offload_dir: str | None = None,
-    max_shapes: int = DEFAULT_MAX_SHAPES,
-    measure_outside: bool = True,
-    executor: str = EAGER,
-    autotune: bool = False,
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
 ) -> M:
     """Apply memfit to ``model`` in place, so its training steps keep fewer activations and
-    recompute the rest; returns ``model`` itself.
+    recompute (or offload) the rest; returns ``model`` itself, as FSDP2's ``fully_shard`` does.
 
-    The model stays the user's model (as after FSDP2's ``fully_shard``): same object, same
-    parameters, ``state_dict``, attributes and methods, ``isinstance`` against its own classes,
-    and ``inspect.signature(model.forward)`` the original's; ``isinstance(model,
-    memfit.CheckpointedModule)`` is now true and ``model.memfit`` holds memfit's state
-    (``model.memfit.plan`` after the first training call). Calls without autograd
+    The model stays the user's: same object, class checks, parameters, ``state_dict``,
+    attributes and methods, ``inspect.signature(model.forward)``. ``model.memfit`` holds memfit's
+    state (``model.memfit.plan`` after the first training call). Calls without autograd
     (``torch.no_grad()``, ``generate``) run plain PyTorch. ``memfit.remove(model)`` takes memfit
-    off again; applying it again replaces the earlier policy (and its plans), as a second
-    ``model.compile()`` does. ``copy.deepcopy`` and pickling copy the model with memfit applied
-    again (it plans on its first training call).
+    off; applying it again replaces the earlier policy. Copies (``copy.deepcopy``, pickling) have
+    memfit applied again.
 
-    ``policy`` is ``"memory"`` (the default; automatic: the least activation memory with at most
-    one recomputation of each forward op), ``"speed"`` (keep outputs of matmul/conv/attention,
-    recompute cheap ops), ``"collection"`` (keep the tensors marked with ``memfit.mark``),
-    ``"none"`` (keep everything: the baseline), or a list of submodule names whose outputs are
-    kept. Or give ``budget`` instead (or the policy ``"budget=B"``): bytes (``int``), a size
-    (``"2GiB"``, ``"750MB"``) or a fraction ``f`` in (0, 1] of the activations plain autograd
-    keeps for backward (the peak allowed is plain autograd's less ``1 - f`` of those activations,
-    since gradients and working memory are needed at any fraction, or the least peak of a plan
-    keeping at most ``f`` of them where recomputation needs more); memfit then keeps what makes the
-    recomputation cheapest while the predicted peak stays within it, and raises
-    ``memfit.BudgetError`` (with the least reachable peak) on the first call if nothing fits.
-    ``model.memfit.plan`` describes the choice after the first training call. ``checkpoints=``
-    is the old name of ``policy``.
+    ``policy``: what to keep for backward (everything else is recomputed):
 
-    ``attention="auto"`` (the default) rewrites every attention memfit finds in the model to a
-    kernel that keeps no sequence-length-squared tensor: PyTorch's fused SDPA where it applies,
-    memfit's chunked kernel otherwise (dropout masks as ``F.dropout`` draws them). Outputs then
-    equal plain PyTorch's to floating-point tolerance rather than bit for bit; ``plan.attention``
-    lists every site and the kernel chosen. ``attention="off"`` leaves attention as written.
+    - ``"memory"`` (default): the least activation memory, each forward op recomputed at most once
+    - ``"speed"``: outputs of matmul, convolution and attention; cheap ops recomputed
+    - ``"collection"``: the tensors marked with ``memfit.mark``
+    - ``"none"``: everything (plain autograd)
+    - ``"swap"``: everything, offloading what can hide behind compute
+    - a list of submodule names (as in ``named_modules()``) whose outputs are kept
+    - a budget: ``int`` bytes, a size (``"2GiB"``) or a ``float`` fraction in (0, 1] of the
+      activations plain autograd keeps. memfit keeps what makes recomputation cheapest while
+      the predicted peak of the whole step stays within it, and raises ``memfit.BudgetError``
+      (with the least reachable peak) on the first training call if nothing fits.
 
-    Offload (Meng et al. 2017): ``policy="swap"`` recomputes nothing and offloads every saved
-    value whose copies can hide behind compute; ``offload=True`` with a budget (or ``"memory"``)
-    lets the planner choose per value between keeping, recomputing and offloading, the cheapest
-    mix (recompute time plus predicted stall) that fits. ``offload_to`` is ``"host"`` (CUDA
-    activations to pinned host memory) or ``"disk"`` (files in a private directory under
-    ``offload_dir`` or the system temp dir, removed as they are read back); by default host on
-    CUDA, disk on CPU. ``offload=memfit.OffloadOptions(...)`` sets these and more (a link
-    bandwidth instead of the measured one, the smallest value worth offloading). The plan
-    reports ``offloaded``, ``offloaded_bytes``, ``host_peak_bytes``, ``transfer_seconds`` and
-    ``stall_seconds``.
-
-    The loss is usually computed outside the model: what it holds between the model's forward
-    and backward is outside every graph memfit captures. So memfit measures it, on the first
-    training step of each capture on CUDA (the allocator's counters; at other sizes of a range
-    it is scaled by the bytes of the model's outputs), on CPU on the first one run
-    inside ``memfit.measure`` (CPU memory is counted by a profiler session, which memfit never
-    opens on its own in a training loop); when the step peaked above the plan, memfit says so
-    once and plans again with it reserved, so from the next step on the prediction and a byte
-    budget cover the whole step. ``measure_outside=False`` turns this off (``memfit.pipeline``
-    does: it models what its stages hold in between itself). ``memfit.step`` captures the loss
-    too and needs none of this.
-
-    The first input shape is captured and planned on its first call. When a size changes (a
-    sequence length, the last smaller batch), the model is captured once more with that size as
-    a symbol, and that graph and its plan serve every size in the range the plan holds for (a
-    budget still met, ``"memory"`` still saving as much); a new size in the range costs a few
-    milliseconds of simulation, one outside it a new capture. A new dtype or number of
-    dimensions is a new capture. ``plan`` is always that of the sizes the last call ran, its
-    prediction simulated at those sizes. After ``max_shapes`` captures, a call that needs
-    another runs as plain PyTorch with a warning (what was captured keeps its plans).
-
-    ``executor="eager"`` (the default) runs the planned forward and backward graphs op for op on
-    the ATen kernels eager PyTorch calls: losses and gradients equal plain PyTorch's bit for bit.
-    ``executor="inductor"`` compiles the same plan with Inductor, ``torch.compile``'s compiler:
-    fused kernels, ``torch.compile``'s speed, results equal to floating-point tolerance (dropout
-    still draws eager's masks). Its plans may also recompute what Inductor fuses into the
-    backward's kernels, and ``torch.compile``'s own plans are among the candidates
-    (``planning.fusion``). Inductor allocates and schedules its own buffers, so each plan is
-    compiled and its forward and backward measured once as it is planned: that measurement is
-    the prediction, and a budget is searched among compiled plans, a cheaper one tried where the
-    simulation overstated (``planning.measured_search``). Where that cannot run (a CPU profiler
-    open around the first call, sizes captured as symbols, offload) the prediction is an
-    estimate and memfit warns that a budget is not guaranteed.
-
-    ``autotune=True`` (a budget under ``executor="inductor"``), like ``torch.compile``'s
-    ``mode="max-autotune"``, spends first-step time for step time: the budget's plan, the one
-    the cost model prices cheapest, is timed against ``"speed"``'s where that keeps less and
-    both fit once compiled, and the faster is kept (a tie goes to ``"speed"``'s, keeping
-    less); the plan's note gives the ratio. The cost model estimates what recomputing and
-    keeping cost under Inductor, not how Inductor fuses the backward's kernels around them, so
-    it can misrank such plans: before it priced kept values, on a CPU ResNet with BatchNorm the
-    plan keeping almost everything ran 3-4% slower than ``"speed"``'s; on a U-Net ``"speed"``'s
-    ran 3-8% slower. It costs one more compile and some 60 steps of the first call (a 60-layer
-    GPT-2's first step 1.91x that of ``"none"``, against 1.11x without), so it is off by
-    default.
+    ``offload=True`` lets ``"memory"`` or a budget also offload saved values (to host memory on
+    CUDA, to disk on CPU), the cheapest mix that fits. ``executor="inductor"`` compiles the plan
+    with Inductor (``torch.compile``'s speed, results to floating-point tolerance); the default
+    ``"eager"`` runs it on eager's kernels, losses and gradients bit for bit plain PyTorch's.
+    ``options`` (``memfit.Options``) holds the rest: attention rewriting, offload destination,
+    autotuning, the number of input shapes captured. docs/policies.md says more.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memfit.checkpoint expects an nn.Module, got {type(model).__name__}")
-    chosen, options = resolve_policy(
-        policy,
-        budget,
-        checkpoints,
-        attention,
-        offload,
-        offload_to,
-        offload_dir,
-        "checkpoint",
-        autotune,
-    )
-    _validate_names(model, chosen.modules)
-    if isinstance(policy, (list, tuple)) and not chosen.modules:
+    settings = _resolved(policy, offload, executor, options)
+    _validate_names(model, settings.policy.modules)
+    if isinstance(policy, (list, tuple)) and not settings.policy.modules:
         warnings.warn(
             "an empty list of submodules marks nothing: every activation will be recomputed",
             stacklevel=2,
         )
     # applied again: the new policy replaces the old, as a second model.compile() does
-    settings = _Settings(
-        chosen, attention, options, max_shapes, measure_outside, check_executor(executor)
-    )
     return _apply(model, settings)
 
 
-def resolve_policy(
-    policy: Policy | str | Sequence[str] | None,
-    budget: int | str | float | Budget | None,
-    checkpoints: str | Sequence[str] | None,
-    attention: str,
-    offload: bool | OffloadOptions,
-    offload_to: str | None,
-    offload_dir: str | None,
-    caller: str,
-    autotune: bool = False,
-) -> tuple[Policy, OffloadOptions | None]:
-    """The policy and offload options ``memfit.<caller>``'s arguments ask for, checked."""
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
-    if checkpoints is not None:
-        if policy is not None:
-            raise ValueError("give the policy once: checkpoints= is the old name of policy=")
-        warnings.warn(
-            f"memfit.{caller}(checkpoints=...) is now memfit.{caller}(policy=...)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        policy = checkpoints
-    options = _offload_options(offload, offload_to, offload_dir)
-    offloads = options is not None and offload is not False
-    if budget is not None:
-        if policy is not None:
-            raise ValueError(
-                "give either a policy or budget=, not both: with a budget memfit chooses "
-                "what to keep itself"
-            )
-        parsed = parse_budget(budget)
-        return Policy(BUDGET, budget=parsed, offload=offloads, autotune=autotune), options
-    chosen = parse_policy("memory" if policy is None else policy)
-    if autotune is not False and not chosen.autotune:
-        # Policy checks it: a bool, and for a budget only
-        chosen = dataclasses.replace(chosen, autotune=autotune)
-    if offloads and not chosen.offload:
-        chosen = dataclasses.replace(chosen, offload=True)
-    if options is not None and not chosen.offload:
-        raise ValueError(
-            "offload_to/offload_dir configure offloading: pass offload=True (with a budget or "
-            "'memory') or use policy 'swap'"
-        )
-    return chosen, options
-
-
-def _offload_options(
-    offload: bool | OffloadOptions, to: str | None, directory: str | None
-) -> OffloadOptions | None:
-    """One ``OffloadOptions`` from ``offload=`` and the two shorthand arguments, or None."""
-    if isinstance(offload, OffloadOptions):
-        if to is not None or directory is not None:
-            raise ValueError("give offload_to/offload_dir inside OffloadOptions, not beside it")
-        return offload
-    if not isinstance(offload, bool):
-        raise TypeError(f"offload is True, False or memfit.OffloadOptions, got {offload!r}")
-    if not offload and to is None and directory is None:
-        return None
-    return OffloadOptions(to=to, directory=directory)
+def _resolved(
+    policy: PolicyLike, offload: bool, executor: Executor | str, options: Options | None
+) -> _Settings:
+    return _Settings(*resolve(policy, offload, executor, options))
 
 
 def plan(
     model: nn.Module,
     *example_inputs: Any,
-    budget: int | str | float | Budget = 1.0,
-    attention: str = "auto",
-    offload: bool | OffloadOptions = False,
-    offload_to: str | None = None,
-    offload_dir: str | None = None,
-    executor: str = EAGER,
-    autotune: bool = False,
+    policy: PolicyLike = "memory",
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
     **example_kwargs: Any,
 ) -> Plan:
-    """What ``checkpoint(model, budget=budget)`` would keep and recompute, without training.
+    """The plan ``memfit.checkpoint(model, policy, ...)`` would run on these inputs, without
+    training. Takes exactly ``checkpoint``'s arguments.
 
     Runs one forward of ``model`` on the example inputs under the plan (so the call itself stays
-    within the budget) and then restores every buffer (BatchNorm running statistics) and the CPU
-    and CUDA random-number states, so the model and later random draws are exactly as before; no
-    backward runs and no gradient is touched. The returned plan has ``predicted_peak_bytes``,
-    ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when no
-    plan fits. ``offload`` and its options, ``executor`` and ``autotune`` are ``checkpoint``'s.
+    within a budget), then restores every buffer (BatchNorm running statistics) and the CPU and
+    CUDA random-number states, so the model and later random draws are exactly as before; no
+    backward runs and no gradient is touched. The plan has ``predicted_peak_bytes``,
+    ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when a
+    budget cannot be met.
     """
     if _STATE in model.__dict__:
         raise TypeError(
@@ -698,16 +548,7 @@ def plan(
             f"has memfit applied: read model.memfit.plan after a training call, or call "
             f"memfit.remove(model) first"
         )
-    checkpoint(
-        model,
-        budget=budget,
-        attention=attention,
-        offload=offload,
-        offload_to=offload_to,
-        offload_dir=offload_dir,
-        executor=executor,
-        autotune=autotune,
-    )
+    checkpoint(model, policy, offload=offload, executor=executor, options=options)
     state: Checkpointing = model.__dict__[_STATE]
     try:
         with preserved(model.buffers()), torch.enable_grad():

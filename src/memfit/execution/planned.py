@@ -42,14 +42,15 @@ from memfit._compat import (
 from memfit.analysis.backward_start import BackwardStart
 from memfit.capture.graph_breaks import GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
-from memfit.execution.executors import EAGER, INDUCTOR, check_executor
-from memfit.execution.offload import OffloadError, OffloadOptions, OffloadStore
+from memfit.execution.executors import INDUCTOR
+from memfit.execution.offload import OffloadError, OffloadStore
+from memfit.execution.options import Executor, Options
 from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions, recomputes_regions
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 from memfit.planning.step import (
     GraphShare,
     least_step_peak,
@@ -60,11 +61,7 @@ from memfit.planning.step import (
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-__all__ = ["PlannedCall", "DEFAULT_MAX_SHAPES", "STEP_ROUNDS", "memfit_call_running"]
-
-#: Captures (one input shape, or one range of sizes captured as symbols) one wrapper plans
-#: before a call that needs another runs unplanned (with a warning).
-DEFAULT_MAX_SHAPES = 64
+__all__ = ["PlannedCall", "STEP_ROUNDS", "memfit_call_running"]
 
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
@@ -147,29 +144,24 @@ class PlannedCall:
         self,
         target: Callable[..., Any],
         policy: Policy,
+        options: Options,
+        executor: Executor,
         *,
         name: str,
-        attention: str = "auto",
-        offload: OffloadOptions | None = None,
-        max_shapes: int = DEFAULT_MAX_SHAPES,
-        measure_outside: bool = True,
         modules: nn.Module | None = None,
-        executor: str = EAGER,
     ) -> None:
-        check_executor(executor)
         if policy.autotune and executor != INDUCTOR:
             raise ValueError(
-                "autotune=True times plans as Inductor compiles them: use executor='inductor'"
+                "Options(autotune=True) times plans as Inductor compiles them: use "
+                "executor='inductor'"
             )
-        if executor == INDUCTOR and policy.name == BUDGET and policy.offload:
+        if executor == INDUCTOR and policy.budget is not None and policy.offload:
             warn_user(INDUCTOR_BUDGET_WARNING)
-        if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
-            raise ValueError(f"max_shapes must be a positive int, got {max_shapes!r}")
         self.policy = policy
         self.name = name
         self.executor = executor
-        self.max_shapes = max_shapes
-        self.measure_outside = measure_outside
+        self.max_shapes = options.max_shapes
+        self.measure_outside = options.measure_outside
         self.last_plan: Plan | None = None
         self.unplanned: str | None = None  # why the last training call ran without a plan
         #: bytes measured outside memfit's graphs between forward and backward, by graph key,
@@ -180,10 +172,10 @@ class PlannedCall:
         #: how many times each graph was planned again for the start of its backward
         self._replanned_for_start: dict[str, int] = {}
         self.watcher = GraphBreakWatcher(name)
-        self.step_budget = StepBudget() if policy.name == BUDGET else None
-        self.offloader = Offloader(offload or OffloadOptions()) if policy.offload else None
+        self.step_budget = StepBudget() if policy.budget is not None else None
+        self.offloader = Offloader(options.offload_options()) if policy.offload else None
         self._target = target
-        self._attention = attention
+        self._attention = str(options.attention)
         self._shapes: set[tuple[str, ...]] = set()  # what each capturing call planned
         self._keys: set[str] = set()  # every graph (and size range) planned
         self._made: list[GraphPlan] = []  # plans made during the current call
@@ -408,7 +400,7 @@ class PlannedCall:
                 and _starts_training(out)
             ):
                 self._open_window(out)
-            budget = self.policy.name == BUDGET and not self.regions_changed
+            budget = self.policy.budget is not None and not self.regions_changed
             if made and budget and self.last_plan is not None and _starts_training(out):
                 self._check_step(self.last_plan)
             if made and self.last_plan is not None:
@@ -428,7 +420,7 @@ class PlannedCall:
         GRU LM with its cross-entropy outside the module peaked at 1.44x its ``budget=`` from
         the second step on, with no warning, because on CPU memfit measures what the caller
         holds between forward and backward only inside ``memfit.measure``."""
-        if self.policy.name == "swap" and not plan.offloaded_bytes and not self._warned_swap:
+        if self.policy.swaps and not plan.offloaded_bytes and not self._warned_swap:
             self._warned_swap = True
             warn_user(
                 f"policy 'swap' offloaded nothing in {self.name}: no copy of a saved value can "
@@ -438,7 +430,7 @@ class PlannedCall:
                 "memfit.checkpoint(model, budget=..., offload=True)"
             )
         if (
-            self.policy.name == BUDGET
+            self.policy.budget is not None
             and self.measure_outside
             and not self._warned_unmeasured_outside
             and not any(g.outside_bytes for g in plan.graphs)

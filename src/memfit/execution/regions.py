@@ -67,7 +67,7 @@ import torch.utils.checkpoint
 from memfit._compat import compile_with_recompile_limit, eager_module_calls, tree_flatten
 from memfit.execution.state import preserved
 from memfit.planning.plan import GraphPlan, RegionPlan
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 
 __all__ = ["DYNAMO_RECOMPILE_LIMIT", "Regions", "choose_regions", "recomputes_regions"]
 
@@ -81,9 +81,9 @@ def recomputes_regions(policy: Policy) -> bool:
     """Whether ``policy`` recomputes modules with graph breaks whole (see the module docstring)."""
     if policy.offload:
         return False
-    if policy.name in ("memory", BUDGET):
+    if policy.chooses_what_to_keep:
         return True
-    return policy.name == "collection" and bool(policy.modules)
+    return bool(policy.modules)
 
 
 def choose_regions(observed: Iterable[str], policy: Policy) -> tuple[str, ...]:

@@ -15,11 +15,9 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
-from memfit.execution.executors import EAGER, check_executor
-from memfit.execution.module import resolve_policy
-from memfit.execution.offload import OffloadOptions, OffloadStore
-from memfit.execution.planned import DEFAULT_MAX_SHAPES, PlannedCall
-from memfit.planning.budget import Budget
+from memfit.execution.offload import OffloadStore
+from memfit.execution.options import Executor, Options, PolicyLike, resolve
+from memfit.execution.planned import PlannedCall
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
@@ -33,20 +31,12 @@ class Step:
         self,
         fn: Callable[..., Any],
         policy: Policy,
-        attention: str,
-        offload: OffloadOptions | None,
-        max_shapes: int,
-        executor: str = EAGER,
+        options: Options,
+        executor: Executor,
     ) -> None:
         functools.update_wrapper(self, fn)
         self._planned = PlannedCall(
-            fn,
-            policy,
-            name=getattr(fn, "__qualname__", type(fn).__name__),
-            attention=attention,
-            offload=offload,
-            max_shapes=max_shapes,
-            executor=executor,
+            fn, policy, options, executor, name=getattr(fn, "__qualname__", type(fn).__name__)
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -67,7 +57,7 @@ class Step:
 
     @property
     def replan_pending(self) -> bool:
-        """Whether the next call plans again (see ``memfit.checkpoint``'s ``measure_outside``)."""
+        """Whether the next call plans again (see ``memfit.Options.measure_outside``)."""
         return self._planned.replan_pending
 
     @property
@@ -90,49 +80,31 @@ class Step:
 def step(
     fn: Callable[..., Any],
     *,
-    policy: Policy | str | None = None,
-    budget: int | str | float | Budget | None = None,
-    attention: str = "auto",
-    checkpoints: str | None = None,
-    offload: bool | OffloadOptions = False,
-    offload_to: str | None = None,
-    offload_dir: str | None = None,
-    max_shapes: int = DEFAULT_MAX_SHAPES,
-    executor: str = EAGER,
-    autotune: bool = False,
+    policy: PolicyLike = "memory",
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
 ) -> Step: ...
 
 
 @overload
 def step(
-    fn: None = None,
+    fn: PolicyLike | None = None,
     *,
-    policy: Policy | str | None = None,
-    budget: int | str | float | Budget | None = None,
-    attention: str = "auto",
-    checkpoints: str | None = None,
-    offload: bool | OffloadOptions = False,
-    offload_to: str | None = None,
-    offload_dir: str | None = None,
-    max_shapes: int = DEFAULT_MAX_SHAPES,
-    executor: str = EAGER,
-    autotune: bool = False,
+    policy: PolicyLike = "memory",
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
 def step(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[..., Any] | PolicyLike | None = None,
     *,
-    policy: Policy | str | None = None,
-    budget: int | str | float | Budget | None = None,
-    attention: str = "auto",
-    checkpoints: str | None = None,
-    offload: bool | OffloadOptions = False,
-    offload_to: str | None = None,
-    offload_dir: str | None = None,
-    max_shapes: int = DEFAULT_MAX_SHAPES,
-    executor: str = EAGER,
-    autotune: bool = False,
+    policy: PolicyLike = "memory",
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
 ) -> Step | Callable[[Callable[..., Any]], Step]:
     """Run the training step ``fn`` (batch in, loss out) with fewer activations kept.
 
@@ -140,41 +112,37 @@ def step(
     ``Step`` is called like ``fn`` and returns its loss; call ``.backward()`` on it as usual (and
     the optimizer after). Its ``plan`` covers the whole step, loss included, so the predicted
     peak and a byte budget bound what the step really allocates. Use it as a decorator, bare or
-    with arguments::
+    with arguments (``@memfit.step(policy="2GiB")``, or the policy alone: ``@memfit.step(0.5)``)::
 
-        @memfit.step(budget="2GiB")
+        @memfit.step(policy="2GiB")
         def train_step(x, y):
             return criterion(model(x), y)
 
         loss = train_step(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    ``policy``, ``budget``, ``attention``, ``offload`` and its options, ``max_shapes``,
-    ``executor`` and ``autotune`` are ``memfit.checkpoint``'s, except policies naming
-    submodules: a step has no single model to name them in (use
+    ``policy``, ``offload``, ``executor`` and ``options`` are ``memfit.checkpoint``'s, except
+    policies naming submodules: a step has no single model to name them in (use
     ``memfit.checkpoint(model, [...])`` or ``memfit.mark``).
     """
-    if isinstance(fn, (str, Policy)) and policy is None and budget is None:
-        fn, policy = None, fn  # @memfit.step("memory")
+    if fn is not None and not callable(fn):
+        if policy != "memory":
+            raise TypeError(
+                f"memfit.step got {fn!r} where the step function goes, and policy={policy!r}: "
+                f"give the policy once"
+            )
+        policy, fn = fn, None  # @memfit.step(0.5)
     if isinstance(policy, Sequence) and not isinstance(policy, str):
         raise ValueError(
             "a step has no single model to name submodules in: use a policy name or a budget, "
             "memfit.mark in the model, or memfit.checkpoint(model, [names]) for the model"
         )
-    chosen, options = resolve_policy(
-        policy, budget, checkpoints, attention, offload, offload_to, offload_dir, "step", autotune
-    )
-    check_executor(executor)
-    if chosen.modules:
-        raise ValueError(
-            f"policy {chosen.label!r} names submodules; a step has no single model to name them "
-            "in: use memfit.checkpoint(model, [names]) for the model, or memfit.mark"
-        )
+    chosen, resolved, ran = resolve(policy, offload, executor, options)
 
     def wrap(function: Callable[..., Any]) -> Step:
         if not callable(function):
             raise TypeError(f"memfit.step expects a function, got {type(function).__name__}")
         if isinstance(function, Step):
             raise TypeError("this function is already a memfit.step; apply it once")
-        return Step(function, chosen, attention, options, max_shapes, executor)
+        return Step(function, chosen, resolved, ran)
 
     return wrap if fn is None else wrap(fn)

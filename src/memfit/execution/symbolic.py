@@ -23,7 +23,7 @@ from memfit._compat import size_expr, size_hint
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.sizes import SizeKey, Sizes
 from memfit.planning.plan import GraphPlan
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 from memfit.planning.resize import CompiledOffset, holds, plan_at, size_range
 
 __all__ = ["PlansBySize"]
@@ -89,7 +89,7 @@ class PlansBySize:
         if compiled:
             simulated = plan_at(jg, plan, policy, hints, outside=outside)
             self.offset = CompiledOffset.between(plan, simulated)
-        shared_budget = policy.name == BUDGET and (
+        shared_budget = policy.budget is not None and (
             shared
             or (policy.budget is not None and policy.budget.fraction is None and spent_bytes > 0)
         )
@@ -144,6 +144,6 @@ class PlansBySize:
         """Whether ``plan`` (from ``at``) exceeds its budget: at a size between the points
         ``size_range`` tried, where peaks did not grow with sizes as assumed (``spent_bytes``:
         what earlier graphs of the step keep)."""
-        if self.policy.name != BUDGET:
+        if self.policy.budget is None:
             return False
         return not holds(self.planned, plan, self.policy, spent_bytes=spent_bytes)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from memfit.execution.options import Options
 from memfit.execution.state import preserved
 from memfit.pipeline.costs import Search, measure_items, prepare_search
 from memfit.pipeline.partition import StageGraph
@@ -144,7 +145,9 @@ class Pipeline:
 
         # What a stage holds between its forwards and backwards (other micro-batches) is in the
         # pipeline's own memory model: the stage must not measure and replan for it.
-        self.module = checkpoint(mine.module, budget=self.plan.budget_bytes, measure_outside=False)
+        self.module = checkpoint(
+            mine.module, self.plan.budget_bytes, options=Options(measure_outside=False)
+        )
         device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
         last = self.rank == stages - 1
         if self.rank == 0:

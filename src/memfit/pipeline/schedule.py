@@ -12,22 +12,10 @@ and converts at the boundary (``as_schedule``), naming the choices when the stri
 
 from __future__ import annotations
 
-import enum
-import sys
 from collections.abc import Sequence
 
+from memfit.choice import Choice
 from memfit.pipeline.balancing import pipeline_step_time
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class StrEnum(str, enum.Enum):
-        """``enum.StrEnum`` before Python 3.11: each member is its string."""
-
-        def __str__(self) -> str:
-            return str(self.value)
-
 
 __all__ = [
     "SCHEDULES",
@@ -41,7 +29,7 @@ __all__ = [
 ]
 
 
-class PipelineSchedule(StrEnum):
+class PipelineSchedule(Choice):
     """The order in which each stage runs its micro-batches' forwards and backwards."""
 
     #: every micro-batch's forward, then every backward (``ScheduleGPipe``): a stage holds all

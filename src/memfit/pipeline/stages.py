@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from memfit.execution.options import Options
 from memfit.execution.state import preserved
 from memfit.pipeline.balancing import pipeline_step_time
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
@@ -279,7 +280,9 @@ def plan_stage(
     send = search.output_bytes if last else stage.send_bytes
     receive = stage.receive_bytes if stage.index > 0 else 0
     flight = in_flight(schedule, stage.index, options.stages, microbatches)
-    graph_plan = memfit_plan(stage.module, *inputs, budget=1.0, attention=attention)
+    graph_plan = memfit_plan(
+        stage.module, *inputs, policy=1.0, options=Options(attention=attention)
+    )
     frontier = graph_plan.pareto()
     fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
 
@@ -301,9 +304,11 @@ def plan_stage(
             budget_bytes=budget,
             smallest_bytes=least,
         )
-    # The frontier is a search; the plan ``checkpoint(budget=...)`` makes for that budget is
+    # The frontier is a search; the plan ``checkpoint(model, budget)`` makes for that budget is
     # what runs (it may keep less): predict with that one.
-    chosen = memfit_plan(stage.module, *inputs, budget=point.peak_bytes, attention=attention)
+    chosen = memfit_plan(
+        stage.module, *inputs, policy=point.peak_bytes, options=Options(attention=attention)
+    )
     costs = search.costs
     first_item = costs.boundaries.index(stage.start)
     last_item = costs.boundaries.index(stage.end)

@@ -352,7 +352,8 @@ class Plan:
     def pareto(self) -> list[ParetoPoint]:
         """The (predicted peak, recompute cost) frontier, by increasing peak.
 
-        Only plans made with a budget carry a frontier (``memfit.plan`` always does). With graph
+        Only plans made with a budget carry a frontier (``memfit.plan(model, *inputs, policy=1.0)``
+        gives one for any model). With graph
         breaks, the k-th point combines each graph's point at the same relative position of its
         own frontier, summed the way ``predicted_peak_bytes`` sums graphs; a region (planned
         without a budget) is the same part of every point, its FLOPs counted, not its seconds.
@@ -361,7 +362,7 @@ class Plan:
         if not self.graphs or any(not g.frontier for g in graphs):
             raise ValueError(
                 f"this plan ({self.policy!r}) has no frontier: plan with a budget, "
-                f"e.g. memfit.plan(model, *inputs, budget=1.0) or checkpoint(model, budget=0.5)"
+                f"e.g. memfit.plan(model, *inputs, policy=1.0) or memfit.checkpoint(model, 0.5)"
             )
         if len(graphs) == 1 and not self.regions:
             return list(graphs[0].frontier)

@@ -39,7 +39,7 @@ from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
 from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
 from memfit.planning.policies import keep_all, keep_heavy, keep_marked
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
 
@@ -134,8 +134,7 @@ def plan_graph(
             cache.points[policy.offload] = points
         return points
 
-    if policy.name == BUDGET:
-        assert policy.budget is not None
+    if policy.budget is not None:
         points = frontier_points()
         frontier = tuple(
             ParetoPoint(
@@ -208,14 +207,14 @@ def plan_graph(
                 ) from None
             raise
         kept, sim, schedule = set(chosen.kept), chosen.simulation, chosen.schedule
-    elif policy.name == "memory":
+    elif policy.least_memory:
         # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
         # candidates, and the segment programme often finds a lower peak for less recompute.
         # Under Inductor, the cheapest within the frontier's gap of it.
         points = frontier_points()
         lowest = least_peak_point(points, base_sim.peak_bytes, estimate=jg.fused_elementwise)
         kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
-    elif policy.name == "swap":
+    elif policy.swaps:
         assert link is not None
         swapped = swap(
             jg,

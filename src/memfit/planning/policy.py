@@ -7,8 +7,10 @@ the cheapest plan. Every policy is answered the same way: a ``Decision`` per for
 (``memfit.checkpoint(model, policy)``), the planner and the command line (``--policies``) all
 parse and print policies through this module, so a policy has one name everywhere.
 
-Written as text (on a command line, or to ``memfit.checkpoint``): a name, or ``budget=B`` with
-``B`` as ``parse_budget`` reads it (``budget=0.5``, ``budget=2GiB``).
+Written by a user: a name, a list of submodule names, or a budget as ``parse_budget`` reads it
+(``0.5``, ``2**30``, ``"2GiB"``). Parsed, a ``Policy`` is plain data: the objective, the budget,
+whether it may offload. Code below the API asks it questions (``budget``, ``least_memory``,
+``never_worse_than_none``); only the planner's one dispatch reads ``name``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ NAMED: dict[str, str] = {
     "swap": "everything, recomputing nothing; offloads what can hide behind compute (Meng 2017)",
 }
 
-#: The name of a budget policy (``budget=B`` as text).
+#: The name of a budget policy (its label is ``budget 50%``, ``budget 2.00 GiB``).
 BUDGET = "budget"
 
 #: Named policies that must never peak above plain autograd: the planner falls back to it.
@@ -65,7 +67,7 @@ class Policy:
             raise TypeError(f"autotune is True or False, got {self.autotune!r}")
         if self.name == BUDGET:
             if self.budget is None:
-                raise ValueError("the budget policy needs a budget, e.g. budget=0.5 or 2GiB")
+                raise ValueError("the budget policy needs a budget, e.g. 0.5 or 2GiB")
         elif self.name not in NAMED:
             raise ValueError(f"{self.name!r} is not a policy; {_accepted()}")
         elif self.budget is not None:
@@ -101,19 +103,42 @@ class Policy:
         """Automatic named policies fall back to plain autograd where they would peak above it."""
         return self.name in _NEVER_WORSE_THAN_NONE
 
+    @property
+    def least_memory(self) -> bool:
+        """Whether the objective is the least activation memory (``"memory"``): a plan that
+        saves less than another is better whatever it recomputes."""
+        return self.name == "memory"
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the objective is to recompute nothing and offload what hides (``"swap"``)."""
+        return self.name == "swap"
+
+    @property
+    def chooses_what_to_keep(self) -> bool:
+        """Whether memfit chooses what is kept from its cost model (``"memory"``, a budget), so
+        it may also choose submodules to recompute whole around graph breaks."""
+        return self.name == "memory" or self.budget is not None
+
+    @property
+    def written(self) -> str | int | float | list[str]:
+        """The policy as a user writes it to ``memfit.checkpoint``."""
+        if self.budget is not None:
+            fraction = self.budget.fraction
+            return fraction if fraction is not None else (self.budget.bytes or 0)
+        if self.modules:
+            return list(self.modules)
+        return self.name
+
     def call(self, model: str = "model", executor: str = "eager") -> str:
         """The Python call that wraps ``model`` with this policy, run by ``executor`` (the plan
         measured under one executor is not the other's: the call names it)."""
-        inductor = ", executor='inductor'" if executor == "inductor" or self.autotune else ""
-        if self.budget is not None:
-            value = self.budget.bytes if self.budget.bytes is not None else self.budget.fraction
-            extra = ", offload=True" if self.offload else ""
-            extra += inductor + (", autotune=True" if self.autotune else "")
-            return f"memfit.checkpoint({model}, budget={value!r}{extra})"
-        if self.modules:
-            return f"memfit.checkpoint({model}, {list(self.modules)!r}{inductor})"
-        extra = ", offload=True" if self.offload and self.name != "swap" else ""
-        return f"memfit.checkpoint({model}, {self.name!r}{extra}{inductor})"
+        extra = ", offload=True" if self.offload and not self.swaps else ""
+        if executor == "inductor" or self.autotune:
+            extra += ", executor='inductor'"
+        if self.autotune:
+            extra += ", options=memfit.Options(autotune=True)"
+        return f"memfit.checkpoint({model}, {self.written!r}{extra})"
 
     def __str__(self) -> str:
         return self.label
@@ -122,27 +147,37 @@ class Policy:
 def _accepted() -> str:
     names = ", ".join(map(repr, NAMED))
     return (
-        f"accepted: {names}, 'budget=B' (bytes such as 2GiB, or a fraction such as 0.5 of "
-        f"the activations plain autograd keeps), or a list of submodule names"
+        f"accepted: {names}, a budget (bytes such as 2**30 or '2GiB', or a fraction such as 0.5 "
+        f"of the activations plain autograd keeps), or a list of submodule names"
     )
 
 
-def parse_policy(value: Policy | str | Sequence[str]) -> Policy:
-    """A policy from what a user wrote: a ``Policy``, a name, ``"budget=B"``, or submodule names.
+def parse_policy(value: Policy | str | int | float | Budget | Sequence[str]) -> Policy:
+    """A policy from what a user wrote: a ``Policy``, a name, a budget (``int`` bytes, a size
+    string such as ``"2GiB"``, a ``float`` fraction or its text ``"0.5"``), or submodule names.
 
     Raises ``ValueError`` for an unknown name or an unreadable budget (naming the closest policy
     and every accepted form) and ``TypeError`` for a value of the wrong type.
     """
     if isinstance(value, Policy):
         return value
+    if isinstance(value, bool):
+        raise TypeError(f"a policy is a name, a budget or a list of submodule names, got {value!r}")
+    if isinstance(value, (int, float, Budget)):
+        return Policy(BUDGET, budget=parse_budget(value))
     if isinstance(value, str):
         text = value.strip()
-        name, sep, rest = text.partition("=")
-        if name.strip().lower() == BUDGET and sep:
-            return Policy(BUDGET, budget=parse_budget(rest.strip()))
         if text.lower() in NAMED:
             return Policy(text.lower())
-        close = difflib.get_close_matches(text.lower(), [*NAMED, BUDGET], n=1)
+        if text[:1].isdigit() or text[:1] == ".":
+            return Policy(BUDGET, budget=parse_budget(text))
+        if text.lower().replace(" ", "").startswith(BUDGET + "="):
+            given = text.partition("=")[2].strip()
+            raise ValueError(
+                f"{value!r}: give the budget itself as the policy, e.g. {given!r} "
+                f"(the 'budget=B' form was removed in memfit 0.2)"
+            )
+        close = difflib.get_close_matches(text.lower(), list(NAMED), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"{value!r} is not a policy{hint}; {_accepted()}")
     if isinstance(value, (list, tuple)):
@@ -154,6 +189,6 @@ def parse_policy(value: Policy | str | Sequence[str]) -> Policy:
                 )
         return Policy("collection", modules=tuple(value))
     raise TypeError(
-        f"a policy is a name such as 'memory', 'budget=B' or a list of submodule names, "
-        f"got {type(value).__name__}"
+        f"a policy is a name such as 'memory', a budget (0.5, '2GiB', 2**30) or a list of "
+        f"submodule names, got {type(value).__name__}"
     )

@@ -61,7 +61,7 @@ from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import describe_plan, plan_graph, with_executor_peaks
 from memfit.planning.policies import keep_all
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import Policy
 
 __all__ = [
     "CompiledOffset",
@@ -179,7 +179,7 @@ def plan_at(
     )
     if offset is not None:
         described = offset.applied(described)
-    if policy.name == BUDGET:
+    if policy.budget is not None:
         described = dataclasses.replace(described, budget_bytes=_budget_at(described, policy))
     return described
 
@@ -202,11 +202,11 @@ def holds(planned: GraphPlan, at: GraphPlan, policy: Policy, *, spent_bytes: int
     graphs of the step keep, taken off a byte budget."""
     if policy.never_worse_than_none and at.predicted_peak_bytes > at.baseline_peak_bytes:
         return False
-    if policy.name == BUDGET:
+    if policy.budget is not None:
         assert policy.budget is not None and at.budget_bytes is not None
         limit = at.budget_bytes - (spent_bytes if policy.budget.fraction is None else 0)
         return at.predicted_peak_bytes <= limit
-    if policy.name == "memory" and planned.baseline_peak_bytes and at.baseline_peak_bytes:
+    if policy.least_memory and planned.baseline_peak_bytes and at.baseline_peak_bytes:
         share = planned.predicted_peak_bytes / planned.baseline_peak_bytes
         return at.predicted_peak_bytes / at.baseline_peak_bytes <= share + MEMORY_SLACK
     return True
@@ -242,7 +242,7 @@ def size_range(
         at = plan_at(jg, plan, policy, sizes, outside=outside, offset=offset)
         if holds(plan, at, policy):
             return True
-        if policy.name != "memory" or at.predicted_peak_bytes > at.baseline_peak_bytes:
+        if not policy.least_memory or at.predicted_peak_bytes > at.baseline_peak_bytes:
             return False
         # Its share of plain autograd's peak moved (fixed costs such as the gradients weigh
         # more at small sizes): still "memory" if no plan made at these sizes is much lower.
@@ -257,7 +257,7 @@ def size_range(
             upper = _narrow(ok, factor / 2, factor)
             break
     lower: float | None = None
-    if policy.name == BUDGET and policy.budget is not None and policy.budget.fraction is None:
+    if policy.budget is not None and policy.budget.fraction is None:
         # A byte budget holds at every smaller size, but the plan recomputes what its own size
         # needs: below half of it a cheaper plan fits, and the size is captured again.
         lower = 1 / RANGE_FACTORS[0]

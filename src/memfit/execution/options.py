@@ -1,0 +1,182 @@
+"""What ``memfit.checkpoint``, ``memfit.step`` and ``memfit.plan`` are asked, checked once.
+
+The three entry points take the same few arguments: a ``policy`` (what to keep: a name, a list
+of submodule names, or a budget), ``offload`` (whether the planner may offload), ``executor``
+(how the plan runs) and ``options``, one ``Options`` holding the advanced knobs, as
+``torch.compile`` keeps its own behind ``options=`` and torchtitan documents each config field in
+its dataclass. ``resolve`` turns them into plain data at that boundary: a ``Policy`` (the
+objective, the budget, whether it may offload) that planning reads, and the knobs execution
+reads. Nothing below it sees what the user wrote.
+
+Closed choices are string enums, so ``"inductor"`` and ``memfit.Executor.INDUCTOR`` are the same
+value, and a misspelt string fails here, naming the choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memfit.choice import Choice
+from memfit.execution.offload.options import OffloadOptions
+from memfit.planning.budget import Budget
+from memfit.planning.policy import Policy, parse_policy
+
+__all__ = [
+    "Attention",
+    "Executor",
+    "OffloadTarget",
+    "Options",
+    "PolicyLike",
+    "resolve",
+    "DEFAULT_MAX_SHAPES",
+]
+
+#: What ``policy=`` accepts: a name, submodule names, or a budget (bytes, size, fraction).
+PolicyLike = str | int | float | Sequence[str] | Budget | Policy
+
+#: Captures (one input shape, or one range of sizes captured as symbols) of one model or step
+#: before a call that needs another runs unplanned (with a warning).
+DEFAULT_MAX_SHAPES = 64
+
+
+class Executor(Choice):
+    """How a planned forward and backward run."""
+
+    #: op for op on the ATen kernels eager PyTorch calls: losses and gradients bit for bit
+    EAGER = "eager"
+    #: the same plan compiled by Inductor (``torch.compile``'s compiler): fused kernels,
+    #: results to floating-point tolerance
+    INDUCTOR = "inductor"
+
+
+class Attention(Choice):
+    """What memfit does with the attention it finds in a model."""
+
+    #: rewrite it to a kernel that keeps no sequence-length-squared tensor (fused SDPA where it
+    #: applies, memfit's chunked kernel otherwise)
+    AUTO = "auto"
+    #: leave attention as written
+    OFF = "off"
+
+
+class OffloadTarget(Choice):
+    """Where offloaded activations go."""
+
+    #: pinned host memory (CUDA activations)
+    HOST = "host"
+    #: files in a private directory, removed as they are read back
+    DISK = "disk"
+
+
+def _choice(kind: type[Choice], value: object, what: str) -> Choice:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    choices = ", ".join(repr(str(c)) for c in kind)
+    raise ValueError(f"{what} must be one of {choices} (or memfit.{kind.__name__}), got {value!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The advanced knobs of ``memfit.checkpoint``, ``memfit.step`` and ``memfit.plan``.
+
+    The defaults are what most users want; each field says when to change it.
+    """
+
+    #: ``"auto"``: rewrite every attention memfit finds to a kernel that keeps no n² tensor
+    #: (outputs then equal plain PyTorch's to floating-point tolerance; ``plan.attention`` lists
+    #: each site and its kernel). ``"off"``: leave attention as written.
+    attention: Attention | str = Attention.AUTO
+    #: With a budget under ``executor="inductor"``: time the budget's plan against ``"speed"``'s
+    #: on the first step and keep the faster (one more compile, some 60 more steps on the first
+    #: call), like ``torch.compile``'s ``mode="max-autotune"``.
+    autotune: bool = False
+    #: Where offloaded values go: ``"host"`` (CUDA activations to pinned host memory) or
+    #: ``"disk"``; None picks host on CUDA, disk on CPU.
+    offload_to: OffloadTarget | str | None = None
+    #: The directory in which disk offload makes its private directory (default: the system
+    #: temp dir). Its files are removed as they are read back.
+    offload_dir: str | None = None
+    #: Bytes/s to plan offload with instead of the link speed measured on this machine (to plan
+    #: for another machine, or to make a plan independent of timing).
+    offload_bandwidth: float | None = None
+    #: Values smaller than this are never offloaded (a copy and a file cost more than they free).
+    offload_min_bytes: int = 64 * 1024
+    #: Bytes (or a size such as ``"8GiB"``) one step may hold off the device, in host memory or
+    #: on disk; a device budget that cannot be met within it is refused before any step runs.
+    host_budget: int | str | None = None
+    #: Captures of one model (each input shape range, dtype and rank its own) before a call that
+    #: needs another runs as plain PyTorch, with a warning.
+    max_shapes: int = DEFAULT_MAX_SHAPES
+    #: Measure what a step holds outside memfit's graphs (a loss computed outside the model) on
+    #: the first step, and plan again with it reserved, so predictions and budgets cover the
+    #: whole step. Off only where the caller models that memory itself.
+    measure_outside: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "attention", _choice(Attention, self.attention, "attention"))
+        if self.offload_to is not None:
+            set_(self, "offload_to", _choice(OffloadTarget, self.offload_to, "offload_to"))
+        for name in ("autotune", "measure_outside"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Options.{name} is True or False, got {getattr(self, name)!r}")
+        shapes = self.max_shapes
+        if isinstance(shapes, bool) or not isinstance(shapes, int) or shapes < 1:
+            raise ValueError(f"Options.max_shapes must be a positive int, got {shapes!r}")
+        # checks the offload fields now, before any step runs (a missing directory, ...)
+        self.offload_options()
+
+    @property
+    def offload_given(self) -> bool:
+        """Whether any offload field differs from its default (they need offloading on)."""
+        default = Options()
+        return any(
+            getattr(self, f) != getattr(default, f)
+            for f in ("offload_to", "offload_dir", "offload_bandwidth", "offload_min_bytes")
+        ) or (self.host_budget is not None)
+
+    def offload_options(self) -> OffloadOptions:
+        """The offload fields as execution's ``OffloadOptions``."""
+        return OffloadOptions(
+            to=None if self.offload_to is None else str(self.offload_to),
+            directory=self.offload_dir,
+            bandwidth=self.offload_bandwidth,
+            min_bytes=self.offload_min_bytes,
+            host_budget=self.host_budget,
+        )
+
+
+def resolve(
+    policy: PolicyLike, offload: bool, executor: Executor | str, options: Options | None
+) -> tuple[Policy, Options, Executor]:
+    """The policy, options and executor the arguments ask for, checked, with ``offload`` and
+    ``autotune`` folded into the policy: the plain data planning and execution read."""
+    if options is None:
+        options = Options()
+    elif not isinstance(options, Options):
+        raise TypeError(f"options is a memfit.Options, got {type(options).__name__}")
+    if not isinstance(offload, bool):
+        raise TypeError(
+            f"offload is True or False, got {offload!r}; where and how values are offloaded "
+            f"is set in options=memfit.Options(offload_to=..., offload_dir=..., ...)"
+        )
+    chosen = parse_policy(policy)
+    ran = Executor(_choice(Executor, executor, "executor"))
+    if options.autotune and not chosen.autotune:
+        # Policy checks it goes with a budget
+        chosen = dataclasses.replace(chosen, autotune=True)
+    if offload and not chosen.offload:
+        chosen = dataclasses.replace(chosen, offload=True)
+    if options.offload_given and not chosen.offload:
+        raise ValueError(
+            "the offload options configure offloading: pass offload=True (with a budget or "
+            "'memory') or use policy 'swap'"
+        )
+    return chosen, options, ran
