@@ -1,12 +1,12 @@
 """The layering written in each folder's README holds in the code: no module imports upwards.
 
 ``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``,
-``memfit.units``, ``memfit.warn`` and ``memfit.choice`` only), then capture (whose attention pass rewrites into
-``nn``'s kernels) and measurement, then analysis, planning, execution and ``pipeline``, each
-importing only layers below it; the CLI, the benchmarks and the package root may import
-anything. Only ``memfit._compat`` reaches torch's private API: it alone imports torch's private
-modules and reads private torch attributes (NOTE [Private torch names] says what counts). Tests and
-benchmarks may reach them; the check covers ``src/memfit``.
+``memfit.units``, ``memfit.warn`` and ``memfit.choice`` only), then capture (whose attention pass
+rewrites into ``nn``'s kernels) and measurement, then analysis, planning, execution and
+``pipeline``, each importing only layers below it; the CLI, the benchmarks and the package root may
+import anything. Only ``memfit._compat`` reaches torch's private API: it alone imports torch's
+private modules and reads private torch attributes (NOTE [Private torch names] says what counts).
+Tests and benchmarks may reach them; the check covers ``src/memfit``.
 """
 
 from __future__ import annotations
@@ -264,16 +264,6 @@ def private_torch_names(source: str) -> list[tuple[int, str]]:
     return sorted(set(found))  # ``torch._C._foo`` reaches two
 
 
-#: Private torch names still reached outside ``_compat``, in files being rewritten elsewhere right
-#: now: ``(file under src/memfit, expression as the check names it)``. Each is to move into
-#: ``_compat``, and its line here then goes: a line whose expression is no longer found fails
-#: the test, so the list only shrinks.
-NOT_YET_IN_COMPAT: set[tuple[str, str]] = {
-    # nn.Module's child by name: memfit._compat.child_module(owner, part) is its entry
-    ("pipeline/partition.py", "owner._modules.get"),
-}
-
-
 def test_only_compat_reaches_private_torch_names() -> None:
     found: dict[tuple[str, str], list[int]] = {}
     checked = 0
@@ -288,15 +278,10 @@ def test_only_compat_reaches_private_torch_names() -> None:
         f"src/memfit/{file}:{line}: {expression} reaches a private torch name; move it into "
         f"memfit/_compat/ as a named entry (with the torch versions it was checked on) and use that"
         for (file, expression), lines in sorted(found.items())
-        if (file, expression) not in NOT_YET_IN_COMPAT
         for line in lines
     ]
-    gone = [
-        f"src/memfit/{file}: {expression} is no longer found; remove it from NOT_YET_IN_COMPAT"
-        for file, expression in sorted(NOT_YET_IN_COMPAT - found.keys())
-    ]
     assert checked > 50, f"only {checked} modules found under {SRC}"
-    assert not bad and not gone, "\n".join(bad + gone)
+    assert not bad, "\n".join(bad)
 
 
 def test_the_private_name_check_flags_each_rule() -> None:

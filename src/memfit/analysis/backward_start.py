@@ -8,7 +8,7 @@ through the backward and gives it a gradient. The executor runs each as eager wo
 without a gradient gets no tangent, and the backward runs specialized to that
 (``capture.tangents``). Simulated as if every output were held and got a gradient, a plan's
 predicted peak on Hugging Face models was 17-23% above the measured step (GPT-2, Llama, Llama +
-LoRA, CPU; ``docs/investigations/hf_prediction_gap.md``): the logits and cache kept to the end of
+LoRA, CPU; ``docs/measurements.md``): the logits and cache kept to the end of
 the backward, and their tangents counted at its start. The planner also chose among plans by
 those numbers (corrected for the outputs alone, Llama took a plan that measured 6% higher).
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from memfit._compat import tree_flatten, tree_unflatten
+from memfit._compat import child_module, tree_flatten, tree_unflatten
 from memfit.execution.state import preserved
 
 __all__ = [
@@ -337,7 +337,7 @@ def _root(names: Sequence[str], captured: CapturedForward) -> nn.Module:
         *path, leaf = name.split(".")
         owner = root
         for part in path:
-            child = owner._modules.get(part)
+            child = child_module(owner, part)
             if child is None:
                 child = nn.Module()
                 owner.add_module(part, child)
