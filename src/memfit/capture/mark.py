@@ -37,7 +37,7 @@ _mark_op.register_autograd(_mark_backward)
 
 
 def mark(tensor: torch.Tensor) -> torch.Tensor:
-    """Mark ``tensor`` to be kept for backward under ``checkpoints="collection"``; returns it.
+    """Mark ``tensor`` to be kept for backward under the ``"collection"`` policy; returns it.
 
     Use the returned value (``h = memfit.mark(h)``), as with any function inside a traced model.
     """

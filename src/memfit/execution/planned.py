@@ -580,9 +580,10 @@ class PlannedCall:
         if full:
             why = (
                 f"memfit has captured and planned {self.name} {self.shapes_planned} times "
-                f"(max_shapes={self.max_shapes}: input shapes, or ranges of sizes) and ran this "
-                "call, which needed another capture, as plain PyTorch, without a plan or "
-                "savings; pad or bucket inputs to fewer shapes, or raise max_shapes"
+                f"(Options.max_shapes={self.max_shapes}: input shapes, or ranges of sizes) and ran "
+                "this call, which needed another capture, as plain PyTorch, without a plan or "
+                "savings; pad or bucket inputs to fewer shapes, or raise "
+                "memfit.Options(max_shapes=...)"
             )
         else:
             why = (

@@ -78,8 +78,8 @@ class Policy:
             object.__setattr__(self, "offload", True)
         if self.autotune and self.name != BUDGET:
             raise ValueError(
-                f"autotune=True times a budget's plan against 'speed''s: give a budget, not "
-                f"policy {self.name!r}, whose plan is fixed"
+                f"Options(autotune=True) times a budget's plan against 'speed''s: give a budget, "
+                f"not policy {self.name!r}, whose plan is fixed"
             )
         if self.offload and self.name not in _OFFLOADING:
             raise ValueError(
