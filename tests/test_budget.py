@@ -42,5 +42,5 @@ def test_wrong_types_raise_type_error(bad):
 
 
 def test_budget_error_carries_the_smallest_achievable():
-    err = BudgetError("too small", budget_bytes=10, smallest_bytes=20)
-    assert isinstance(err, ValueError) and err.smallest_bytes == 20 and err.budget_bytes == 10
+    err = BudgetError("too small", budget_bytes=10, least_bytes=20)
+    assert isinstance(err, ValueError) and err.least_bytes == 20 and err.budget_bytes == 10

@@ -46,8 +46,8 @@ def test_budgets_are_met_predicted_and_monotonic(case: ZooCase, device: str) -> 
             peak = measured_step_peak(case, wrapped, args, kwargs, device)
         except memfit.BudgetError as err:
             assert isinstance(budget, float), f"the smallest feasible budget {budget} was refused"
-            assert err.smallest_bytes is not None and err.smallest_bytes > err.budget_bytes
-            assert err.smallest_bytes == pytest.approx(smallest, rel=0.01)
+            assert err.least_bytes is not None and err.least_bytes > err.budget_bytes
+            assert err.least_bytes == pytest.approx(smallest, rel=0.01)
             continue
         plan = wrapped.memfit.plan
         predicted = plan.predicted_peak_bytes

@@ -114,7 +114,7 @@ def test_peak_within_prediction_and_budget_held() -> None:
     model.zero_grad(set_to_none=True)
     with pytest.raises(memfit.BudgetError) as refused:
         F.cross_entropy(memfit.checkpoint(model, 1, executor="inductor")(x), y)
-    smallest = refused.value.smallest_bytes
+    smallest = refused.value.least_bytes
     assert smallest is not None and smallest < plain.peak_bytes
     budget = (smallest + plain.peak_bytes) // 2
     wrapped = memfit.checkpoint(model, budget, executor="inductor")
@@ -222,7 +222,7 @@ def test_a_fraction_no_plan_keeps_is_still_refused(monkeypatch) -> None:
     with pytest.raises(memfit.BudgetError) as refused:
         wrapped = memfit.checkpoint(_net(), 0.2, executor="inductor")
         F.cross_entropy(wrapped(x), y).backward()
-    assert refused.value.smallest_bytes is not None
+    assert refused.value.least_bytes is not None
 
 
 def _least_compiling_high(monkeypatch) -> None:

@@ -15,7 +15,7 @@ from memfit.bench.zoo import cifar_resnet, tanh_chain, unet
 from memfit.planning import frontier
 from memfit.planning.budget import BudgetError
 from memfit.planning.frontier import activations, choose, least_peak_point, pareto_frontier
-from memfit.planning.policies import keep_all, keep_min_peak
+from memfit.planning.keep_rules import keep_all, keep_min_peak
 
 
 @pytest.fixture(scope="module", params=["tanh", "resnet", "unet"])
@@ -63,7 +63,7 @@ def test_too_small_budget_names_the_smallest(graph) -> None:
     points = pareto_frontier(graph)
     with pytest.raises(BudgetError) as info:
         choose(points, points[0].peak_bytes - 1)
-    assert info.value.smallest_bytes == points[0].peak_bytes
+    assert info.value.least_bytes == points[0].peak_bytes
     assert str(points[0].peak_bytes) in str(info.value)
 
 

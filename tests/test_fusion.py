@@ -21,7 +21,7 @@ from memfit.planning.fusion import (
     torch_compile_plans,
     with_fused_recomputation,
 )
-from memfit.planning.policies import always_kept, keep_all, keep_heavy, keep_min_peak
+from memfit.planning.keep_rules import always_kept, keep_all, keep_heavy, keep_min_peak
 
 
 @pytest.fixture(scope="module", params=["resnet", "unet"])

@@ -19,7 +19,7 @@ FRONTIER = [(100 + 10 * i, float(10 - i)) for i in range(11)]
 def _plan(peak: int, cost: float) -> GraphPlan:
     return GraphPlan(
         policy="budget",
-        decisions={f"kept_{peak}": Decision.SAVE},
+        decisions={f"kept_{peak}": Decision.KEEP},
         kept=(),
         recomputed=(),
         kept_bytes=0,
@@ -37,7 +37,7 @@ def _planner(budget: int):
     def plan(headroom: int) -> GraphPlan:
         fits = [(p, c) for p, c in FRONTIER if p <= budget - headroom]
         if not fits:
-            raise BudgetError("nothing fits", budget_bytes=budget, smallest_bytes=100)
+            raise BudgetError("nothing fits", budget_bytes=budget, least_bytes=100)
         return _plan(*min(fits, key=lambda pc: pc[1]))
 
     return plan
@@ -171,7 +171,7 @@ def _least_measured_high(frontier: list[tuple[int, float]], others: float):
     def plan(headroom: int) -> GraphPlan:
         fits = [(p, c) for p, c in frontier if p <= least - headroom]
         if not fits:
-            raise BudgetError("nothing fits", budget_bytes=least, smallest_bytes=least)
+            raise BudgetError("nothing fits", budget_bytes=least, least_bytes=least)
         return _plan(*min(fits, key=lambda pc: pc[1]))
 
     def measured(plan: GraphPlan) -> Tried[None]:

@@ -462,7 +462,7 @@ def test_infeasible_budget_raises_with_the_smallest() -> None:
     wrapped = memfit.checkpoint(model, smallest - 1)
     with pytest.raises(memfit.BudgetError) as info:
         wrapped(*args, **kwargs)
-    assert info.value.smallest_bytes == smallest
+    assert info.value.least_bytes == smallest
     assert f"{smallest} bytes" in str(info.value)
 
 

@@ -103,14 +103,14 @@ def test_recomputation_is_interleaved_with_gradients() -> None:
 
 
 def test_graphs_are_built_from_the_plan_decisions_alone(split_graphs: list[Split]) -> None:
-    """The forward graph hands the backward exactly the values the plan decides SAVE, and a plan
+    """The forward graph hands the backward exactly the values the plan decides KEEP, and a plan
     applied to a graph it was not made for is refused."""
     from memfit.planning.decision import Decision
 
     wrapped = memfit.checkpoint(TickChain(12), "memory")
     wrapped(torch.randn(16, 16, requires_grad=True)).sum().backward()
     ((joint, plan, kwargs, fw, bw),) = split_graphs
-    assert set(plan.decisions.values()) == {Decision.SAVE, Decision.RECOMPUTE}
+    assert set(plan.decisions.values()) == {Decision.KEEP, Decision.RECOMPUTE}
     outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
     assert len(outputs) - kwargs["num_fwd_outputs"] == len(plan.saved())
     received = [
@@ -120,7 +120,7 @@ def test_graphs_are_built_from_the_plan_decisions_alone(split_graphs: list[Split
     recomputed = sum(1 for n in bw.graph.nodes if n.target is torch.ops.memfit_test.tick.default)
     assert recomputed == sum(1 for name, d in plan.decisions.items() if d is Decision.RECOMPUTE)
 
-    stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.SAVE})
+    stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.KEEP})
     with pytest.raises(partition.PlanMismatchError, match="not_a_node"):
         partition.split_joint_graph(joint, stale, num_fwd_outputs=kwargs["num_fwd_outputs"])
 

@@ -48,12 +48,12 @@ def test_a_budget_is_met_by_every_stage_or_refused_with_the_least_that_fits() ->
     try:
         tight = plan(model, x, loss_fn, stages=2, microbatches=4, budget=budget)
     except memfit.BudgetError as err:
-        assert err.smallest_bytes is not None and err.smallest_bytes > budget
+        assert err.least_bytes is not None and err.least_bytes > budget
     else:
         assert tight.peak_bytes <= budget
     with pytest.raises(memfit.BudgetError, match="smallest per-device budget") as info:
         plan(model, x, loss_fn, stages=2, microbatches=4, budget=1000)
-    smallest = info.value.smallest_bytes
+    smallest = info.value.least_bytes
     assert smallest is not None and smallest > 1000
 
 

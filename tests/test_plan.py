@@ -8,7 +8,7 @@ from memfit.units import format_bytes
 
 
 def _graph(peak: int, kept: int) -> GraphPlan:
-    decisions = {"a": Decision.SAVE, "b": Decision.RECOMPUTE, "x": Decision.SAVE}
+    decisions = {"a": Decision.KEEP, "b": Decision.RECOMPUTE, "x": Decision.KEEP}
     return GraphPlan(
         policy="memory",
         decisions=decisions,

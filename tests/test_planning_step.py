@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import memfit
 from memfit.planning.budget import Budget
-from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
+from memfit.planning.plan import FrontierPoint, GraphPlan, Plan, RegionPlan
 from memfit.planning.step import least_step_peak, share_step, step_budget_bytes
 
 # ---- the search, on literal frontiers --------------------------------------------------------
@@ -29,7 +29,7 @@ def _graph(
     """A graph whose frontier is ``points`` of (peak, kept, recompute seconds); it was planned
     at its first point; ``base`` is (peak, kept) of plain autograd; ``out`` and ``grads`` are
     the bytes of its outputs and of its parameters' gradients."""
-    frontier = tuple(ParetoPoint(p, 0, s, k) for p, k, s in points)
+    frontier = tuple(FrontierPoint(p, 0, s, k) for p, k, s in points)
     peak, kept, _ = points[0]
     return GraphPlan(
         policy="budget",
@@ -55,7 +55,7 @@ A = _graph("a", [(100, 60, 0.0), (80, 40, 1.0), (60, 20, 3.0)], (100, 60), out=7
 B = _graph("b", [(50, 30, 0.0), (40, 20, 0.5), (30, 5, 2.0)], (50, 30), out=3, grads=13)
 
 
-def _step_peak(graphs: tuple[GraphPlan, ...], choice: dict[str, ParetoPoint]) -> int:
+def _step_peak(graphs: tuple[GraphPlan, ...], choice: dict[str, FrontierPoint]) -> int:
     """The step peak the search bounds, by brute force: graph by graph, what the graphs before
     it keep and output, its own peak, and the parameter gradients of the graphs after it."""
     peak = 0
@@ -66,7 +66,7 @@ def _step_peak(graphs: tuple[GraphPlan, ...], choice: dict[str, ParetoPoint]) ->
     return peak
 
 
-def _choices() -> list[dict[str, ParetoPoint]]:
+def _choices() -> list[dict[str, FrontierPoint]]:
     return [{"a": a, "b": b} for a, b in itertools.product(A.frontier, B.frontier)]
 
 
@@ -101,7 +101,7 @@ def test_share_step_is_the_cheapest_combination_that_fits(budget: int) -> None:
             continue
         assert shares is not None and set(shares) == {"a", "b"}
 
-        def cost(c: dict[str, ParetoPoint], runs: dict[str, int] = runs) -> float:
+        def cost(c: dict[str, FrontierPoint], runs: dict[str, int] = runs) -> float:
             return sum(runs[k] * p.recompute_seconds for k, p in c.items())
 
         chosen = {
@@ -212,5 +212,5 @@ def test_a_fraction_is_of_the_whole_steps_activations() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             below().backward()
-    assert err.value.smallest_bytes is not None
-    assert err.value.smallest_bytes == pytest.approx(memory.plan.predicted_peak_bytes, rel=0.01)
+    assert err.value.least_bytes is not None
+    assert err.value.least_bytes == pytest.approx(memory.plan.predicted_peak_bytes, rel=0.01)

@@ -231,25 +231,10 @@ def test_memory_peaks_at_most_as_high_as_per_block_checkpointing() -> None:
     from memfit.analysis.simulate import simulate_step
     from memfit.bench.graphs import joint_graphs
     from memfit.planning.frontier import pareto_frontier
-    from memfit.planning.policies import keep_blocks
+    from memfit.planning.keep_rules import keep_blocks
 
     (jg,) = joint_graphs(_SharedBiasStack(), x)
     blocks = keep_blocks(jg)
     assert blocks is not None
     least = min(p.peak_bytes for p in pareto_frontier(jg))
     assert least <= simulate_step(jg, blocks).peak_bytes
-
-
-def test_blocks_are_read_from_module_paths() -> None:
-    from memfit.planning.policies import _block
-
-    class Node:
-        def __init__(self, *paths: str) -> None:
-            self.meta = {"nn_module_stack": {str(i): (p, object) for i, p in enumerate(paths)}}
-
-    assert _block(Node("L['self'].model", "L['self'].model.layers.3", "x.layers.3.mlp")) == (
-        "L['self'].model.layers.3"
-    )
-    assert _block(Node("L['self'].h[2]", "L['self'].h[2].attn")) == "L['self'].h[2]"
-    assert _block(Node("L['self'].head")) is None
-    assert _block(Node()) is None

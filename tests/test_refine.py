@@ -10,7 +10,7 @@ from memfit.analysis.simulate import simulate_step
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.resnet import cifar_resnet
 from memfit.planning.frontier import pareto_frontier
-from memfit.planning.policies import always_kept, keep_all
+from memfit.planning.keep_rules import always_kept, keep_all
 from memfit.planning.refine import refine_least_peak
 
 

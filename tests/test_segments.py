@@ -10,7 +10,7 @@ import torch
 
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet, tanh_chain
-from memfit.planning.policies import always_kept, keep_all
+from memfit.planning.keep_rules import always_kept, keep_all
 from memfit.planning.segments import SEGMENT_KINDS, SegmentModel
 
 

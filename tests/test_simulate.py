@@ -6,7 +6,7 @@ import torch.nn as nn
 import memfit
 from memfit.analysis.simulate import simulate_step, walk
 from memfit.bench.graphs import joint_graphs
-from memfit.planning.policies import keep_all
+from memfit.planning.keep_rules import keep_all
 
 
 class _Node:

@@ -10,7 +10,7 @@ from memfit.analysis.simulate import simulate_step
 from memfit.analysis.transfers import Link, offloadable, schedule_transfers, value_bytes
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet
-from memfit.planning.policies import keep_all
+from memfit.planning.keep_rules import keep_all
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
-from memfit.planning.plan import GraphPlan, ParetoPoint, Plan, RegionPlan
+from memfit.planning.plan import FrontierPoint, GraphPlan, Plan, RegionPlan
 from memfit.planning.policy import Policy, parse_policy
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "Policy",
     "parse_policy",
     "Decision",
-    "ParetoPoint",
+    "FrontierPoint",
     "mark",
     "measure",
     "Measurement",

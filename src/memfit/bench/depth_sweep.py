@@ -30,7 +30,7 @@ Outputs, in ``--out`` and nowhere else (``memfit bench depth-sweep``: default
 ``_quick`` for ``--quick``): ``depth_sweep.json`` (machine, versions, parameters, every number),
 ``depth_sweep.md`` (the full table, ratios to eager) and ``depth_sweep.png``. The repository's
 script ``benchmarks/depth_sweep.py`` writes to ``benchmarks/results`` and also rewrites the
-README's summary table; the installed package never touches a README.
+summary table in ``benchmarks/README.md``; the installed package never touches a README.
 
 Timings on a shared CPU need ``OMP_WAIT_POLICY=PASSIVE`` (read when torch loads): with the default
 (active) waiting, OpenMP threads spin at every barrier, and where another process holds a core a

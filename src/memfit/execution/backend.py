@@ -444,7 +444,7 @@ def make_backend(
                         f"plan is compiled, and a plan simulated higher may compile lower); use a "
                         f"larger budget, or executor='eager', whose peaks are the simulation's",
                         budget_bytes=refused[0],
-                        smallest_bytes=least_peak,
+                        least_bytes=least_peak,
                     )
                 # A fraction is met whenever a plan keeps that share of the activations
                 # (planner's _fraction_reach), at the least peak of such a plan where that is

@@ -207,7 +207,7 @@ def fit_schedule(
             f"no plan fits: {note} (measured once compiled); use a larger budget, or "
             f"executor='eager', whose peaks are the simulation's",
             budget_bytes=limit_bytes,
-            smallest_bytes=least[0].predicted_peak_bytes,
+            least_bytes=least[0].predicted_peak_bytes,
         )
     return (
         dataclasses.replace(least[0], note=f"{least[0].note}; {note}"),

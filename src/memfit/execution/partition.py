@@ -4,7 +4,7 @@ backward graph that recomputes the rest just in time.
 The split itself is AOTAutograd's own ``_extract_fwd_bwd_modules`` (through ``memfit._compat``),
 the function behind its default and min-cut partitioners: it knows the calling convention between
 the forward graph, the autograd.Function that runs it and the backward graph, which has changed
-across torch releases. memfit hands it exactly the values the plan decides ``SAVE``; whatever the
+across torch releases. memfit hands it exactly the values the plan decides ``KEEP``; whatever the
 backward needs beyond them, the split copies into the backward graph, and that is the
 recomputation. Two mechanical steps follow, both modelled by the simulator that predicted the
 plan's peak: BatchNorm twins (``capture.batchnorm``) take their values from the original op in the
@@ -91,7 +91,7 @@ def split_joint_graph(
             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): a plan applies only "
             f"to the graph it was made for"
         )
-    passed = (Decision.SAVE, Decision.OFFLOAD)
+    passed = (Decision.KEEP, Decision.OFFLOAD)
     saved = [n for n in joint.graph.nodes if plan.decisions.get(n.name) in passed]
     if input_views_as_bases:
         offloaded = {n for n in saved if plan.decisions[n.name] is Decision.OFFLOAD}

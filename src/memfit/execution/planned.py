@@ -531,7 +531,7 @@ class PlannedCall:
                     f"{format_bytes(graph.predicted_peak_bytes)} "
                     f"({graph.predicted_peak_bytes} bytes)",
                     budget_bytes=graph.budget_bytes,
-                    smallest_bytes=graph.predicted_peak_bytes,
+                    least_bytes=graph.predicted_peak_bytes,
                 )
             return
         budget = step_budget_bytes(self.policy.budget, plan)
@@ -547,7 +547,7 @@ class PlannedCall:
                 f"and the smallest peak memfit can reach for the whole step is "
                 f"{format_bytes(smallest)} ({smallest} bytes)",
                 budget_bytes=budget,
-                smallest_bytes=smallest,
+                least_bytes=smallest,
             )
         step = tuple(g.sized_key for g in plan.graphs)
         rounds = self._step_rounds.get(step, 0)

@@ -191,7 +191,7 @@ class Pipeline:
                 cuts = choose_cuts(search, options, refused)
                 payload[0] = ("ok", cuts, search.costs.forward_seconds)
             except (BudgetError, ValueError) as exc:
-                smallest = getattr(exc, "smallest_bytes", None)
+                smallest = getattr(exc, "least_bytes", None)
                 payload[0] = (type(exc).__name__, str(exc), smallest)
         dist.broadcast_object_list(payload, src=self._global_rank(0), group=self._group)
         kind, *rest = payload[0]
@@ -199,7 +199,7 @@ class Pipeline:
             search.costs = dataclasses.replace(search.costs, forward_seconds=list(rest[1]))
             return list(rest[0])
         if kind == "BudgetError":
-            raise BudgetError(rest[0], budget_bytes=options.budget, smallest_bytes=rest[1])
+            raise BudgetError(rest[0], budget_bytes=options.budget, least_bytes=rest[1])
         raise ValueError(rest[0])
 
     def _share_refusals(
@@ -207,11 +207,11 @@ class Pipeline:
     ) -> dict[int, BudgetError]:
         """Every rank's refusal of its stage, on every rank, so all search again alike."""
         mine = failed.get(self.rank)
-        failure = None if mine is None else (str(mine), mine.smallest_bytes)
+        failure = None if mine is None else (str(mine), mine.least_bytes)
         failures: list[Any] = [None] * self.stages
         dist.all_gather_object(failures, failure, group=self._group)
         return {
-            s: BudgetError(f[0], budget_bytes=budget, smallest_bytes=f[1])
+            s: BudgetError(f[0], budget_bytes=budget, least_bytes=f[1])
             for s, f in enumerate(failures)
             if f is not None
         }

@@ -132,7 +132,7 @@ def choose_cuts(
             f"with every activation recomputed inside the stages; the smallest per-device "
             f"budget that fits is about {format_bytes(int(exc.least_capacity))}",
             budget_bytes=budget,
-            smallest_bytes=int(math.ceil(exc.least_capacity)),
+            least_bytes=int(math.ceil(exc.least_capacity)),
         ) from None
     cuts, pos = [], 0
     for size in sizes[:-1]:
@@ -158,7 +158,7 @@ def refuse(refused: set[Span], stage: StageGraph, err: BudgetError, stages: int)
             f"{err} (and {len(refused) - 1} other stage spans the search proposed did not fit "
             "either)",
             budget_bytes=err.budget_bytes,
-            smallest_bytes=err.smallest_bytes,
+            least_bytes=err.least_bytes,
         )
 
 

@@ -46,7 +46,7 @@ from memfit.pipeline.schedule import (
     step_peak,
 )
 from memfit.planning.budget import BudgetError
-from memfit.planning.plan import ParetoPoint
+from memfit.planning.plan import FrontierPoint
 from memfit.units import format_bytes
 
 __all__ = [
@@ -250,8 +250,8 @@ def stage_inputs(
 
 
 def _choose_point(
-    frontier: Sequence[ParetoPoint], fits: Callable[[ParetoPoint], bool]
-) -> ParetoPoint | None:
+    frontier: Sequence[FrontierPoint], fits: Callable[[FrontierPoint], bool]
+) -> FrontierPoint | None:
     fitting = [p for p in frontier if fits(p)]
     if not fitting:
         return None
@@ -286,10 +286,10 @@ def plan_stage(
     frontier = graph_plan.pareto()
     fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
 
-    def peak_of(p: ParetoPoint) -> int:
+    def peak_of(p: FrontierPoint) -> int:
         return step_peak(schedule, microbatches, flight, p.kept_bytes + send, p.peak_bytes, params)
 
-    def fits(p: ParetoPoint) -> bool:
+    def fits(p: FrontierPoint) -> bool:
         if budget is None:
             return True
         return fixed + peak_of(p) <= budget
@@ -302,7 +302,7 @@ def plan_stage(
             f"{format_bytes(budget or 0)}: its least predicted peak with memfit's plan is "
             f"{format_bytes(least)}",
             budget_bytes=budget,
-            smallest_bytes=least,
+            least_bytes=least,
         )
     # The frontier is a search; the plan ``checkpoint(model, budget)`` makes for that budget is
     # what runs (it may keep less): predict with that one.

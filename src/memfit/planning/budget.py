@@ -39,14 +39,14 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", 
 
 
 class BudgetError(ValueError):
-    """No plan meets the budget. ``smallest_bytes`` is the least peak memfit can achieve."""
+    """No plan meets the budget. ``least_bytes`` is the least peak memfit can achieve."""
 
     def __init__(
-        self, message: str, *, budget_bytes: int | None = None, smallest_bytes: int | None = None
+        self, message: str, *, budget_bytes: int | None = None, least_bytes: int | None = None
     ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
-        self.smallest_bytes = smallest_bytes
+        self.least_bytes = least_bytes
 
 
 @dataclass(frozen=True)

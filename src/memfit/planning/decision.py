@@ -17,7 +17,7 @@ class Decision(enum.Enum):
     """How a forward value reaches the backward pass."""
 
     #: Kept in memory from the forward to the backward (plain autograd does this for everything).
-    SAVE = "save"
+    KEEP = "keep"
     #: Freed after its last forward use and computed again in backward, just before it is read.
     RECOMPUTE = "recompute"
     #: Copied to host memory or disk after it is produced, freed on the device once the copy is

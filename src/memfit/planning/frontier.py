@@ -53,7 +53,7 @@ from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.fusion import COMPILE_BUDGETS, fused_plan, torch_compile_plans
-from memfit.planning.policies import (
+from memfit.planning.keep_rules import (
     always_kept,
     keep_all,
     keep_blocks,
@@ -67,7 +67,7 @@ from memfit.warn import warn_user
 
 __all__ = [
     "MIN_GAP",
-    "FrontierPoint",
+    "Candidate",
     "activations",
     "pareto_frontier",
     "pareto",
@@ -92,7 +92,7 @@ FUSED_SAFETY_LIMIT_S = 120.0
 
 
 @dataclass(frozen=True)
-class FrontierPoint:
+class Candidate:
     """One simulated plan: what it keeps, its predicted peak and what it recomputes."""
 
     kept: frozenset[fx.Node]
@@ -119,10 +119,10 @@ class FrontierPoint:
 
 def _point(
     jg: JointGraph, kept: set[fx.Node], source: str, costs: dict[fx.Node, tuple[float, int]]
-) -> FrontierPoint:
+) -> Candidate:
     sim = simulate_step(jg, kept)
     recomputed = [costs[n] for n in sim.backward if n in costs]
-    return FrontierPoint(
+    return Candidate(
         kept=frozenset(kept),
         peak_bytes=sim.peak_bytes,
         recompute_seconds=float(sum(c[0] for c in recomputed)),
@@ -149,7 +149,7 @@ def pareto_frontier(
     grid: int = 20,
     time_limit_s: float = SEARCH_SAFETY_LIMIT_S,
     min_gap: float = MIN_GAP,
-) -> list[FrontierPoint]:
+) -> list[Candidate]:
     """Simulated Pareto-optimal plans of ``jg``, sorted by increasing peak (decreasing cost).
 
     ``time_limit_s`` is a safety net for the counted search (see the module docstring): reaching
@@ -239,16 +239,16 @@ def warn_cut(jg: JointGraph, what: str) -> None:
 
 def _fused_points(
     jg: JointGraph,
-    frontier: list[FrontierPoint],
+    frontier: list[Candidate],
     costs: dict[fx.Node, tuple[float, int]],
     seen: set[frozenset[fx.Node]],
     started: float,
-) -> list[FrontierPoint]:
+) -> list[Candidate]:
     """Under Inductor: each frontier plan with fusible recomputation added, and the plans
     ``torch.compile`` makes at ``COMPILE_BUDGETS`` (``planning.fusion``), those not seen yet.
     Each frontier plan is one min-cut solve, ``torch.compile``'s plans one more (they share
     their min-cuts); all are solved unless ``FUSED_SAFETY_LIMIT_S`` is reached."""
-    found: list[FrontierPoint] = []
+    found: list[Candidate] = []
     # (the sources of the plans one solve makes, the solve)
     candidates: list[tuple[list[str], Callable[[], list[set[fx.Node]]]]] = [
         ([f"fused {p.source}"], partial(_one, fused_plan, jg, set(p.kept))) for p in frontier
@@ -283,14 +283,14 @@ def _one(
     return [make(jg, kept)]
 
 
-def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
+def pareto(points: list[Candidate], gap: float) -> list[Candidate]:
     """Points no other point beats in both peak and cost, at least ``gap`` bytes apart.
 
     The least peak of all is always kept, even within ``gap`` of a cheaper point: it is what
     ``"memory"`` promises and the smallest budget memfit can meet.
     """
     by_cost = sorted(points, key=lambda p: (p.cost_seconds, p.peak_bytes))
-    kept: list[FrontierPoint] = []
+    kept: list[Candidate] = []
     for p in by_cost:
         if not kept or p.peak_bytes < kept[-1].peak_bytes - gap:
             kept.append(p)
@@ -300,9 +300,7 @@ def pareto(points: list[FrontierPoint], gap: float) -> list[FrontierPoint]:
     return sorted(kept, key=lambda p: p.peak_bytes)
 
 
-def least_peak_point(
-    frontier: list[FrontierPoint], base_peak_bytes: int, estimate: bool
-) -> FrontierPoint:
+def least_peak_point(frontier: list[Candidate], base_peak_bytes: int, estimate: bool) -> Candidate:
     """``"memory"``'s point: the frontier's lowest; where its peaks are an ``estimate`` of what
     runs (Inductor's), the cheapest within ``MIN_GAP`` of ``base_peak_bytes`` of the lowest.
 
@@ -321,7 +319,7 @@ def least_peak_point(
     )
 
 
-def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
+def choose(frontier: list[Candidate], budget_bytes: int) -> Candidate:
     """The cheapest point whose predicted peak is within ``budget_bytes``; BudgetError if none."""
     fits = [p for p in frontier if p.peak_bytes <= budget_bytes]
     if not fits:
@@ -330,6 +328,6 @@ def choose(frontier: list[FrontierPoint], budget_bytes: int) -> FrontierPoint:
             f"no plan fits a budget of {format_bytes(budget_bytes)}: the smallest peak memfit can "
             f"reach for this graph is {format_bytes(smallest)} ({smallest} bytes)",
             budget_bytes=budget_bytes,
-            smallest_bytes=smallest,
+            least_bytes=smallest,
         )
     return min(fits, key=lambda p: (p.cost_seconds, p.peak_bytes))

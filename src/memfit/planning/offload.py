@@ -37,7 +37,7 @@ from memfit.analysis.transfers import (
 from memfit.planning.frontier import (
     MIN_GAP,
     SEARCH_SAFETY_LIMIT_S,
-    FrontierPoint,
+    Candidate,
     pareto,
     warn_cut,
 )
@@ -155,7 +155,7 @@ def offload_variants(
 
 def with_offload(
     jg: JointGraph,
-    points: list[FrontierPoint],
+    points: list[Candidate],
     link: Link,
     seconds: dict[fx.Node, float],
     *,
@@ -163,7 +163,7 @@ def with_offload(
     time_limit_s: float = SEARCH_SAFETY_LIMIT_S,
     min_bytes: int = MIN_OFFLOAD_BYTES,
     limit_bytes: int | None = None,
-) -> list[FrontierPoint]:
+) -> list[Candidate]:
     """The frontier ``points`` extended with offload plans of each of them, Pareto-filtered."""
     deadline = time.perf_counter() + time_limit_s
     extended = list(points)
@@ -185,7 +185,7 @@ def with_offload(
         cut = cut or time.perf_counter() > deadline  # the variants stop at the deadline
         for c in variants:
             extended.append(
-                FrontierPoint(
+                Candidate(
                     kept=p.kept,
                     peak_bytes=c.simulation.peak_bytes,
                     recompute_seconds=p.recompute_seconds,

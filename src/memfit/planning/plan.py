@@ -26,7 +26,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.capture.attention import AttentionSite
 
-__all__ = ["GraphPlan", "ParetoPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]
+__all__ = ["GraphPlan", "FrontierPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]
 
 
 def sized_key(key: str, sizes: tuple[tuple[str, int], ...]) -> str:
@@ -50,7 +50,7 @@ class TransferPlan:
 
 
 @dataclass(frozen=True)
-class ParetoPoint:
+class FrontierPoint:
     """One plan on the (peak memory, recompute cost) frontier, as predicted by the simulator."""
 
     peak_bytes: int
@@ -65,7 +65,7 @@ class ParetoPoint:
 
     @property
     def cost_seconds(self) -> float:
-        """What the plan adds to a step, as ``FrontierPoint.cost_seconds``."""
+        """What the plan adds to a step, as ``Candidate.cost_seconds``."""
         return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
@@ -75,7 +75,7 @@ class GraphPlan:
 
     ``decisions`` maps the name of every forward value the backward reads, directly or to
     recompute another value from, to its ``Decision``; step inputs the backward reads (parameters,
-    the batch) are ``SAVE`` at no cost. The other fields report that decision: ``kept`` are the
+    the batch) are ``KEEP`` at no cost. The other fields report that decision: ``kept`` are the
     saved values that cost memory (not step inputs, not the step's own outputs, which are alive
     anyway), ``recomputed`` the forward ops the backward runs again.
     """
@@ -102,7 +102,7 @@ class GraphPlan:
     #: which ``budget_bytes`` is this graph's share (``planning.step``)
     step_budget_bytes: int | None = None
     #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
-    frontier: tuple[ParetoPoint, ...] = ()
+    frontier: tuple[FrontierPoint, ...] = ()
     #: Every attention the capture pass found in this graph, and the kernel it now runs.
     attention: tuple[AttentionSite, ...] = ()
     #: the values decided ``OFFLOAD`` and where the executor moves them, in issue order
@@ -144,8 +144,8 @@ class GraphPlan:
         return sized_key(self.key, self.sizes)
 
     def saved(self) -> list[str]:
-        """Names of the values decided ``SAVE``, in the order the decisions were made."""
-        return [name for name, d in self.decisions.items() if d is Decision.SAVE]
+        """Names of the values decided ``KEEP``, in the order the decisions were made."""
+        return [name for name, d in self.decisions.items() if d is Decision.KEEP]
 
     def keeps_fraction(self, fraction: float) -> bool:
         """Whether this plan keeps at most ``fraction`` of the activations plain autograd keeps:
@@ -163,7 +163,7 @@ class GraphPlan:
 
     @property
     def cost_seconds(self) -> float:
-        """What the plan adds to a step in the planner's estimate (``ParetoPoint``'s)."""
+        """What the plan adds to a step in the planner's estimate (``FrontierPoint``'s)."""
         return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
@@ -349,7 +349,7 @@ class Plan:
             first.step_budget_bytes if first.step_budget_bytes is not None else first.budget_bytes
         )
 
-    def pareto(self) -> list[ParetoPoint]:
+    def pareto(self) -> list[FrontierPoint]:
         """The (predicted peak, recompute cost) frontier, by increasing peak.
 
         Only plans made with a budget carry a frontier (``memfit.plan(model, *inputs, policy=1.0)``
@@ -368,7 +368,7 @@ class Plan:
             return list(graphs[0].frontier)
         fixed = [
             # the same in every point; only FLOPs are known for a region's forward, not seconds
-            ParetoPoint(part.predicted_peak_bytes, part.recompute_flops, 0.0, 0)
+            FrontierPoint(part.predicted_peak_bytes, part.recompute_flops, 0.0, 0)
             for part in (self.region_part(r) for r in self.regions)
         ]
         count = max((len(g.frontier) for g in graphs), default=1)
@@ -378,7 +378,7 @@ class Plan:
                 g.frontier[round(k * (len(g.frontier) - 1) / max(count - 1, 1))] for g in graphs
             ] + fixed
             points.append(
-                ParetoPoint(
+                FrontierPoint(
                     peak_bytes=self._combine(
                         [p.peak_bytes for p in picked], [p.kept_bytes for p in picked]
                     ),

@@ -28,7 +28,7 @@ from memfit.analysis.transfers import Link, TransferSchedule
 from memfit.planning.budget import BudgetError
 from memfit.planning.decision import Decision
 from memfit.planning.frontier import (
-    FrontierPoint,
+    Candidate,
     activations,
     choose,
     least_peak_point,
@@ -37,8 +37,8 @@ from memfit.planning.frontier import (
 from memfit.planning.fusion import fused_plan
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
-from memfit.planning.plan import GraphPlan, ParetoPoint, TransferPlan
-from memfit.planning.policies import keep_all, keep_heavy, keep_marked
+from memfit.planning.plan import FrontierPoint, GraphPlan, TransferPlan
+from memfit.planning.keep_rules import keep_all, keep_heavy, keep_marked
 from memfit.planning.policy import Policy
 from memfit.planning.step import GraphShare
 from memfit.units import format_bytes
@@ -68,7 +68,7 @@ class FrontierCache:
     def __init__(self, jg: JointGraph) -> None:
         self.jg = jg
         #: the frontier by whether it includes offload plans
-        self.points: dict[bool, list[FrontierPoint]] = {}
+        self.points: dict[bool, list[Candidate]] = {}
 
 
 @paused_gc()  # planning's garbage collected once, as it ends (planning.paused_gc)
@@ -110,12 +110,12 @@ def plan_graph(
     baseline = keep_all(jg)
     base_sim = simulate_step(jg, baseline)
     note = ""
-    frontier: tuple[ParetoPoint, ...] = ()
+    frontier: tuple[FrontierPoint, ...] = ()
     budget_bytes: int | None = None
     schedule: TransferSchedule | None = None
     seconds = {n: node_seconds(n, jg.sizes) for n in jg.nodes} if policy.offload else {}
 
-    def frontier_points() -> list[FrontierPoint]:
+    def frontier_points() -> list[Candidate]:
         """The graph's frontier, with offload plans added when the policy offloads."""
         if cache is not None and policy.offload in cache.points:
             return cache.points[policy.offload]
@@ -137,7 +137,7 @@ def plan_graph(
     if policy.budget is not None:
         points = frontier_points()
         frontier = tuple(
-            ParetoPoint(
+            FrontierPoint(
                 p.peak_bytes,
                 p.recompute_flops,
                 p.recompute_seconds,
@@ -257,9 +257,7 @@ def plan_graph(
     )
 
 
-def _fraction_reach(
-    jg: JointGraph, points: list[FrontierPoint], fraction: float, resolved: int
-) -> int:
+def _fraction_reach(jg: JointGraph, points: list[Candidate], fraction: float, resolved: int) -> int:
     """The peak a fraction allows: ``resolved`` (plain autograd's, less the activations it
     gives up), or, where recomputation's working memory keeps every plan that holds at most
     ``fraction`` of the activations above that, the least peak of such a plan. So a fraction
@@ -280,7 +278,7 @@ def _reported_bytes(jg: JointGraph, kept: set[fx.Node], offloaded: set[fx.Node])
     return jg.bytes_of(_reported(jg, kept, offloaded))
 
 
-def _offloaded(point: FrontierPoint) -> set[fx.Node]:
+def _offloaded(point: Candidate) -> set[fx.Node]:
     return {t.value for t in point.schedule.transfers} if point.schedule else set()
 
 
@@ -294,14 +292,14 @@ def _activation_bytes(jg: JointGraph, kept: set[fx.Node]) -> int:
 def _explained(err: BudgetError, reason: str) -> BudgetError:
     """``err`` with ``reason`` added to its message, its numbers kept."""
     return BudgetError(
-        f"{err} ({reason})", budget_bytes=err.budget_bytes, smallest_bytes=err.smallest_bytes
+        f"{err} ({reason})", budget_bytes=err.budget_bytes, least_bytes=err.least_bytes
     )
 
 
 def _decisions(
     jg: JointGraph, kept: set[fx.Node], sim: StepSimulation, offloaded: set[fx.Node]
 ) -> dict[str, Decision]:
-    """``SAVE`` for what the backward receives from the forward, ``OFFLOAD`` for what it receives
+    """``KEEP`` for what the backward receives from the forward, ``OFFLOAD`` for what it receives
     through host memory or disk, ``RECOMPUTE`` for the forward values it computes again (``sim``
     is the simulation of keeping ``kept``)."""
     saved = jg.saved_needed(kept)
@@ -311,7 +309,7 @@ def _decisions(
     def decision(n: fx.Node) -> Decision:
         if n in offloaded:
             return Decision.OFFLOAD
-        return Decision.SAVE if n in saved else Decision.RECOMPUTE
+        return Decision.KEEP if n in saved else Decision.RECOMPUTE
 
     return {n.name: decision(n) for n in jg.nodes if n in saved or n in recomputed}
 
@@ -326,7 +324,7 @@ def describe_plan(
     *,
     note: str,
     budget_bytes: int | None,
-    frontier: tuple[ParetoPoint, ...],
+    frontier: tuple[FrontierPoint, ...],
     schedule: TransferSchedule | None = None,
     offload_to: str | None = None,
     step_budget_bytes: int | None = None,

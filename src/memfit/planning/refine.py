@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import StepSimulation, simulate_step
-from memfit.planning.policies import always_kept
+from memfit.planning.keep_rules import always_kept
 
 __all__ = ["refine_least_peak"]
 

@@ -60,7 +60,7 @@ from memfit.analysis.sizes import Sizes
 from memfit.planning.decision import Decision
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import describe_plan, plan_graph, with_executor_peaks
-from memfit.planning.policies import keep_all
+from memfit.planning.keep_rules import keep_all
 from memfit.planning.policy import Policy
 
 __all__ = [
@@ -84,7 +84,7 @@ BISECTIONS = 3
 #: fraction above the least peak the planner finds at that size.
 MEMORY_SLACK = 0.05
 
-_PASSED = (Decision.SAVE, Decision.OFFLOAD)
+_PASSED = (Decision.KEEP, Decision.OFFLOAD)
 
 
 @dataclasses.dataclass(frozen=True)

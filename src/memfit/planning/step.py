@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.planning.budget import Budget
-from memfit.planning.plan import GraphPlan, ParetoPoint, Plan
+from memfit.planning.plan import FrontierPoint, GraphPlan, Plan
 
 __all__ = ["GraphShare", "step_budget_bytes", "planned_as_step", "share_step", "least_step_peak"]
 
@@ -37,12 +37,12 @@ class GraphShare:
     kept_bytes: int
 
 
-def _points(graph: GraphPlan) -> list[ParetoPoint]:
+def _points(graph: GraphPlan) -> list[FrontierPoint]:
     if graph.frontier:
         return list(graph.frontier)
     # No frontier (not planned with a budget): the plan itself is the only choice.
     return [
-        ParetoPoint(
+        FrontierPoint(
             graph.predicted_peak_bytes,
             0,
             graph.recompute_seconds,
@@ -64,7 +64,7 @@ def _fixed(plan: Plan) -> list[int]:
     ]
 
 
-_State = tuple[int, int, float, dict[str, ParetoPoint]]  # (kept before, peak, cost, choice)
+_State = tuple[int, int, float, dict[str, FrontierPoint]]  # (kept before, peak, cost, choice)
 
 #: Partial choices the search keeps after pruning (a step has few graphs and short frontiers;
 #: this bounds a pathological one).
@@ -93,7 +93,7 @@ def _prune(states: list[_State], ahead: set[str]) -> list[_State]:
 
 def _search(
     plan: Plan, budget_bytes: int | None, kept_limit: int | None
-) -> tuple[int, float, dict[str, ParetoPoint]] | None:
+) -> tuple[int, float, dict[str, FrontierPoint]] | None:
     """The cheapest choice of one point per graph (by key) whose step peak is within
     ``budget_bytes`` (None: the least step peak), keeping at most ``kept_limit`` bytes in all:
     (step peak, cost, points by key), or None when nothing fits.
