@@ -96,17 +96,17 @@ class Split(NamedTuple):
 def split_graphs(monkeypatch: pytest.MonkeyPatch) -> list[Split]:
     """Every forward and backward graph memfit's backend splits a joint graph into during the
     test, in order, with the plan it followed."""
-    from memfit.execution import backend
+    from memfit.execution import partitioner
 
     seen: list[Split] = []
-    original = backend.split_joint_graph
+    original = partitioner.split_joint_graph
 
     def spy(joint: fx.GraphModule, plan: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         fw, bw = original(joint, plan, **kwargs)
         seen.append(Split(joint, plan, kwargs, fw, bw))
         return fw, bw
 
-    monkeypatch.setattr(backend, "split_joint_graph", spy)
+    monkeypatch.setattr(partitioner, "split_joint_graph", spy)
     return seen
 
 
