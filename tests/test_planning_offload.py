@@ -13,9 +13,9 @@ from memfit.bench.zoo import cifar_resnet
 from memfit.planning.budget import parse_budget
 from memfit.planning.decision import Decision
 from memfit.planning.frontier import pareto_frontier
+from memfit.planning.keep_rules import keep_all
 from memfit.planning.offload import swap, with_offload
 from memfit.planning.planner import plan_graph
-from memfit.planning.keep_rules import keep_all
 from memfit.planning.policy import BUDGET, Policy, parse_policy
 
 FAST = Link(1e18, 1e18)

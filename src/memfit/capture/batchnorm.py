@@ -20,7 +20,7 @@ the graph the plan was simulated on (the old code re-simulated and patched the p
 With the twin in place before analysis, the plan describes exactly the graphs that run. The twin
 costs nothing in forward: its fake values are the original op's own (same storages), so the
 memory model sees no second allocation, and the executor computes it in the forward graph from
-the original op (``execution.partition``): one BatchNorm kernel per forward, as in eager PyTorch,
+the original op (``execution.split``): one BatchNorm kernel per forward, as in eager PyTorch,
 and a ``no_stats`` kernel in backward where the plan recomputes it.
 """
 

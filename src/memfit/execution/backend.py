@@ -50,7 +50,7 @@ from memfit.execution.runners import (
 from memfit.execution.symbolic import PlansBySize
 from memfit.planning.plan import GraphPlan
 from memfit.planning.policy import Policy
-from memfit.planning.step import GraphShare
+from memfit.planning.step_budget import GraphShare
 
 __all__ = ["make_backend", "Offloader", "StepBudget"]
 
@@ -159,7 +159,7 @@ def make_backend(
     the step holds outside the graph ``key`` names (``GraphPlan.key``) between its forward and
     backward, when the graph's outputs take ``output_bytes``; the plan reserves it.
     ``share(key)``, once a step with graph breaks has been planned as a whole
-    (``planning.step``), is the graph's share of the step's budget at the sizes ``key`` names
+    (``planning.step_budget``), is the graph's share of the step's budget at the sizes ``key`` names
     (``GraphPlan.sized_key``); before that (None), each graph is planned as the step's first
     call reaches it. ``on_compile`` is called as Dynamo hands the backend a graph, before
     anything else (the wrapper looks at which modules are running eagerly then:

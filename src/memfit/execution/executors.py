@@ -63,13 +63,13 @@ LAYOUT_OPTIMIZATION: bool | None = None
 
 #: Placeholder meta marking a graph input whose storage stays where it is from call to call:
 #: parameters and buffers in a forward graph, the saved values in a backward graph
-#: (``execution.partition``). Inductor is told (its ``static_input_idxs``, as ``torch.compile``'s
+#: (``execution.split``). Inductor is told (its ``static_input_idxs``, as ``torch.compile``'s
 #: AOTAutograd compilers tell it) and on a GPU then skips the check of each such input's
 #: alignment it otherwise makes on every call.
 STATIC_INPUT = "memfit_static_input"
 
 #: Placeholder meta marking a backward graph input that is a saved value no other tensor shares a
-#: storage with (``execution.partition``): the argument list is its last reference, so Inductor
+#: storage with (``execution.split``): the argument list is its last reference, so Inductor
 #: may write the backward's own buffers into it after its last read, as ``torch.compile``'s
 #: backward does with AOTAutograd's donated buffers. Honoured only where the caller says the
 #: inputs are used once (``donate``) and AOTAutograd's ``donated_buffer`` is on

@@ -1,6 +1,6 @@
 """A plan compiled by Inductor, fitted to its budget: compiled, its peaks measured (or read
 from Inductor's schedule), planned again with headroom while they exceed the budget, and, with
-autotune, timed against its rival (``execution.backend`` calls ``fit_schedule`` from its
+autotune, timed against its rival (``execution.partitioner`` calls ``fit_schedule`` from its
 partition under ``executor="inductor"``).
 """
 

@@ -4,7 +4,7 @@ AOTAutograd hands ``Partitioner`` the joint forward/backward graph of each Dynam
 prepares the graph (``capture.passes``), measures its ops' scratch memory, plans it against what
 the step around it holds (what earlier graphs of the step keep, the graph's share of a step
 planned as a whole, what the caller holds outside it) and splits it by the plan
-(``execution.partition``). Under ``executor="inductor"`` the plan is compiled, measured and
+(``execution.split``). Under ``executor="inductor"`` the plan is compiled, measured and
 fitted to its budget (``execution.inductor_fit``): a budget the simulation refuses may still fit
 once compiled, and one it accepts may not.
 
@@ -43,7 +43,6 @@ from memfit.execution.inductor_fit import (
     largest_value,
     reached_fraction,
 )
-from memfit.execution.partition import split_joint_graph
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,
@@ -51,6 +50,7 @@ from memfit.execution.runners import (
     WATCH_META,
     Shared,
 )
+from memfit.execution.split import split_joint_graph
 from memfit.execution.start_watch import StartWatch
 from memfit.execution.symbolic import PlansBySize, capture_sizes
 from memfit.measurement.cpu import cpu_recording_blocked
@@ -58,7 +58,7 @@ from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.plan import GraphPlan, sized_key
 from memfit.planning.planner import FrontierCache, plan_graph
 from memfit.planning.policy import BUDGET, Policy
-from memfit.planning.step import GraphShare
+from memfit.planning.step_budget import GraphShare
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 

@@ -51,7 +51,7 @@ from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import Policy
-from memfit.planning.step import (
+from memfit.planning.step_budget import (
     GraphShare,
     least_step_peak,
     planned_as_step,
@@ -85,7 +85,7 @@ START_REPLANS = 2
 STEP_ROUNDS = 3
 
 #: Said once per wrapper that plans a budget with offload and runs it through Inductor: such
-#: plans are not measured after compiling (``execution.backend``), only simulated.
+#: plans are not measured after compiling (``execution.partitioner``), only simulated.
 INDUCTOR_BUDGET_WARNING = (
     "executor='inductor' with a budget and offload: memfit plans offload against its op-by-op "
     "simulation of the graphs, but Inductor schedules and allocates its fused kernels itself "
@@ -518,8 +518,8 @@ class PlannedCall:
         One graph: its plan was made against the step's budget, and a fraction it could not
         meet is an error now (``planning.planner``'s ``first_plan``). Several graphs (graph
         breaks): unless they were planned together and fit, memfit chooses one plan per graph
-        from their frontiers for the whole step (``planning.step``) and plans each graph again
-        with its share on the next call; BudgetError, now, if no combination fits."""
+        from their frontiers for the whole step (``planning.step_budget``) and plans each graph
+        again with its share on the next call; BudgetError, now, if no combination fits."""
         assert self.policy.budget is not None
         if len(plan.graphs) == 1:
             graph = plan.graphs[0]

@@ -48,7 +48,7 @@ loss holds between forward and backward ends there, before the recomputation all
 
 Policies: ``"memory"`` and budgets recompute regions (a budget cannot see what a region's Python
 allocates, so it can only be honoured with it recomputed; the step's budget counts each region as
-one fixed part, ``planning.step``); a list of submodule names recomputes
+one fixed part, ``planning.step_budget``); a list of submodule names recomputes
 every region not strictly containing a listed module (a listed region's output is kept, as the
 list asks); ``"none"``, ``"speed"`` (which never recomputes a matmul), ``"collection"`` with marks
 (a mark inside a region would be recomputed) and offloading plans recompute none.

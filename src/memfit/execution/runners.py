@@ -7,7 +7,7 @@ call, which is what keeps losses and gradients equal to plain PyTorch. Compilers
 the backward graph receives its saved tensors in a list it may clear: a saved value is freed
 after its last use in backward instead of living until the whole backward ends.
 
-The ``*_META`` keys name what ``execution.backend`` leaves in a split graph's metadata for the
+The ``*_META`` keys name what ``execution.partitioner`` leaves in a split graph's metadata for the
 compilers that run it (AOTAutograd compiles the backward lazily, at its first run).
 """
 

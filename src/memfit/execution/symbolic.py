@@ -63,7 +63,7 @@ class PlansBySize:
     Made when the graph is planned (inside the capture): ``planned`` is the plan at the captured
     sizes, with the range its decisions are used for, which this installs as guards. A budget
     shared with the step's other graphs (graph breaks: a byte budget less what earlier graphs
-    keep, or the graph's share of the step's budget, ``planning.step``) depends on what those
+    keep, or the graph's share of the step's budget, ``planning.step_budget``) depends on what those
     graphs keep at each size, which is not known here: such a graph is used at its captured
     sizes only. With ``compiled``, ``plan`` was predicted from its compiled graphs (Inductor):
     at other sizes the simulation is moved by what they held beyond it (``CompiledOffset``).

@@ -45,8 +45,8 @@ import torch.fx as fx
 from memfit._compat import min_cut_node_info, min_cut_saved_values_at
 from memfit.analysis.cost import is_compute_heavy
 from memfit.analysis.graph import JointGraph, node_tensors
-from memfit.planning.paused_gc import paused_gc
 from memfit.planning.keep_rules import always_kept
+from memfit.planning.paused_gc import paused_gc
 
 __all__ = [
     "COMPILE_BUDGETS",

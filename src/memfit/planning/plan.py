@@ -99,7 +99,7 @@ class GraphPlan:
     #: the byte budget this graph was planned against (``"budget"`` policy only)
     budget_bytes: int | None = None
     #: with graph breaks, once the step was planned as a whole: the whole step's budget, of
-    #: which ``budget_bytes`` is this graph's share (``planning.step``)
+    #: which ``budget_bytes`` is this graph's share (``planning.step_budget``)
     step_budget_bytes: int | None = None
     #: the graph's simulated Pareto frontier, by increasing peak (``"budget"`` policy only)
     frontier: tuple[FrontierPoint, ...] = ()
@@ -140,7 +140,7 @@ class GraphPlan:
     @property
     def sized_key(self) -> str:
         """``key`` and, for a graph with symbolic sizes, the sizes these numbers are for: what
-        a step's budget is shared by (``planning.step``), since a share holds at one size."""
+        a step's budget is shared by (``planning.step_budget``), since a share holds at one size."""
         return sized_key(self.key, self.sizes)
 
     def saved(self) -> list[str]:

@@ -35,12 +35,12 @@ from memfit.planning.frontier import (
     pareto_frontier,
 )
 from memfit.planning.fusion import fused_plan
+from memfit.planning.keep_rules import keep_all, keep_heavy, keep_marked
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
 from memfit.planning.plan import FrontierPoint, GraphPlan, TransferPlan
-from memfit.planning.keep_rules import keep_all, keep_heavy, keep_marked
 from memfit.planning.policy import Policy
-from memfit.planning.step import GraphShare
+from memfit.planning.step_budget import GraphShare
 from memfit.units import format_bytes
 
 __all__ = ["FrontierCache", "plan_graph", "with_executor_peaks"]
@@ -90,18 +90,18 @@ def plan_graph(
 
     ``spent_bytes`` is what earlier graphs of the same step keep (with graph breaks their kept
     values are alive while this graph runs) and is taken off a byte budget; a fraction applies to
-    this graph's own activations. That is how the first call of a step with graph breaks plans
-    each graph as it reaches it; the step is then checked as a whole (``planning.step``) and each
+    this graph's own activations. That is how the first call of a step with graph breaks plans each
+    graph as it reaches it; the step is then checked as a whole (``planning.step_budget``) and each
     graph planned again with its ``share`` of the step's budget. With ``first_plan``, a graph that
     cannot meet a fraction on its own, or a byte budget beside what earlier graphs kept, gets its
     least-peak plan instead of an error: whether the step fits is decided once all its graphs are
     known, and so is a graph that cannot meet its share.
-    Policies that offload need the ``link`` they offload over (and ``offload_to``, its name
-    for the plan); ``offload_limit_bytes`` caps what one graph may offload (the host budget, or
-    the free space of the offload disk). ``headroom_bytes`` is taken off a budget for what the
-    executor holds beyond the simulation (Inductor's schedule, measured on a plan compiled before:
-    ``execution.backend``). With a ``cache`` of ``jg``, the frontier is computed once for all the
-    plans asked of it.
+    Policies that offload need the ``link`` they offload over (and ``offload_to``, its name for the
+    plan); ``offload_limit_bytes`` caps what one graph may offload (the host budget, or the free
+    space of the offload disk). ``headroom_bytes`` is taken off a budget for what the executor holds
+    beyond the simulation (Inductor's schedule, measured on a plan compiled before:
+    ``execution.partitioner``). With a ``cache`` of ``jg``, the frontier is computed once for all
+    the plans asked of it.
     """
     if cache is not None and cache.jg is not jg:
         raise ValueError("plan_graph: the frontier cache belongs to another graph")

@@ -58,9 +58,9 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import simulate_step
 from memfit.analysis.sizes import Sizes
 from memfit.planning.decision import Decision
+from memfit.planning.keep_rules import keep_all
 from memfit.planning.plan import GraphPlan
 from memfit.planning.planner import describe_plan, plan_graph, with_executor_peaks
-from memfit.planning.keep_rules import keep_all
 from memfit.planning.policy import Policy
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch.fx as fx
 from memfit.execution.offload import ops as _ops  # noqa: F401 - registers the ops inserted
 from memfit.execution.offload.store import OffloadStore
 
-#: ``node.meta`` key (set by ``execution.partition``): the joint-graph name of a node that took
+#: ``node.meta`` key (set by ``execution.split``): the joint-graph name of a node that took
 #: another's place in the forward graph.
 JOINT_NAME = "memfit_joint_name"
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import memfit
 from conftest import Split
-from memfit.execution import partition
+from memfit.execution import split
 
 _calls: Counter[str] = Counter()
 
@@ -77,23 +77,23 @@ def test_no_forward_op_runs_more_than_twice(mode: str) -> None:
 def test_recomputation_is_interleaved_with_gradients() -> None:
     """Pitfall from the design notes: recomputing everything at the start of backward saves
     nothing. The backward graph must alternate recomputation and gradient ops."""
-    from memfit.execution import partition
+    from memfit.execution import split
 
     seen = []
-    original = partition.reorder_backward_graph
+    original = split.reorder_backward_graph
 
     def spy(bw):  # type: ignore[no-untyped-def]
         out = original(bw)
         seen.append([n.target for n in out.graph.nodes if n.op == "call_function"])
         return out
 
-    partition.reorder_backward_graph = spy
+    split.reorder_backward_graph = spy
     try:
         wrapped = memfit.checkpoint(TickChain(25), "memory")
         x = torch.randn(64, 64, requires_grad=True)
         wrapped(x).sum().backward()
     finally:
-        partition.reorder_backward_graph = original
+        split.reorder_backward_graph = original
     (targets,) = seen
     kinds = ["f" if t is torch.ops.memfit_test.tick.default else "b" for t in targets]
     runs = "".join(kinds).replace("ff", "f").replace("bb", "b")
@@ -121,8 +121,8 @@ def test_graphs_are_built_from_the_plan_decisions_alone(split_graphs: list[Split
     assert recomputed == sum(1 for name, d in plan.decisions.items() if d is Decision.RECOMPUTE)
 
     stale = dataclasses.replace(plan, decisions={**plan.decisions, "not_a_node": Decision.KEEP})
-    with pytest.raises(partition.PlanMismatchError, match="not_a_node"):
-        partition.split_joint_graph(joint, stale, num_fwd_outputs=kwargs["num_fwd_outputs"])
+    with pytest.raises(split.PlanMismatchError, match="not_a_node"):
+        split.split_joint_graph(joint, stale, num_fwd_outputs=kwargs["num_fwd_outputs"])
 
 
 class _TwoHeads(nn.Module):
@@ -169,7 +169,7 @@ def _views_of_inputs(fw: torch.fx.GraphModule, num_user_outputs: int) -> list[st
     """The values ``fw`` saves for backward that are views of its inputs."""
     output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     saved = [o for o in output.args[0][num_user_outputs:] if isinstance(o, torch.fx.Node)]
-    return [o.name for o in saved if partition._input_viewed(o) is not None]
+    return [o.name for o in saved if split._input_viewed(o) is not None]
 
 
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
@@ -226,8 +226,8 @@ def test_bases_of_input_views_leaves_what_must_stay() -> None:
     buf_view = next(v for v in view_nodes if v.args[0] is nodes["buf_1"])
     x_view = next(v for v in view_nodes if v.args[0] is x)
     saved = [*t_nodes, buf_view, mm, x_view]
-    assert partition.bases_of_input_views(saved) == [w, buf_view, mm, x]
-    assert partition.bases_of_input_views(saved, keep={t_nodes[0]}) == [
+    assert split.bases_of_input_views(saved) == [w, buf_view, mm, x]
+    assert split.bases_of_input_views(saved, keep={t_nodes[0]}) == [
         t_nodes[0],
         w,
         buf_view,
@@ -260,7 +260,7 @@ def test_mutated_input_found_through_views_and_keywords() -> None:
     ]:
         gm = make_fx(f)(*args)
         buf = next(n for n in gm.graph.nodes if n.op == "placeholder")
-        assert partition._mutated(buf) is mutated, f.__name__
+        assert split._mutated(buf) is mutated, f.__name__
 
 
 def test_symbolically_sized_view_of_an_input_stays_saved() -> None:
@@ -270,7 +270,7 @@ def test_symbolically_sized_view_of_an_input_stays_saved() -> None:
 
     gm = make_fx(lambda x: x.view(x.shape[0], 2, 4), tracing_mode="symbolic")(torch.randn(3, 8))
     view = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default)
-    assert partition.bases_of_input_views([view]) == [view]
+    assert split.bases_of_input_views([view]) == [view]
 
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -295,9 +295,7 @@ def test_symbolically_sized_view_of_an_input_stays_saved() -> None:
 
 def _marked(gm: torch.fx.GraphModule) -> set[str]:
     return {
-        n.name
-        for n in gm.graph.nodes
-        if n.op == "placeholder" and n.meta.get(partition.STATIC_INPUT)
+        n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(split.STATIC_INPUT)
     }
 
 
@@ -340,9 +338,7 @@ def test_offloaded_values_are_not_static(split_graphs: list[Split]) -> None:
 
 
 def _donated(gm: torch.fx.GraphModule) -> set[str]:
-    return {
-        n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(partition.DONATED)
-    }
+    return {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(split.DONATED)}
 
 
 class _ReturnsSaved(nn.Module):
@@ -392,10 +388,10 @@ def test_saved_values_sharing_a_storage_are_not_donated() -> None:
     for name in ("first", "second", "alone"):
         node = bw.placeholder(name)
         node.meta["val"] = values[name]
-        node.meta[partition.STATIC_INPUT] = True
+        node.meta[split.STATIC_INPUT] = True
         saved.append(node)
     bw.output((bw.call_function(torch.ops.aten.add.Tensor, (saved[0], saved[2])),))
     fw_module = torch.fx.GraphModule(nn.Module(), fw)
     bw_module = torch.fx.GraphModule(nn.Module(), bw)
-    partition._mark_donated(fw_module, bw_module, 1)
+    split._mark_donated(fw_module, bw_module, 1)
     assert _donated(bw_module) == {"alone"}

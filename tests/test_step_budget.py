@@ -1,4 +1,4 @@
-"""The budget of a whole step captured in several graphs (``planning.step``).
+"""The budget of a whole step captured in several graphs (``planning.step_budget``).
 
 The search is checked against brute force on literal frontiers; the whole mechanism on a model
 with a graph break, measured with exact CPU accounting: before, the step was planned graph by
@@ -18,7 +18,7 @@ import torch.nn as nn
 import memfit
 from memfit.planning.budget import Budget
 from memfit.planning.plan import FrontierPoint, GraphPlan, Plan, RegionPlan
-from memfit.planning.step import least_step_peak, share_step, step_budget_bytes
+from memfit.planning.step_budget import least_step_peak, share_step, step_budget_bytes
 
 # ---- the search, on literal frontiers --------------------------------------------------------
 
