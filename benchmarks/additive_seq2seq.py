@@ -15,18 +15,18 @@ that fits at ``T = 400`` from 2 to 60. This script does the same measurement wit
 * the budget: one fixed number of bytes for every ``T``, chosen so that naive attention gets
   batch 2 at the largest ``T`` (the midpoint of its measured peaks at batches 2 and 3), as in the
   paper; ``--budget-mib`` overrides it.
-* the largest batch: the step's peak tensor memory is measured exactly (``memfit.measure``, the
-  profiler's allocator events, not process RSS); a search over the batch (an affine prediction
-  from the measured peaks, then bisection between a batch that fits and one that does not)
-  finds the largest batch whose peak is within the budget.
+* the largest batch: the step's peak tensor memory is measured exactly (the shared runner's
+  ``measure_peak``: ``memfit.measure``, the profiler's allocator events, not process RSS); a
+  search over the batch (an affine prediction from the measured peaks, then bisection between a
+  batch that fits and one that does not) finds the largest batch whose peak is within the budget.
 * time: one step of each variant at a common batch (naive's largest at that ``T``), the median of
-  ``--repeats`` interleaved runs, without the profiler.
+  ``--repeats`` interleaved runs, without the profiler (the runner's ``time_interleaved``).
 
-Outputs, in ``benchmarks/results/`` (``_quick`` suffix for ``--quick``): ``additive_seq2seq.json``
-(machine, versions, parameters, every probe), ``additive_seq2seq.md`` (the table) and
-``additive_seq2seq.png``. Run: ``python benchmarks/additive_seq2seq.py [--quick]``; ``--quick``
-(T = 25, 50) takes under a minute, the full sweep (T = 50, 100, 200, 400) several minutes on
-2 cores.
+Outputs, in ``benchmarks/results/`` (``--out`` elsewhere; ``_quick`` suffix for ``--quick``):
+``additive_seq2seq.json`` (machine, versions, parameters, every probe), ``additive_seq2seq.md``
+(the table) and ``additive_seq2seq.png``. Run: ``python benchmarks/additive_seq2seq.py
+[--quick]``; ``--quick`` (T = 25, 50) takes under a minute, the full sweep (T = 50, 100, 200,
+400) several minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import memfit  # noqa: E402
 from memfit.bench.environment import load_average, machine_info, software_info  # noqa: E402
+from memfit.bench.runner import Method, measure_peak, time_interleaved  # noqa: E402
 from memfit.nn import AdditiveAttention, additive_attention  # noqa: E402
 from memfit.units import MIB  # noqa: E402
 
@@ -122,9 +122,7 @@ def make_step(model: Seq2Seq, batch: int, length: int) -> Callable[[], float]:
 
 def step_peak(model: Seq2Seq, batch: int, length: int) -> int:
     """Exact peak tensor bytes of one step above what was live before it."""
-    step = make_step(model, batch, length)
-    model.zero_grad(set_to_none=True)
-    peak = memfit.measure(step).peak_bytes
+    peak = measure_peak(Method(f"batch {batch}", model, make_step(model, batch, length))).peak_bytes
     assert peak is not None
     return peak
 
@@ -174,15 +172,13 @@ def largest_batch(
 def median_step_times(
     models: dict[str, Seq2Seq], batch: int, length: int, repeats: int
 ) -> dict[str, float]:
-    """Median seconds of one step per method, runs interleaved, profiler off."""
-    steps = {name: make_step(model, batch, length) for name, model in models.items()}
-    for step in steps.values():  # warm-up
-        step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            times[name].append(memfit.measure(step, profile_memory=False).time_s)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """Median seconds of one step per method, timed by the shared runner (interleaved rounds,
+    the order rotating, profiler off) after one warm-up step each."""
+    methods = [Method(n, m, make_step(m, batch, length)) for n, m in models.items()]
+    for method in methods:
+        method.run_step()
+    time_interleaved(methods, repeats)
+    return {method.name: statistics.median(method.times) for method in methods}
 
 
 def agreement(models: dict[str, Seq2Seq]) -> dict[str, float]:

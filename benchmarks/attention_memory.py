@@ -3,7 +3,9 @@
 Issue 9's measurement: at sequence lengths 512 ... 8192 (B=1, H=8, D=64, fp32), with and without
 a causal mask and dropout, the peak memory of forward + backward of one attention call above the
 inputs (exact CPU allocation accounting, ``memfit.measure``), and its time (median of interleaved
-repeats: ``--repeats`` above L=2048, three times as many up to it, where steps are short). Methods:
+repeats: ``--repeats`` above L=2048, three times as many up to it, where steps are short), each
+method measured by the shared runner (``memfit.bench.runner``: one warm-up step, the peak, then
+interleaved timing). Methods:
 
 * ``naive``: ``softmax(q k^T * scale + mask)``, ``F.dropout``, ``@ v`` as models write it;
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the same arguments (on CPU its flash kernel
@@ -12,7 +14,8 @@ repeats: ``--repeats`` above L=2048, three times as many up to it, where steps a
   kernel otherwise, dropout masks as ``F.dropout`` draws them).
 
 Runs whose quadratic tensors alone would exceed ``--max-gib`` are skipped and recorded as such.
-Writes benchmarks/results/attention_memory.{json,md,png}. ``--quick``: L = 512, 1024, one repeat.
+Writes ``benchmarks/results/attention_memory.{json,md,png}`` (``--out`` elsewhere). ``--quick``:
+L = 512, 1024, one repeat, into ``attention_memory_quick.*``.
 """
 
 from __future__ import annotations
@@ -22,16 +25,16 @@ import datetime
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
+from memfit.bench.runner import Method, measure_peak, time_interleaved
 from memfit.nn.attention import attention
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +101,7 @@ def measure(
     inputs = _inputs(length)
     grad = torch.randn(B, H, length, D, generator=torch.Generator().manual_seed(1))
     rows: list[dict[str, Any]] = []
-    runs: dict[str, Attention] = {}
+    methods: list[Method] = []
     for name, make in METHODS.items():
         fn = make(**case)
         # naive keeps about four L x L tensors (scores, probabilities, mask, dropout output)
@@ -108,20 +111,17 @@ def measure(
                 {"method": name, "skipped": f"needs about {4 * _quadratic_gib(length):.0f} GiB"}
             )
             continue
-        _step(fn, inputs, grad)  # warm-up (and lazy initialisation) outside the measurement
-        m = memfit.measure(_step, fn, inputs, grad)
-        rows.append({"method": name, "peak_bytes": m.peak_bytes})
-        runs[name] = fn
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(repeats):
-        order = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]
-        for name in order:
-            start = time.perf_counter()
-            _step(runs[name], inputs, grad)
-            times[name].append(time.perf_counter() - start)
+        # no parameters: the step resets its inputs' gradients itself
+        method = Method(name, torch.nn.Module(), partial(_step, fn, inputs, grad))
+        method.run_step()  # warm-up (and lazy initialisation) outside the measurement
+        measure_peak(method)
+        rows.append({"method": name, "peak_bytes": method.record["peak_bytes"]})
+        methods.append(method)
+    time_interleaved(methods, rounds=repeats)
+    seconds = {m.name: statistics.median(m.times) for m in methods}
     for row in rows:
-        if row["method"] in times:
-            row["seconds"] = statistics.median(times[row["method"]])
+        if row["method"] in seconds:
+            row["seconds"] = seconds[row["method"]]
     return rows
 
 
@@ -210,9 +210,10 @@ def main() -> None:
         "quick": args.quick,
         "results": results,
     }
-    (args.out / "attention_memory.json").write_text(json.dumps(record, indent=1))
-    (args.out / "attention_memory.md").write_text(_table(results) + "\n")
-    _figure(results, args.out / "attention_memory.png")
+    stem = args.out / ("attention_memory_quick" if args.quick else "attention_memory")
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(_table(results) + "\n")
+    _figure(results, stem.with_suffix(".png"))
     print(_table(results))
 
 

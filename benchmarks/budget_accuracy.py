@@ -5,11 +5,13 @@ feasible one and the midpoint between it and plain autograd:
 the plan's ``predicted_peak_bytes`` (made before the step runs) against the peak ``memfit.measure``
 records for a training step (exact CPU allocator accounting, or CUDA allocator statistics), and
 the planning time. Budgets below the smallest feasible are recorded with the BudgetError's
-smallest achievable bytes. Writes benchmarks/results/budget_accuracy.{json,md}.
+smallest achievable bytes. Writes ``benchmarks/results/budget_accuracy.{json,md}`` (``--out``
+elsewhere; ``--quick``: the zoo's MLP, ResNet and transformer only, into
+``budget_accuracy_quick.*``).
 
 Run with the Python of the environment memfit is installed in (``pip install -e .``; the
-Makefile's ``.venv``): ``python benchmarks/budget_accuracy.py``. The models come from the
-package's zoo, ``memfit.bench.zoo``.
+Makefile's ``.venv``): ``python benchmarks/budget_accuracy.py [--quick]``. The models come from
+the package's zoo, ``memfit.bench.zoo``, and each step's peak from its ``measured_step_peak``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from memfit.units import MIB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+#: The zoo models ``--quick`` plans and measures.
+QUICK = ("mlp", "resnet", "transformer")
 
 
 def _larger() -> list[ZooCase]:
@@ -69,9 +73,11 @@ def _larger() -> list[ZooCase]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="three small zoo models only")
     args_ns = parser.parse_args(argv)
     rows = []
-    for case in [*ZOO, *_larger()]:
+    cases = [c for c in ZOO if c.name in QUICK] if args_ns.quick else [*ZOO, *_larger()]
+    for case in cases:
         args, kwargs = case.make_inputs()
         model = case.make_model()
         torch.compiler.reset()
@@ -128,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu",
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
+        "quick": args_ns.quick,
     }
     args_ns.out.mkdir(parents=True, exist_ok=True)
-    (args_ns.out / "budget_accuracy.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    stem = args_ns.out / ("budget_accuracy_quick" if args_ns.quick else "budget_accuracy")
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     lines = [
         f"Budget plans, predicted vs measured peak ({meta['machine']}, torch "
         f"{meta['torch']}, {meta['date']})",
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     errors = [abs(r["error"]) for r in rows if r["feasible"]]
     lines += ["", f"Largest |error|: {max(errors):.1%} over {len(errors)} plans."]
-    (args_ns.out / "budget_accuracy.md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

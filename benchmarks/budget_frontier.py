@@ -828,10 +828,11 @@ def same_program_pairs(
     (``paired_interval``): the frontier's own comparison where nothing differs, an A/A test.
 
     Why: memfit's ResNet budget plans compile ``torch.compile``'s own partition (the same
-    kernels every step, but one copy: ``results/same_peak_pair/same_program_1128/``), and two
-    frontier runs of the same plans read them 1.05 (1.01-1.10) and 0.98 turn by turn against
-    it. Settings that ran one program differ only by where their memory lies and when their
-    turns ran; a ratio as far from 1 as the run puts them is one the run cannot resolve.
+    kernels every step, but one copy: docs/measurements.md, "Speed: the Inductor executor on
+    CPU"), and two frontier runs of the same plans read them 1.05 (1.01-1.10) and 0.98 turn by
+    turn against it. Settings that ran one program differ only by where their memory lies and
+    when their turns ran; a ratio as far from 1 as the run puts them is one the run cannot
+    resolve.
     Single settings are noisier than the pooled programs the comparison with ``torch.compile``
     uses (``_program_steps``), so their spread is, if anything, wider than that comparison's
     noise.
@@ -1268,7 +1269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(MEMFIT_MODES),
         help=f"memfit modes to run (default {' '.join(MEMFIT_MODES)})",
     )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=RESULTS)
     p.add_argument(
         "--timing-lock",
         type=Path,

@@ -2,7 +2,8 @@
 
 Why: ``"none"`` keeps every activation and recomputes nothing, so any time it takes beyond eager's
 is the executor's overhead, paid by every plan. This script times, on the budget frontier's
-models, in one process with interleaved rounds (medians):
+models, in one process with interleaved rounds (medians; the shared runner,
+``memfit.bench.runner``: each variant's first step and settling, then ``time_interleaved``):
 
 * ``eager``: plain PyTorch;
 * ``aot_eager``: ``torch.compile(backend="aot_eager")``: Dynamo, AOTAutograd's runtime and its
@@ -21,14 +22,15 @@ count or time differ most from eager's.
 (Dynamo's guards, the wrappers' Python, the autograd engine): each timed sample there is the mean
 of ``TINY_REPEAT`` steps, each from gradients set to None, so microseconds are resolved.
 
-Writes ``benchmarks/results/executor_overhead.{json,md}`` (``--out`` elsewhere).
-Run: ``python benchmarks/executor_overhead.py [--rounds 15] [--models resnet transformer unet]``.
+Writes ``benchmarks/results/executor_overhead.{json,md}`` (``--out`` elsewhere; ``--quick``: the
+tiny model, 5 rounds, into ``executor_overhead_quick.*``).
+Run: ``python benchmarks/executor_overhead.py [--quick] [--rounds 15] [--models resnet transformer
+unet tiny]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -47,6 +49,7 @@ from budget_frontier import MODELS, ModelSpec, model_specs  # noqa: E402
 from memfit.bench import environment  # noqa: E402
 from memfit.bench.environment import load_average  # noqa: E402
 from memfit.bench.peers import entry_point  # noqa: E402
+from memfit.bench.runner import Method, time_interleaved, warm_up  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -137,71 +140,73 @@ def run_model(name: str, rounds: int) -> dict[str, Any]:
     spec = tiny_spec() if name == "tiny" else next(s for s in model_specs(False) if s.name == name)
     repeat = TINY_REPEAT if name == "tiny" else 1
     torch.compiler.reset()
-    steps: dict[str, Callable[[], None]] = {}
-    models: dict[str, torch.nn.Module] = {}
+    methods: list[Method] = []
+    singles: dict[str, Callable[[], None]] = {}  # one step each, for the profile
     for variant in VARIANTS:
         model = spec.build()
         module = _wrap(variant, model, f"{name}_{variant}".replace(" ", "_").replace(",", ""))
 
-        def step(module: torch.nn.Module = module) -> None:
+        def single(module: torch.nn.Module = module) -> None:
             spec.loss(module(*spec.inputs)).backward()
 
-        for _ in range(2):  # compile and warm up
-            model.zero_grad(set_to_none=True)
-            step()
-        steps[variant], models[variant] = step, model
+        def step(model: torch.nn.Module = model, single: Callable[[], None] = single) -> None:
+            for i in range(repeat):
+                if i:  # every step from no gradients, as after optimizer.zero_grad(): no step
+                    model.zero_grad(set_to_none=True)  # accumulates (the runner zeroes the first)
+                single()
+
+        method = Method(variant, model, step, module=module)
+        singles[variant] = single
+        warm_up(method)  # compile, and for memfit its settling steps
+        method.run_step()  # and one step more, warm
+        methods.append(method)
         print(f"  {name}: {variant} ready", flush=True)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        gc.disable()
-        try:
-            for i in range(len(VARIANTS)):
-                variant = VARIANTS[(r + i) % len(VARIANTS)]
-                model = models[variant]
-                gc.collect()
-                t = time.perf_counter()
-                for _ in range(repeat):
-                    # every step from no gradients, as after optimizer.zero_grad(): no step
-                    # accumulates (the same Python call in every variant)
-                    model.zero_grad(set_to_none=True)
-                    steps[variant]()
-                times[variant].append((time.perf_counter() - t) / repeat)
-        finally:
-            gc.enable()
+    time_interleaved(methods, rounds)
+    times = {m.name: [t / repeat for t in m.times] for m in methods}
     profiles = {}
-    for variant in ("eager", "aot_eager", "memfit none"):
-        models[variant].zero_grad(set_to_none=True)
-        profiles[variant] = _profile(steps[variant])
+    for method in methods[:3]:  # eager, aot_eager, memfit none
+        method.zero_grad()
+        profiles[method.name] = _profile(singles[method.name])
     eager = statistics.median(times["eager"])
     rows = []
-    for variant in VARIANTS:
-        median = statistics.median(times[variant])
-        row: dict[str, Any] = {"variant": variant, "time_s": median}
-        row["time_vs_eager"] = median / eager
-        if variant in profiles:
-            row.update({k: v for k, v in profiles[variant].items() if k != "by_op"})
-            if variant != "eager":
+    for method in methods:
+        row: dict[str, Any] = {"variant": method.name}
+        if method.failed:
+            row.update(error=method.record["error"], error_phase=method.record["error_phase"])
+            rows.append(row)
+            continue
+        median = statistics.median(times[method.name])
+        row.update(time_s=median, time_vs_eager=median / eager)
+        if method.name in profiles:
+            row.update({k: v for k, v in profiles[method.name].items() if k != "by_op"})
+            if method.name != "eager":
                 row["largest_differences_vs_eager"] = _differences(
-                    profiles["eager"], profiles[variant]
+                    profiles["eager"], profiles[method.name]
                 )
         rows.append(row)
-        print(f"  {name}: {variant:<28} {median * 1e3:7.3f} ms  {median / eager:.3f}x", flush=True)
+        print(f"  {name}: {method.name:<28} {median * 1e3:7.3f} ms  {median / eager:.3f}x")
     return {"name": name, "description": spec.description, "rows": rows, "times_s": times}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--models", nargs="+", choices=CHOICES, default=list(MODELS))
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 5 rounds")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds; default 15, --quick 5")
+    parser.add_argument("--models", nargs="+", choices=CHOICES, help="default: the frontier's")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 15
+    if args.models is None:
+        args.models = ["tiny"] if args.quick else list(MODELS)
     started, load_start = time.perf_counter(), load_average()
     results = [run_model(name, args.rounds) for name in args.models]
     report = environment.report(
         "executor_overhead", ROOT, started, load_start, results, rounds=args.rounds
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "executor_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+    stem = args.out / ("executor_overhead_quick" if args.quick else "executor_overhead")
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"# Executor overhead ({report['date_utc']})",
         "",
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             "|---|---:|---:|---:|---:|---:|---|",
         ]
         for row in res["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['variant']} | failed: {row['error'][:120]} | | | | | |")
+                continue
             prof = (
                 f"{row['aten_ops']} | {row['aten_self_s'] * 1e3:.1f} | {row['rest_s'] * 1e3:.1f}"
                 if "aten_ops" in row
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {prof} | {diffs} |"
             )
         lines.append("")
-    (args.out / "executor_overhead.md").write_text("\n".join(lines))
+    stem.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -32,8 +32,10 @@ the two timed);
 ``torch.compile(backend="aot_eager")`` (capture and tracing without a compiler: the closest peer
 of memfit's eager executor) and ``torch.compile()`` (Inductor).
 
-Writes ``benchmarks/results/first_step.{json,md}``. Run with the Python of the environment memfit
-is installed in: ``python benchmarks/first_step.py [--quick]`` (about 10 minutes on 2 cores).
+Writes ``benchmarks/results/first_step.{json,md}`` (``--out`` elsewhere). Run with the Python of
+the environment memfit is installed in: ``python benchmarks/first_step.py [--quick]`` (about 10
+minutes on 2 cores per repeat; ``--quick``: a 40-layer MLP, memfit ``"none"`` and ``"memory"``
+with each executor, one process each, into ``first_step_quick.*``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,13 @@ CONFIGS = (
     "torch.compile inductor",
 )
 MODELS = ("mlp-400", "gpt2-60", "resnet-4")
-QUICK_MODELS = ("mlp-40", "gpt2-6", "resnet-1")
+QUICK_MODELS = ("mlp-40",)
+QUICK_CONFIGS = (
+    "memfit none",
+    "memfit memory",
+    "memfit-inductor none",
+    "memfit-inductor memory",
+)
 PHASES = ("op_scratch", "plan", "frontier", "simulate", "split", "compile")
 
 
@@ -257,10 +265,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small models, one repeat")
+    parser.add_argument("--quick", action="store_true", help="a small MLP, 4 configs, one repeat")
     parser.add_argument("--repeats", type=int, default=None, help="processes per point (3)")
     parser.add_argument("--models", nargs="+", default=None)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="default: all (--quick: 4)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.bench.environment import load_average, machine_info, software_info
 
     models = args.models or list(QUICK_MODELS if args.quick else MODELS)
+    args.configs = args.configs or list(QUICK_CONFIGS if args.quick else CONFIGS)
     repeats = args.repeats or (1 if args.quick else 3)
     started, load_start = time.perf_counter(), load_average()
     rows = []

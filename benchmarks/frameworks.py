@@ -4,18 +4,22 @@ For each example under ``examples/`` (HF ``Trainer``, peft LoRA in both orders, 
 Lightning, a plain loop), the framework's own training step (``model(**batch).loss.backward()``
 as ``Trainer.training_step`` runs it, ``accelerator.backward``, ``LightningModule.training_step``
 and its backward, ``loss.backward()``) is
-measured with exact CPU allocator accounting (``memfit.measure``) for plain PyTorch, HF's
+measured with exact CPU allocator accounting (the shared runner's ``measure_peak``:
+``memfit.measure``) for plain PyTorch, HF's
 ``gradient_checkpointing_enable()`` where the model is a HuggingFace one, and memfit
 ``"memory"`` applied with the example's one line. memfit's first call plans; the two steps after
 it are measured, both reported (``first``, ``second``), with the plan's prediction beside them;
 gradients are zeroed to None before each measured step, as the frameworks' loops leave them.
 
 Writes ``benchmarks/results/frameworks/frameworks.json`` and ``.md`` naming machine, torch and
-date. Run: ``.venv/bin/python benchmarks/frameworks.py`` (about two minutes on 2 cores).
+date (``--out`` elsewhere; ``--quick``: the HF Trainer and plain-loop rows only, into
+``frameworks_quick.*``). Run: ``.venv/bin/python benchmarks/frameworks.py [--quick]`` (about two
+minutes on 2 cores).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import importlib.util
@@ -30,6 +34,7 @@ import torch
 
 import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
+from memfit.bench.runner import Method, measure_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "frameworks"
@@ -44,10 +49,6 @@ def _example(name: str) -> types.ModuleType:
     return module
 
 
-def _peak(step: Callable[[], Any]) -> int:
-    return int(memfit.measure(step).peak_bytes or 0)
-
-
 def _row(
     framework: str,
     make: Callable[[], torch.nn.Module],
@@ -59,22 +60,24 @@ def _row(
     it (``hf``), and memfit (``make_memfit``: what is stepped, and where memfit is applied)."""
     row: dict[str, Any] = {"framework": framework}
 
-    def peak(model: torch.nn.Module) -> int:
-        model.zero_grad(set_to_none=True)  # as the frameworks' loops leave it after a step
-        return _peak(lambda: step(model))
+    def method(name: str, model: torch.nn.Module, applied: torch.nn.Module | None = None) -> Method:
+        """``step`` on ``model`` after one untimed call (for memfit, the one that plans)."""
+        m = Method(name, model, lambda: step(model), module=applied, record_failures=False)
+        m.run_step()
+        return m
 
-    plain = make()
-    step(plain)
-    row["plain"] = peak(plain)
+    def peak(m: Method) -> int:  # gradients None first, as the frameworks' loops leave them
+        return int(measure_peak(m).peak_bytes or 0)
+
+    row["plain"] = peak(method("plain", make()))
     if hf is not None:
         model = make()
         hf(model)
-        step(model)
-        row["hf_gradient_checkpointing"] = peak(model)
+        row["hf_gradient_checkpointing"] = peak(method("HF gradient checkpointing", model))
     model, applied = make_memfit()
-    step(model)  # the first call captures and plans
-    row["memfit_memory_first"] = peak(model)
-    row["memfit_memory_second"] = peak(model)
+    memfit_memory = method('memfit "memory"', model, applied)
+    row["memfit_memory_first"] = peak(memfit_memory)
+    row["memfit_memory_second"] = peak(memfit_memory)
     row["memfit_predicted"] = applied.memfit.plan.predicted_peak_bytes
     return row
 
@@ -92,7 +95,8 @@ def _itself(model: Any) -> tuple[Any, Any]:
     return model, model
 
 
-def rows() -> list[dict[str, Any]]:
+def rows(quick: bool = False) -> list[dict[str, Any]]:
+    """Every framework's row; ``quick``: HF Trainer's and the plain loop's only."""
     out = []
 
     hf = _example("hf_trainer")
@@ -107,6 +111,9 @@ def rows() -> list[dict[str, Any]]:
             _hf_gc,
         )
     )
+
+    if quick:
+        return out + [_plain_loop()]
 
     peft = _example("peft_lora")
     lora_batch = peft.batch(8)
@@ -168,18 +175,19 @@ def rows() -> list[dict[str, Any]]:
         )
     )
 
+    return out + [_plain_loop()]
+
+
+def _plain_loop() -> dict[str, Any]:
     loop = _example("plain_loop")
     x, y = loop.batches(1)[0]
-    out.append(
-        _row(
-            "plain loop (MLP)",
-            loop.make_model,
-            lambda: _applied(loop.make_model()),
-            lambda m: torch.nn.functional.cross_entropy(m(x), y).backward(),
-            None,
-        )
+    return _row(
+        "plain loop (MLP)",
+        loop.make_model,
+        lambda: _applied(loop.make_model()),
+        lambda m: torch.nn.functional.cross_entropy(m(x), y).backward(),
+        None,
     )
-    return out
 
 
 def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -208,19 +216,25 @@ def markdown(table: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="HF Trainer and the plain loop only")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
     with warnings.catch_warnings(), contextlib.redirect_stdout(None):
         warnings.simplefilter("ignore")
-        table = rows()
+        table = rows(args.quick)
     meta = {
         "date": datetime.date.today().isoformat(),
         "machine": machine_info(),
         "software": software_info(ROOT),
         "load_average": load_average(),
+        "quick": args.quick,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "frameworks.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("frameworks_quick" if args.quick else "frameworks")
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
     text = markdown(table, meta)
-    (RESULTS / "frameworks.md").write_text(text)
+    stem.with_suffix(".md").write_text(text)
     print(text)
 
 

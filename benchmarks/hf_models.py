@@ -13,9 +13,11 @@ measured one by one (exact allocator accounting on CPU, the allocator's statisti
 against the prediction the plan made for it, and ``TIMED`` unmeasured steps are timed (median).
 
 Writes ``benchmarks/results/hf_models/hf_models-<device>.json`` and ``.md`` naming machine, torch
-and date. Run: ``.venv/bin/python benchmarks/hf_models.py [--device cuda] [--models gpt2,llama]
-[--dtypes fp32,bf16] [--methods plain,memory] [--width 256 --layers 4 --batch 8 --length 128]``
-(CPU, all: about 12 minutes on 2 cores).
+and date (``--out`` elsewhere). Run: ``.venv/bin/python benchmarks/hf_models.py [--device cuda]
+[--models gpt2,llama] [--dtypes fp32,bf16] [--methods plain,memory] [--width 256 --layers 4
+--batch 8 --length 128]`` (CPU, all: about 12 minutes on 2 cores). ``--quick``: GPT-2 in fp32,
+plain, HF checkpointing and ``"memory"``, width 128, 2 layers, batch 2 x 64 (each unless given),
+into ``hf_models-<device>_quick.*``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,25 @@ TIMED = 5
 MODELS = ("gpt2", "llama", "bert", "t5", "llama_lora")
 DTYPES = ("fp32", "bf16")
 METHODS = ("plain", "hf_gc", "per_block", "none", "memory", "budget 0.5", "budget 0.3")
+#: The sweep's defaults, and ``--quick``'s (each where not given on the command line).
+FULL: dict[str, object] = {
+    "models": ",".join(MODELS),
+    "dtypes": ",".join(DTYPES),
+    "methods": ",".join(METHODS),
+    "width": 256,
+    "layers": 4,
+    "batch": 8,
+    "length": 128,
+}
+QUICK: dict[str, object] = {
+    "models": "gpt2",
+    "dtypes": "fp32",
+    "methods": "plain,hf_gc,memory",
+    "width": 128,
+    "layers": 2,
+    "batch": 2,
+    "length": 64,
+}
 
 
 def make_model(name: str, width: int, layers: int) -> tuple[torch.nn.Module, type]:
@@ -246,15 +267,20 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--dtypes", default=",".join(DTYPES))
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="GPT-2, fp32, 3 methods, small")
+    parser.add_argument("--models", help=f"default {','.join(MODELS)}")
+    parser.add_argument("--dtypes", help=f"default {','.join(DTYPES)}")
+    parser.add_argument("--methods", help=f"default {','.join(METHODS)}")
+    parser.add_argument("--width", type=int, help="default 256")
+    parser.add_argument("--layers", type=int, help="default 4")
+    parser.add_argument("--batch", type=int, help="default 8")
+    parser.add_argument("--length", type=int, help="default 128")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     device = torch.device(args.device)
     import transformers
 
@@ -269,7 +295,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"hf_models-{device.type}"
+    stem = f"hf_models-{device.type}" + ("_quick" if args.quick else "")
     rows: list[dict[str, Any]] = []
 
     def write() -> str:

@@ -21,7 +21,9 @@ Disk offload on CPU moves bytes from the process's tensors to files; the OS page
 them in RAM, which the allocator accounting rightly does not count as tensor memory (it is
 reclaimable), but a machine without spare RAM would read them from the disk.
 
-Writes ``benchmarks/results/offload[_quick].json`` and ``.md`` naming machine, torch and date.
+Writes ``benchmarks/results/offload.json`` and ``.md`` naming machine, torch and date (``--out``
+elsewhere; ``--quick``: one small ResNet, budgets 0.8 and 0.6, 3 rounds, no largest-batch search,
+into ``offload_quick.*``).
 """
 
 from __future__ import annotations
@@ -354,14 +356,18 @@ def markdown(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one small model, two budgets")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="one small model, two budgets, 3 rounds")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds; default 7, --quick 3")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-max-batch", action="store_true", help="skip the largest-batch search")
     p.add_argument("--max-batch-budget", type=int, default=96 * 2**20)
     p.add_argument("--max-batch-limit", type=int, default=4096)
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--out", "--out-dir", dest="out_dir", type=Path, default=ROOT / "benchmarks" / "results"
+    )
     args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 7
     args.device = torch.device(args.device)
     return args
 

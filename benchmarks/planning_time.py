@@ -11,9 +11,10 @@ graph, median of ``--repeats``:
 * ``workspace_s``: measuring op scratch memory on real tensors (done once per graph when memfit
   captures a model; it runs each distinct op signature once, so it is reported separately).
 
-Writes benchmarks/results/planning_time.{json,md}. Run with the Python of the environment memfit
-is installed in (``pip install -e .``; the Makefile's ``.venv``):
-``python benchmarks/planning_time.py``.
+Writes ``benchmarks/results/planning_time.{json,md}`` (``--out`` elsewhere; ``--quick``, the two
+smallest graphs planned once, into ``planning_time_quick.*``). Run with the Python of the
+environment memfit is installed in (``pip install -e .``; the Makefile's ``.venv``):
+``python benchmarks/planning_time.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small graphs only")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="small graphs only, planned once")
+    parser.add_argument("--repeats", type=int, help="planner runs per graph; default 3, quick 1")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     torch.set_num_threads(1)
 
     cases: list[tuple[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]]] = []
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "quick": args.quick,
     }
-    (args.out / "planning_time.json").write_text(json.dumps({**meta, "graphs": rows}, indent=2))
+    stem = args.out / ("planning_time_quick" if args.quick else "planning_time")
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "graphs": rows}, indent=2))
     lines = [
         f"Planning time, one core ({meta['machine']}, torch {meta['torch']}, {meta['date']})",
         "",
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {r['frontier_points']} |"
         for r in rows
     ]
-    (args.out / "planning_time.md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -38,7 +38,8 @@ torch.compile:0.8 memfit:0.6 memfit:none ...] [--rounds 60]``; a side is ``torch
 without memfit's Python per call (a diagnostic: ``side``); any of them as ``<peer>-undonated:``
 compiles with ``torch._functorch.config.donated_buffer`` off, its backward reusing no saved
 value's storage (a diagnostic: what donation is worth). Two sides take about two minutes on
-2 cores for the ResNet, each further side about one more.
+2 cores for the ResNet, each further side about one more. ``--quick``: the budget frontier's
+quick (tiny) models, 5 rounds, into ``<model>_quick.*``.
 """
 
 from __future__ import annotations
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[("torch.compile", "0.8"), ("memfit", "0.6")],
         help="peer:setting, the first the reference of the per-round ratios",
     )
-    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--quick", action="store_true", help="the frontier's tiny models, 5 rounds")
+    p.add_argument("--rounds", type=int, help="default 60, --quick 5")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument(
         "--batch-scale", type=int, default=1, help="every batch times N (the GPU frontiers: 8)"
@@ -414,12 +416,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU: Inductor's C++ kernels as profiler events, counted per side (slows them)",
     )
-    p.add_argument("--out-dir", type=Path, default=RESULTS / "same_peak_pair")
+    p.add_argument(
+        "--out", "--out-dir", dest="out_dir", type=Path, default=RESULTS / "same_peak_pair"
+    )
     args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 60
     device = torch.device(args.device)
     if args.kernel_events:
         torch._inductor.config.cpp.enable_kernel_profile = True  # before anything compiles
-    (spec,) = [s for s in model_specs(False, device, args.batch_scale) if s.name == args.model]
+    specs = model_specs(args.quick, device, args.batch_scale)
+    (spec,) = [s for s in specs if s.name == args.model]
+    stem = args.out_dir / (spec.name + ("_quick" if args.quick else ""))
     load_start = load_average()
     methods = [side(spec, peer, setting) for peer, setting in args.sides]
     measure_peaks(methods, device)
@@ -450,11 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         "batch_scale": args.batch_scale,
         "kernel_events": args.kernel_events,
         "rounds": args.rounds,
+        "quick": args.quick,
         "reference": reference.name,
         "sides": results,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{spec.name}.json").write_text(json.dumps(record, indent=2))
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2))
     names = [m.name for m in methods]
     title = " against ".join(reversed(names)) if len(names) == 2 else ", ".join(names)
     lines = [
@@ -492,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         lines += ["", f"## {name}: kernels, per step", "", *kernel_list(r["kernels"])]
     text = "\n".join(lines) + "\n"
-    (args.out_dir / f"{spec.name}.md").write_text(text)
+    stem.with_suffix(".md").write_text(text)
     print(text)
     return 0
 

@@ -18,8 +18,9 @@ Per size: one call that captures or plans where needed, then one step under ``me
 (exact CPU allocator accounting). The first size is captured with static shapes, the second
 with the size as a symbol, and later sizes run on that graph or on another capture when they
 fall outside its range (the JSON records each graph's planned sizes). Writes
-``benchmarks/results/symbolic_inductor/<name>.{json,md}`` (``--name``, default ``after``).
-Run: ``.venv/bin/python benchmarks/symbolic_inductor.py``.
+``benchmarks/results/symbolic_inductor.{json,md}`` (``--out`` elsewhere; ``--quick``: the MLP
+under ``"memory"`` at three sizes, into ``symbolic_inductor_quick.*``).
+Run: ``.venv/bin/python benchmarks/symbolic_inductor.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import memfit
 from memfit.bench import zoo
 from memfit.bench.environment import load_average, machine_info, software_info
 
-RESULTS = Path(__file__).resolve().parent / "results" / "symbolic_inductor"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _mlp() -> nn.Module:
@@ -69,6 +70,10 @@ CASES: list[Case] = [
 ]
 
 SETTINGS: list[dict[str, Any]] = [{"policy": "memory"}, {"budget": 0.5}]
+
+#: ``--quick``: the MLP under ``"memory"``: captured static, then symbolic, then a third size.
+QUICK_CASES: list[Case] = [("mlp", _mlp, lambda n: torch.randn(n, 256), (256, 384, 512))]
+QUICK_SETTINGS: list[dict[str, Any]] = [{"policy": "memory"}]
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -120,9 +125,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['machine'].get('cpu_model', 'CPU')}, "
         f"{result['machine'].get('cpu_count')} cores, "
         f"torch {result['software'].get('torch')}; "
-        f"code: {result['code']}. Measured: the whole step's peak (loss outside the model, "
-        "backward), exact CPU allocator accounting. A symbolic graph's row is at its planned "
-        "sizes when `sizes` equals `planned`.",
+        f"code: {result['software'].get('git_commit', '?')[:7]}. Measured: the whole step's "
+        "peak (loss outside the model, backward), exact CPU allocator accounting. A symbolic "
+        "graph's row is at its planned sizes when `sizes` equals `planned`.",
         "",
         "| model | setting | size | measured MiB | predicted MiB | measured / predicted | "
         "graph's sizes | planned at |",
@@ -148,13 +153,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", default="after", help="file name under results/")
-    parser.add_argument("--code", default="this checkout", help="what code ran, for the record")
+    parser.add_argument("--quick", action="store_true", help="the MLP under 'memory', 3 sizes")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(2)
     cases = []
-    for case in CASES:
-        for setting in SETTINGS:
+    for case in QUICK_CASES if args.quick else CASES:
+        for setting in QUICK_SETTINGS if args.quick else SETTINGS:
             label = ", ".join(f"{k}={v}" for k, v in setting.items())
             print(f"{case[0]} {label}", flush=True)
             cases.append({"model": case[0], "setting": label, "rows": run_case(case, setting)})
@@ -164,12 +169,13 @@ def main() -> None:
         "machine": machine_info(),
         "software": software_info(Path(__file__).resolve().parents[1]),
         "load_average": load_average(),
-        "code": args.code,
+        "quick": args.quick,
         "cases": cases,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(markdown(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / ("symbolic_inductor_quick" if args.quick else "symbolic_inductor")
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
 
 

@@ -19,10 +19,13 @@ Three scenarios, each measured with exact CPU allocator accounting (``memfit.mea
 * **shapes**: one model trained on 12 batch sizes and back to the first ones: every call planned
   (none silently eager), and the plan shown is the shape's that ran.
 
-Writes ``benchmarks/results/training_loops.json`` and ``.md`` naming machine, torch and date.
-Run: ``.venv/bin/python benchmarks/training_loops.py [--executor inductor]``; with Inductor
-(``training_loops_inductor.*``) every memfit wrapper compiles its plans, and its predictions are
-of what Inductor runs, checked against the same whole steps.
+Writes ``benchmarks/results/training_loops.json`` and ``.md`` naming machine, torch and date
+(``--out`` elsewhere). Run: ``.venv/bin/python benchmarks/training_loops.py [--executor
+inductor] [--quick]``; with Inductor (``training_loops_inductor.*``) every memfit wrapper
+compiles its plans, and its predictions are of what Inductor runs, checked against the same whole
+steps. ``--quick`` (``training_loops_quick.*``): each scenario on its smallest cases only (the
+loss outside under ``"memory"``, fractions on the zoo's MLP and transformer, accumulation on the
+MLP, four batch sizes).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def _peak(fn: Any) -> int:
     return int(memfit.measure(fn).peak_bytes or 0)
 
 
-def loss_outside(executor: str) -> list[dict[str, Any]]:
+def loss_outside(executor: str, quick: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     model, (x, y) = lm(), batch()
     lm_loss(model, x, y).backward()
@@ -61,7 +64,8 @@ def loss_outside(executor: str) -> list[dict[str, Any]]:
     plain = _peak(lambda: lm_loss(model, x, y).backward())
     model.zero_grad(set_to_none=True)
     rows.append({"how": "plain PyTorch", "policy": "-", "steps": [{"measured": plain}]})
-    for options in ({"policy": "none"}, {"policy": "memory"}, {"budget": "28MiB"}):
+    settings: list[dict[str, Any]] = [{"policy": "none"}, {"policy": "memory"}, {"budget": "28MiB"}]
+    for options in settings[1:2] if quick else settings:
         label = options.get("policy") or f"budget={options['budget']}"
         for how in ("memfit.checkpoint, loss outside", "memfit.step, loss inside"):
             torch.compiler.reset()
@@ -143,7 +147,7 @@ def _wide_mlp() -> tuple[str, Any, Any]:
     return "mlp-8x1024", make, inputs
 
 
-def accumulation(executor: str) -> list[dict[str, Any]]:
+def accumulation(executor: str, quick: bool = False) -> list[dict[str, Any]]:
     """Three micro-batches into the same ``.grad`` (gradient accumulation), the loss outside a
     ``memfit.checkpoint`` wrapper: each micro-batch's peak, plain against memfit, and memfit
     with the backward returning every gradient at once (memfit before it accumulated in the
@@ -155,7 +159,7 @@ def accumulation(executor: str) -> list[dict[str, Any]]:
         (c.name, c.make_model, c.make_inputs) for c in ZOO if c.name in {"resnet", "unet", "gpt2"}
     ]
     cases.append(_hf_case("bert"))
-    for name, make_model, make_inputs in cases:
+    for name, make_model, make_inputs in cases[:1] if quick else cases:
         model = make_model()
         args, kwargs = make_inputs()
 
@@ -192,14 +196,14 @@ def accumulation(executor: str) -> list[dict[str, Any]]:
     return rows
 
 
-def fractions(executor: str) -> list[dict[str, Any]]:
+def fractions(executor: str, quick: bool = False) -> list[dict[str, Any]]:
     rows = []
+    names = {"transformer", "mlp"} if quick else {"resnet", "transformer", "unet", "mlp", "gpt2"}
     cases: list[tuple[str, Any, Any]] = [
-        (c.name, c.make_model, c.make_inputs)
-        for c in ZOO
-        if c.name in {"resnet", "transformer", "unet", "mlp", "gpt2"}
+        (c.name, c.make_model, c.make_inputs) for c in ZOO if c.name in names
     ]
-    cases += [_hf_case(name) for name in ("bert", "gpt2", "llama")]
+    if not quick:
+        cases += [_hf_case(name) for name in ("bert", "gpt2", "llama")]
     for name, make_model, make_inputs in cases:
         model = make_model()
         args, kwargs = make_inputs()
@@ -245,18 +249,18 @@ def fractions(executor: str) -> list[dict[str, Any]]:
     return rows
 
 
-def shapes(executor: str) -> dict[str, Any]:
+def shapes(executor: str, quick: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     models = [
         nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
         for _ in range(2)
     ]
     calls = []
-    sizes = [16 * (i + 1) for i in range(12)] + [16, 64, 192]
+    sizes = [16, 32, 48, 16] if quick else [16 * (i + 1) for i in range(12)] + [16, 64, 192]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compiler.reset()
-        for index, model in enumerate(models):
+        for index, model in enumerate(models[:1] if quick else models):
             wrapped = memfit.checkpoint(model, "memory", executor=executor)
             for size in sizes:
                 x = torch.randn(size, 128)
@@ -361,7 +365,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Shapes",
         "",
-        f"{len(calls)} measured calls over 2 models x 12 batch sizes (and back to 3 of them): "
+        f"{len(calls)} measured calls over {len({c['model'] for c in calls})} model(s) x "
+        f"{len({c['batch'] for c in calls})} batch sizes (and back to some of them): "
         f"{len(result['shapes']['unplanned_warnings'])} ran unplanned; the plan shown after "
         f"each call predicted its measured peak within {worst:.1%}.",
         "",
@@ -372,6 +377,8 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--executor", choices=("eager", "inductor"), default="eager")
+    p.add_argument("--quick", action="store_true", help="each scenario's smallest cases")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result: dict[str, Any] = {
@@ -381,15 +388,20 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "software": software_info(),
         "load_average": load_average(),
+        "quick": args.quick,
     }
-    result["loss_outside"] = loss_outside(args.executor)
-    result["fractions"] = fractions(args.executor)
-    result["accumulation"] = accumulation(args.executor)
-    result["shapes"] = shapes(args.executor)
-    RESULTS.mkdir(exist_ok=True)
-    stem = "training_loops" + ("" if args.executor == "eager" else f"_{args.executor}")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / f"{stem}.md").write_text(markdown(result))
+    result["loss_outside"] = loss_outside(args.executor, args.quick)
+    result["fractions"] = fractions(args.executor, args.quick)
+    result["accumulation"] = accumulation(args.executor, args.quick)
+    result["shapes"] = shapes(args.executor, args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = (
+        "training_loops"
+        + ("" if args.executor == "eager" else f"_{args.executor}")
+        + ("_quick" if args.quick else "")
+    )
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
 
 

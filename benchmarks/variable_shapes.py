@@ -16,8 +16,10 @@ Two passes over the same 60 lengths, each starting from fresh captures:
   accounting), eager and memfit at the same length; memfit's prediction read after each call
   (the plan of the graph that just ran, at its sizes).
 
-Writes ``benchmarks/results/variable_shapes.{json,md}`` (``--quick``: a 2-layer model, 12 steps,
-``variable_shapes_quick.*``). Run: ``.venv/bin/python benchmarks/variable_shapes.py``.
+Writes ``benchmarks/results/variable_shapes.{json,md}`` (``--out`` elsewhere; ``--quick``: one
+layer, a 2,048-word vocabulary, 6 steps, without the every-length variant, into
+``variable_shapes_quick.*``). Run:
+``.venv/bin/python benchmarks/variable_shapes.py [--quick]``.
 """
 
 from __future__ import annotations
@@ -312,17 +314,20 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 layers, 12 steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 layer, 6 steps, no every-length variant"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help="memfit variants to run")
     parser.add_argument(
         "--no-per-length",
         action="store_true",
         help=f"leave out the timed-only variant {PER_LENGTH!r} (captures every length)",
     )
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    layers, steps, vocab, batch = (2, 12, 8192, 4) if args.quick else (12, 60, 8192, 4)
+    layers, steps, vocab, batch = (1, 6, 2048, 2) if args.quick else (12, 60, 8192, 4)
     lengths = [64 + 16 * i for i in range(20)]
     draw = random.Random(0)
     g = torch.Generator().manual_seed(0)
@@ -345,17 +350,17 @@ def main() -> None:
         "software": software_info(Path(__file__).resolve().parents[1]),
         "load_average": load_average(),
     }
-    result["per_length"] = not args.no_per_length
+    result["per_length"] = not (args.no_per_length or args.quick)
     name = "variable_shapes_quick" if args.quick else "variable_shapes"
-    RESULTS.mkdir(exist_ok=True)
-    partial = RESULTS / f"{name}.partial.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / f"{name}.partial.json"
     result["timed"] = timed_pass(model, variants, batches, result["per_length"])
     partial.write_text(json.dumps(result, indent=1))  # a long run keeps its first pass
     result["measured"] = measured_pass(model, variants, batches)
     result["load_average_end"] = load_average()
     result["summary"] = summary(result)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / f"{name}.md").write_text(markdown(result))
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.md").write_text(markdown(result))
     partial.unlink(missing_ok=True)
     print(markdown(result))
 

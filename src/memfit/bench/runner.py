@@ -334,7 +334,7 @@ def _frozen_heap() -> Iterator[tuple[int, int]]:
     A heap someone else froze is frozen again, the objects made since added to it, and left
     frozen afterwards: unfreezing would thaw theirs too. Skipping the freeze instead cost the
     H200 of 2026-11-27, where something in the process had frozen the heap early, 0.58 s of
-    collection before every timed step of 10 ms (``benchmarks/results/gpu_h200/1127/``).
+    collection before every timed step of 10 ms (docs/measurements.md, "On GPUs").
     """
     before = gc.get_freeze_count()
     gc.collect()
