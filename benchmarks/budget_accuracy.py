@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         model = case.make_model()
         torch.compiler.reset()
         t = time.perf_counter()
-        full = memfit.plan(model, *args, budget=1.0, **kwargs)
+        full = memfit.plan(model, *args, policy=1.0, **kwargs)
         plan_s = time.perf_counter() - t
         smallest, baseline = full.pareto()[0].peak_bytes, full.baseline_peak_bytes
         midpoint = (smallest + baseline) // 2
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             budgets.remove(midpoint)
         for budget in budgets:
             torch.compiler.reset()
-            wrapped = memfit.checkpoint(model, budget=budget)
+            wrapped = memfit.checkpoint(model, budget)
             label = (
                 f"{budget:g}"
                 if isinstance(budget, float)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 peak = measured_step_peak(case, wrapped, args, kwargs)
             except memfit.BudgetError as err:
                 row.update(
-                    feasible=False, budget_bytes=err.budget_bytes, smallest_bytes=err.smallest_bytes
+                    feasible=False, budget_bytes=err.budget_bytes, smallest_bytes=err.least_bytes
                 )
                 rows.append(row)
                 continue

@@ -10,10 +10,10 @@ fast as what a user gets from PyTorch alone. PyTorch offers two knobs for the sa
   for every segment count (it checkpoints all segments but the last, so ``segments=1`` is plain
   eager); it needs the model's layers as one ``nn.Sequential``.
 
-This script puts memfit's frontier next to both, per model: ``memfit.checkpoint(model,
-budget=f)`` for fractions ``f`` of plain autograd's activation peak (a budget below the smallest
-feasible raises ``memfit.BudgetError``; that is recorded, and memfit is then also run at exactly
-``smallest_bytes``), and memfit's modes ``"none"``, ``"speed"`` and ``"memory"``. Plain eager is
+This script puts memfit's frontier next to both, per model: ``memfit.checkpoint(model, f)`` for
+budget fractions ``f`` of plain autograd's activation peak (a budget below the smallest feasible
+raises ``memfit.BudgetError``; that is recorded, and memfit is then also run at exactly its
+``least_bytes``), and memfit's modes ``"none"``, ``"speed"`` and ``"memory"``. Plain eager is
 the reference every ratio is taken against.
 
 Models (from the zoo the tests train, ``memfit.bench.zoo``, sized up so one CPU step takes about
@@ -355,10 +355,10 @@ class Point(Method):
             return
         self.failed = self.infeasible = True
         self.record["budget_error"] = str(err)
-        self.record["smallest_bytes"] = err.smallest_bytes
+        self.record["smallest_bytes"] = err.least_bytes
         print(
             f"    {self.name}: BudgetError (smallest feasible "
-            f"{(err.smallest_bytes or 0) / MIB:.1f} MiB)",
+            f"{(err.least_bytes or 0) / MIB:.1f} MiB)",
             flush=True,
         )
 
@@ -469,9 +469,9 @@ def build_and_first_step(p: Point) -> None:
             else:
                 p.module = memfit.checkpoint(
                     entry,
-                    budget=p.record["budget"],
+                    p.record["budget"],
                     executor=executor,
-                    autotune=p.record["autotune"],
+                    options=memfit.Options(autotune=p.record["autotune"]),
                 )
         first_step(p, p.spec.device)
     p.record["graphs_compiled"] = unique_graph_count() - graphs_before
@@ -1226,7 +1226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_turn_arguments(p, settle=1, steps=2)
     p.add_argument(
         "--executor",
-        choices=memfit.EXECUTORS,
+        choices=[str(e) for e in memfit.Executor],
         default="eager",
         help="how memfit runs its plans; outputs get '_inductor' for inductor",
     )

@@ -79,7 +79,7 @@ def _wrap(variant: str, model: torch.nn.Module, tag: str) -> torch.nn.Module:
     if variant == "memfit none":
         return memfit.checkpoint(entry, "none")
     if variant == "memfit none, attention off":
-        return memfit.checkpoint(entry, "none", attention="off")
+        return memfit.checkpoint(entry, "none", options=memfit.Options(attention="off"))
     if variant == "memfit-inductor none":
         return memfit.checkpoint(entry, "none", executor="inductor")
     raise ValueError(variant)

@@ -114,8 +114,8 @@ def child(model_name: str, config: str) -> dict[str, Any]:
     import torch
 
     import memfit
-    import memfit.execution.backend as backend
     import memfit.execution.inductor_fit as inductor_fit
+    import memfit.execution.partitioner as partitioner
     import memfit.execution.runners as runners
     import memfit.planning.planner as planner
 
@@ -138,11 +138,11 @@ def child(model_name: str, config: str) -> dict[str, Any]:
 
         setattr(module, attr, wrapper)
 
-    timed(backend, "measure_op_scratch", "op_scratch")
-    timed(backend, "plan_graph", "plan")
+    timed(partitioner, "measure_op_scratch", "op_scratch")
+    timed(partitioner, "plan_graph", "plan")
     timed(planner, "pareto_frontier", "frontier")
     timed(planner, "simulate_step", "simulate")
-    timed(backend, "split_joint_graph", "split")
+    timed(partitioner, "split_joint_graph", "split")
     timed(runners, "compile_graph", "compile")
     timed(inductor_fit, "compile_pair", "compile")  # each plan the measured search tries
 
@@ -154,7 +154,10 @@ def child(model_name: str, config: str) -> dict[str, Any]:
         if setting.startswith("budget="):
             budget, _, tune = setting[7:].partition(" ")
             wrapped = memfit.checkpoint(
-                model, budget=float(budget), executor=executor, autotune=tune == "autotune"
+                model,
+                float(budget),
+                executor=executor,
+                options=memfit.Options(autotune=tune == "autotune"),
             )
         else:
             wrapped = memfit.checkpoint(model, setting, executor=executor)

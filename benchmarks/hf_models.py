@@ -158,7 +158,7 @@ def _apply(method: str, model: torch.nn.Module, block: type) -> torch.nn.Module:
     elif method in ("none", "memory"):
         memfit.checkpoint(model, method)
     elif method.startswith("budget"):
-        memfit.checkpoint(model, budget=float(method.split()[1]))
+        memfit.checkpoint(model, float(method.split()[1]))
     return model
 
 

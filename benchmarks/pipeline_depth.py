@@ -6,7 +6,7 @@ deeper until it no longer fits ``--budget`` bytes per device:
 
 * ``plain``: one device, plain PyTorch: the model's state plus a training step's measured peak
   (``memfit.measure``, exact tensor accounting on CPU);
-* ``memfit``: one device, ``memfit.checkpoint(model, budget=budget - state)``: fits when the
+* ``memfit``: one device, ``memfit.checkpoint(model, budget - state)``: fits when the
   planner finds a plan (its prediction, then checked by measuring the step);
 * ``pipeline K=2``, ``K=4``: ``memfit.pipeline.plan(..., stages=K, microbatches=4,
   budget=budget, optimizer_state=2)`` finds a split (every stage's predicted peak within the
@@ -96,7 +96,7 @@ def memfit_fits(depth: int, budget: int) -> tuple[bool, dict[str, Any]]:
     activations = budget - static_bytes(model)
     if activations <= 0:
         return False, {"reason": "parameters and optimizer state alone exceed the budget"}
-    wrapped = memfit.checkpoint(model, budget=activations)
+    wrapped = memfit.checkpoint(model, activations)
     try:
         loss_fn(wrapped(x), t).backward()  # plans (and compiles) on the first call
     except memfit.BudgetError as err:

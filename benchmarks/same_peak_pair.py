@@ -155,7 +155,7 @@ def side(spec: ModelSpec, peer: str, setting: str) -> Method:
     else:
         autotune = peer == "memfit-autotune"
         module = memfit.checkpoint(
-            entry, budget=float(setting), executor="inductor", autotune=autotune
+            entry, float(setting), executor="inductor", options=memfit.Options(autotune=autotune)
         )
 
     def step() -> None:

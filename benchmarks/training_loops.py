@@ -64,13 +64,12 @@ def loss_outside(executor: str, quick: bool = False) -> list[dict[str, Any]]:
     plain = _peak(lambda: lm_loss(model, x, y).backward())
     model.zero_grad(set_to_none=True)
     rows.append({"how": "plain PyTorch", "policy": "-", "steps": [{"measured": plain}]})
-    settings: list[dict[str, Any]] = [{"policy": "none"}, {"policy": "memory"}, {"budget": "28MiB"}]
-    for options in settings[1:2] if quick else settings:
-        label = options.get("policy") or f"budget={options['budget']}"
+    settings = [("none", "none"), ("memory", "memory"), ("budget=28MiB", "28MiB")]
+    for label, policy in settings[1:2] if quick else settings:
         for how in ("memfit.checkpoint, loss outside", "memfit.step, loss inside"):
             torch.compiler.reset()
             if how.startswith("memfit.checkpoint"):
-                wrapped = memfit.checkpoint(model, executor=executor, **options)  # type: ignore[arg-type]
+                wrapped = memfit.checkpoint(model, policy, executor=executor)
 
                 def step(wrapped: Any = wrapped) -> None:
                     lm_loss(wrapped, x, y).backward()
@@ -80,9 +79,7 @@ def loss_outside(executor: str, quick: bool = False) -> list[dict[str, Any]]:
                 if isinstance(model, memfit.CheckpointedModule):
                     memfit.remove(model)  # the step captures the plain model
                 train = memfit.step(
-                    lambda x, y: lm_loss(model, x, y),
-                    executor=executor,
-                    **options,  # type: ignore[arg-type]
+                    lambda x, y: lm_loss(model, x, y), policy=policy, executor=executor
                 )
 
                 def step(train: Any = train) -> None:
@@ -219,7 +216,7 @@ def fractions(executor: str, quick: bool = False) -> list[dict[str, Any]]:
         for label, options in (
             ("none", {"policy": "none"}),
             ("memory", {"policy": "memory"}),
-            ("0.5", {"budget": 0.5}),
+            ("0.5", {"policy": 0.5}),
         ):
             torch.compiler.reset()
             train = memfit.step(
@@ -243,7 +240,7 @@ def fractions(executor: str, quick: bool = False) -> list[dict[str, Any]]:
                     "budget": plan.budget_bytes,
                 }
             except memfit.BudgetError as err:
-                row[label] = {"error": str(err), "smallest": err.smallest_bytes}
+                row[label] = {"error": str(err), "smallest": err.least_bytes}
         rows.append(row)
         print(name, {k: v for k, v in row.items()}, flush=True)
     return rows

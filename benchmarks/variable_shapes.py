@@ -49,7 +49,7 @@ MiB = 2**20
 #: The variants memfit runs, as ``memfit.step`` options.
 VARIANTS: dict[str, dict[str, Any]] = {
     "memory": {"policy": "memory"},
-    "budget=0.5": {"budget": 0.5},
+    "budget=0.5": {"policy": 0.5},
 }
 
 #: Timed only: ``"memory"`` with every new length captured and planned again, as memfit did
