@@ -1,11 +1,12 @@
 """Depth sweep of memfit against plain PyTorch and checkpoint_sequential (memfit.bench.depth_sweep).
 
 The repository's script for the sweep ``memfit bench depth-sweep`` runs: the same options, but it
-writes to this repository's ``benchmarks/results`` wherever it is run from, and after a full
-sweep it rewrites the summary table in this repository's ``README.md`` (between the
-``<!-- depth-sweep:begin -->`` and ``<!-- depth-sweep:end -->`` markers; ``depth-sweep_cuda`` for
-CUDA) from the JSON it wrote. The README is this repository's, so that step lives here and not
-in the installed package, which never writes a README.
+writes to this repository's ``benchmarks/results`` wherever it is run from (``--out``
+elsewhere), and after a full sweep it rewrites the summary table in ``benchmarks/README.md``
+(between the ``<!-- depth-sweep:begin -->`` and ``<!-- depth-sweep:end -->`` markers;
+``depth-sweep_cuda`` for CUDA) from the JSON it wrote. That README is this repository's, so that
+step lives here and not in the installed package, which never writes a README. ``--quick``
+writes ``depth_sweep_quick.*`` and leaves the README alone.
 
 Run with the Python of the environment memfit is installed in (``pip install -e .``; the
 Makefile's ``.venv``): ``python benchmarks/depth_sweep.py [--quick] [--device cuda]``.
@@ -29,7 +30,7 @@ from memfit.units import MIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+README = ROOT / "benchmarks" / "README.md"
 
 
 def marker(suffix: str = "") -> tuple[str, str]:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the device, in the last chunk's call: unpack the torch/triton wheels sent in chunks, install
-# them beside the machine's own torch, build the NCCL stub (benchmarks/results/gpu_h100/README.md).
+# them beside the machine's own torch, build the NCCL stub (README.md says why).
 # The torchvision wheel (7.7 MB) travels whole in that call: the machine's own torchvision is built
 # for its torch 2.11 and breaks `import transformers` under 2.13 (the GPT-2 cases).
 set -eu
