@@ -201,7 +201,7 @@ def keeping_seconds(jg: JointGraph, kept: Iterable[fx.Node]) -> float:
     cheapest. On the budget frontier's CPU ResNet it is not: the forward of the plan keeping
     59.8 MiB took 1.13x that of ``torch.compile``'s partition keeping 33.7 MiB with the same
     kernels, the backward 0.98x, and the plan ran 1.047x that partition's step
-    (``benchmarks/results/keep_traffic``, forms 7 and 8). Priced at the forward's writes only
+    (``docs/measurements.md``). Priced at the forward's writes only
     (form 6), the ResNet's roomy budgets kept four convolutions' outputs to recompute two
     residual sums from them (35.3 MiB, about 1% slower than that partition); the read makes
     what a plan keeps cost something wherever it is written, and the sums written anyway make

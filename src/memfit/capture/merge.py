@@ -12,7 +12,7 @@ ReLU gradient has its own zero.
 Not merged: a forward value with the same computation in backward. On the frontier's transformer
 15 of 16 merges were of that kind (each LayerNorm's ``x - mean``), and planned on that graph,
 ``"memory"`` measured 18.6 MiB instead of 16.1, and budgets 0.25 and 0.2 peaked above 0.3's 17.1
-(benchmarks/results/joint_passes_1128). A merged value is then one the forward computes and the
+(docs/measurements.md). A merged value is then one the forward computes and the
 planner must keep or recompute, where unmerged the backward computed its own copy where needed.
 ``fx_graph_cse`` has no way to be told which nodes to merge, hence this pass.
 """

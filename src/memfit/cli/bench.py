@@ -3,9 +3,9 @@
 It writes ``depth_sweep.{json,md,png}`` under ``--out`` and nowhere else: the default is
 ``memfit-bench`` in the temporary directory, never the working tree, and the path is printed at
 the end. (The repository's ``benchmarks/depth_sweep.py`` runs the same sweep into
-``benchmarks/results`` and rewrites the README's table.) Its timings on a shared CPU need
-``OMP_WAIT_POLICY=PASSIVE``, which the ``memfit`` script sets unless the environment does (see
-``memfit.cli``).
+``benchmarks/results`` and rewrites the table in ``benchmarks/README.md``.) Its timings on a
+shared CPU need ``OMP_WAIT_POLICY=PASSIVE``, which the ``memfit`` script sets unless the
+environment does (see ``memfit.cli``).
 """
 
 from __future__ import annotations

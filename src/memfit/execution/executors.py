@@ -58,7 +58,7 @@ EXECUTORS = (EAGER, INDUCTOR)
 #: it off the predictions were exact on the ResNet but memfit's steps 1.32x (ResNet) and 1.57x
 #: (U-Net) torch.compile's at equal peak and the U-Net's peaks higher; with it on, 1.10x and
 #: 1.15x, predictions within -3% (ResNet, measured above) to +50% (U-Net, measured below)
-#: (benchmarks/results/before_fusion/budget_frontier_inductor.md).
+#: (docs/measurements.md).
 LAYOUT_OPTIMIZATION: bool | None = None
 
 #: Placeholder meta marking a graph input whose storage stays where it is from call to call:
@@ -278,7 +278,7 @@ def _keep_eager_layouts(graph: fx.Graph, output: fx.Node) -> tuple[Any, ...]:
     convolution, when the activations are gone: placed after each gradient, they were fused into
     the next kernel, mid-backward, and a U-Net plan's compiled peak rose by 0.36 MiB. Measured on
     the ResNet (CPU): the same peaks and no step time changed beyond noise
-    (benchmarks/results/same_peak_pair/eager_layouts_1127). Outputs whose traced strides are no
+    (docs/measurements.md). Outputs whose traced strides are no
     dense format, or carry size symbols, are left as Inductor lays them out.
     """
     outs = cast("tuple[Any, ...]", output.args[0])

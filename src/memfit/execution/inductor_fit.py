@@ -244,7 +244,7 @@ def _faster(
     depends on how the backward's kernels fuse around the recomputed values, which it does not
     see. Before kept values were priced, on a CPU ResNet with BatchNorm ``budget=1``'s plan,
     keeping almost everything (59.8 MiB), ran 1.04x the step of ``"speed"``'s (35.3 MiB); on a
-    U-Net, plans keeping less ran 4-12% slower (``benchmarks/results/keep_traffic``, six ways
+    U-Net, plans keeping less ran 4-12% slower (``docs/measurements.md``, six ways
     of pricing kept bytes tried). So both are compiled, measured, and timed on the step's own
     inputs (``measurement.timing``: ``TIMED_ROUNDS`` interleaved rounds, the median of per-round
     ratios), and the rival kept unless it ran slower by more than ``TIMED_TIE``: at the same

@@ -281,7 +281,7 @@ class PlannedCall:
         Why: a plan's peaks under Inductor are measured once compiled; without that they are
         Inductor's schedule's estimate, and nothing else would ever replace it. Measured on the
         zoo's U-Net under ``"memory"``, first called inside ``memfit.measure``: every later step
-        peaked at 1.37 MiB against 1.01 predicted (``benchmarks/results/training_loops_inductor``),
+        peaked at 1.37 MiB against 1.01 predicted (``docs/measurements.md``),
         and a budget checked against the estimate is not guaranteed."""
         self._measure_later = True
 

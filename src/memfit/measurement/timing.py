@@ -3,9 +3,9 @@
 Why time at all: under ``executor="inductor"`` memfit's cost model prices a plan by the FLOPs
 and bytes of what it recomputes, and Inductor fuses the recomputation of memory-bound ops into
 the backward's kernels, where the model cannot see what it costs. Measured on a CPU ResNet with
-BatchNorm (``benchmarks/results/same_peak_pair/budgets_1126``), the plan keeping everything the
+BatchNorm (``docs/measurements.md``), the plan keeping everything the
 model called cheapest ran 1.04x the step of a plan keeping half as much, while on a U-Net plans
-keeping less ran 4-12% slower (``benchmarks/results/keep_traffic``): no byte count told the two
+keeping less ran 4-12% slower (``docs/measurements.md``): no byte count told the two
 apart. So where two plans both fit a budget and the model cannot rank them, and the user asked
 for it (``autotune=True``: it costs one more compile), their compiled graphs are run and timed,
 as the graphs' peaks are measured (``calibrate``).

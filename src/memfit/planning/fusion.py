@@ -6,7 +6,7 @@ the backward kernels that need them costs almost nothing, while keeping their ou
 tensor each. ``torch.compile``'s min-cut partitioner is built on exactly that: with no
 convolution recomputed, it keeps a CIFAR ResNet's step at 33.7 MiB where memfit's ``"none"``,
 keeping what eager autograd keeps, held 62.8 MiB, at the same step time
-(``benchmarks/results/before_fusion/budget_frontier_inductor.md``). memfit's own planners
+(``docs/measurements.md``, "Speed: the Inductor executor on CPU"). memfit's own planners
 decide which values to keep op by op, pricing each recomputation, but they do not know which
 ops Inductor fuses; a plan's memory there came from recomputing convolutions instead.
 
@@ -25,7 +25,7 @@ One departure from torch's solver, on CPU only: no candidate keeps a boolean mas
 result, such as the ``x <= 0`` ReLU's backward reads) in place of the value compared. The min-cut
 prefers the mask, a quarter of the bytes of the float32 value it tests, and memfit's cost model
 called it free; measured on this project's CPU (torch 2.13, 2 threads,
-``benchmarks/results/kept_masks``), the step pays for it: a U-Net's budget plans keeping 1.84 M
+``docs/measurements.md``), the step pays for it: a U-Net's budget plans keeping 1.84 M
 mask elements (44.9 MiB) took 89-93 ms where the plans memfit takes instead, keeping the ReLU
 outputs (47.2-50.2 MiB), took 81-82; at budget 0.4 the plan keeping 1.57 M took 99 ms at 39.4 MiB
 where memfit's, keeping none, took 85 at 38.5. ``torch.compile``'s own default plan of a
