@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import memfit
 from lm_models import batch, lm, lm_loss
+from memfit.planning.policy import parse_policy
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -96,6 +97,8 @@ def test_the_plan_is_asked_for_before_a_training_call() -> None:
 def test_bad_arguments_are_refused_before_any_step() -> None:
     with pytest.raises(ValueError, match="no single model"):
         memfit.step(policy=["layer1"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="names submodules"):
+        memfit.step(lambda: None, policy=parse_policy(["layer1"]))
     with pytest.raises(TypeError, match="give the policy once"):
         memfit.step(0.5, policy="speed")
     with pytest.raises(TypeError, match="expects a function"):

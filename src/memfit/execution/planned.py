@@ -427,7 +427,7 @@ class PlannedCall:
                 "hide behind compute here (measured overlap of copies with compute: none, as on "
                 "a CPU), so the plan keeps what plain PyTorch keeps. To save memory anyway, "
                 "recompute ('memory', or a budget), or offload with a predicted stall: "
-                "memfit.checkpoint(model, budget=..., offload=True)"
+                "memfit.checkpoint(model, '2GiB', offload=True) with a budget of your own"
             )
         if (
             self.policy.budget is not None
@@ -446,8 +446,9 @@ class PlannedCall:
                 f"backward (a cross-entropy over logits holds about as much as they take: "
                 f"{format_bytes(plan.graphs[-1].output_bytes)} here) outside memfit.measure: "
                 f"the budget covers {self.name}'s graphs only. Compute the loss inside "
-                "(memfit.step(loss_fn, model=model) plans it too), or run one step inside "
-                "memfit.measure(...) and memfit reserves what it measures from the next call."
+                "(memfit.step(fn) with the loss computed in fn plans it too), or run one step "
+                "inside memfit.measure(...) and memfit reserves what it measures from the next "
+                "call."
             )
 
     def _break_action(self) -> str | None:

@@ -137,6 +137,11 @@ def step(
             "memfit.mark in the model, or memfit.checkpoint(model, [names]) for the model"
         )
     chosen, resolved, ran = resolve(policy, offload, executor, options)
+    if chosen.modules:
+        raise ValueError(
+            f"policy {chosen.label!r} names submodules; a step has no single model to name them "
+            "in: use memfit.checkpoint(model, [names]) for the model, or memfit.mark"
+        )
 
     def wrap(function: Callable[..., Any]) -> Step:
         if not callable(function):

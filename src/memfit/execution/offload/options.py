@@ -55,9 +55,9 @@ class OffloadOptions:
         if self.bandwidth is not None and not self.bandwidth > 0:
             raise ValueError(f"offload_bandwidth must be positive bytes/s, got {self.bandwidth!r}")
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int):
-            raise TypeError(f"min_bytes must be an int, got {self.min_bytes!r}")
+            raise TypeError(f"offload_min_bytes must be an int, got {self.min_bytes!r}")
         if self.min_bytes < 1:
-            raise ValueError(f"min_bytes must be at least 1, got {self.min_bytes}")
+            raise ValueError(f"offload_min_bytes must be at least 1, got {self.min_bytes}")
         if self.directory is not None:
             check_directory(self.directory)
         if self.host_budget is not None:
@@ -81,7 +81,7 @@ class OffloadOptions:
             raise OffloadError(
                 f"offload_to='host' moves activations from an accelerator to host memory, but this "
                 f"model's activations are on {device.type!r}, already in host memory: use "
-                f"offload_to='disk' (or leave offload_to unset)"
+                f"memfit.Options(offload_to='disk') (or leave offload_to unset)"
             )
         if to == "disk" and device.type not in ("cpu", "cuda"):
             raise OffloadError(f"offload to disk supports CPU and CUDA tensors, not {device.type}")

@@ -261,8 +261,9 @@ class OffloadStore:
                 self.release(key)
                 raise OffloadError(
                     f"memfit could not write an offloaded activation ({slot.nbytes} bytes) to "
-                    f"{self.directory}: {exc}; free disk space or pass offload_dir= on a larger "
-                    f"disk (the step's offload files were removed)"
+                    f"{self.directory}: {exc}; free disk space or pass "
+                    f"options=memfit.Options(offload_dir=...) on a larger disk (the step's "
+                    f"offload files were removed)"
                 ) from exc
         if slot.copied_out is not None:
             torch.cuda.current_stream(slot.device).wait_event(slot.copied_out)
