@@ -272,3 +272,44 @@ def test_is_data_dependent_and_summarize_reason_read_dynamos_reasons() -> None:
         "`print` with argument types ['str'] (has_kwargs False)"
     )
     assert graph_breaks.summarize_reason("") == "unknown reason"
+
+
+class LoopBranch(nn.Module):
+    """A data-dependent `if` inside the forward's own loop: Dynamo 2.13 skips the whole frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            x = torch.relu(x) if x.mean() > 0 else torch.tanh(x)
+        return x
+
+
+def test_a_break_in_a_loop_says_the_frame_ran_unplanned_once_and_trains_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = LoopBranch(), torch.randn(8, 16)
+    plain = _grads(model, x)
+    memfit.checkpoint(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = [_grads(model, x) for _ in range(2)]
+    said = [
+        str(w.message)
+        for w in caught
+        if "memfit" in str(w.message) or "LoopBranch" in str(w.message)
+    ]
+    assert len(said) == 1, said  # one warning: the break, and that nothing was planned
+    assert "skip the whole frame" in said[0] and "test_graph_breaks.py" in said[0], said[0]
+    assert "torch.where" in said[0]
+    for step in ours:
+        for a, b in zip(step, plain):
+            assert torch.equal(a, b)
+    assert graph_breaks.skips_frame(
+        "graph break in loop\n  Explanation: torch.compile detected a graph break in a for/while "
+        "loop. Skipping the frame and falling back to eager, as graph breaks in loops are not "
+        "supported."
+    )
+    assert not graph_breaks.skips_frame("Data-dependent branching\n  Explanation: ...")

@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 from memfit._compat import frames_converted, graph_break_reasons
 from memfit.warn import warn_user
 
-__all__ = ["GraphBreakWatcher", "GraphBreakReport"]
+__all__ = ["GraphBreakWatcher", "GraphBreakReport", "loop_skip_message", "skips_frame"]
 
 _LOCATION = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\w+))?')
 _EXPLANATION = re.compile(r"^\s*Explanation:\s*(.+)$", re.MULTILINE)
 #: Dynamo's words for data-dependent control flow (2.13: "Data-dependent branching"; earlier
 #: releases: "generic_jump"), the one cause ``torch.where``/``torch.cond`` removes.
 _DATA_DEPENDENT = re.compile(r"data-dependent branching|generic_jump|dynamic control flow", re.I)
+#: Dynamo's words (2.13) when a break inside a ``for``/``while`` loop makes it skip the whole frame
+#: and run it eagerly: then no graph of that frame exists for memfit to plan.
+_LOOP_SKIP = re.compile(r"graph break in loop|graph breaks in loops are not supported", re.I)
 
 
 def summarize_reason(reason: str) -> str:
@@ -44,6 +47,26 @@ def summarize_reason(reason: str) -> str:
     return first
 
 
+def skips_frame(reason: str) -> bool:
+    """Whether Dynamo gave up on a whole frame for this break: a break inside a ``for`` or
+    ``while`` loop (torch 2.13: "graph break in loop", the frame skipped and run eagerly), so
+    nothing of that frame is captured, planned or saved."""
+    return bool(_LOOP_SKIP.search(reason))
+
+
+def loop_skip_message(model_name: str, reasons: list[str]) -> str:
+    """What a user reads when Dynamo skipped a frame of ``model_name`` for a break in a loop."""
+    where = "; ".join(dict.fromkeys(summarize_reason(r) for r in reasons))
+    remove = "Remove the break"
+    if any(is_data_dependent(r) for r in reasons):
+        remove += " (torch.where or torch.cond instead of a Python `if` on a tensor)"
+    return (
+        f"{model_name} ran as plain PyTorch, without a plan or savings: a graph break inside a "
+        f"for/while loop ({where}) makes torch.compile skip the whole frame and run it eagerly, "
+        f"so memfit captured nothing of it. {remove} to let memfit plan it."
+    )
+
+
 def is_data_dependent(reason: str) -> bool:
     """Whether Dynamo broke the graph at control flow on a tensor's value (an ``if`` or ``while``
     on a tensor): the break ``torch.where`` or ``torch.cond`` removes."""
@@ -61,6 +84,11 @@ class GraphBreakReport:
     @property
     def broke(self) -> bool:
         return bool(self.reasons)
+
+    @property
+    def frame_skipped(self) -> bool:
+        """Whether Dynamo skipped a whole frame for one of these breaks (``skips_frame``)."""
+        return any(skips_frame(r) for r in self.reasons)
 
     def warn_once(self, action: str | None = None) -> None:
         """Warn, the first time only; ``action`` says what memfit does about the breaks (by

@@ -40,7 +40,7 @@ from memfit._compat import (
     tree_flatten,
 )
 from memfit.analysis.backward_start import BackwardStart
-from memfit.capture.graph_breaks import GraphBreakWatcher
+from memfit.capture.graph_breaks import GraphBreakReport, GraphBreakWatcher, loop_skip_message
 from memfit.execution.backend import Offloader, StepBudget, make_backend
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.offload import OffloadError, OffloadStore
@@ -406,7 +406,7 @@ class PlannedCall:
             if made and self.last_plan is not None:
                 self._say_what_cannot_act(self.last_plan, out)
         elif _starts_training(out):
-            self._ran_unplanned(full)
+            self._ran_unplanned(full, report)
         if report.broke:
             report.warn_once(self._break_action())
         return out
@@ -576,9 +576,13 @@ class PlannedCall:
             self._window.abandon()
             self._window = None
 
-    def _ran_unplanned(self, full: bool) -> None:
+    def _ran_unplanned(self, full: bool, report: GraphBreakReport) -> None:
         """A training call ran none of memfit's graphs: say so, and keep no stale plan."""
-        if full:
+        if report.frame_skipped:
+            # the one warning says both: the break, and that nothing was planned because of it
+            why = loop_skip_message(self.name, report.reasons)
+            self.watcher.warned = True
+        elif full:
             why = (
                 f"memfit has captured and planned {self.name} {self.shapes_planned} times "
                 f"(Options.max_shapes={self.max_shapes}: input shapes, or ranges of sizes) and ran "
