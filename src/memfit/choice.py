@@ -9,8 +9,11 @@ equivalent there.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 __all__ = ["Choice"]
+
+C = TypeVar("C", bound="Choice")
 
 
 class Choice(str, enum.Enum):
@@ -18,3 +21,21 @@ class Choice(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's string, in order."""
+        return tuple(member.value for member in cls)
+
+    @classmethod
+    def parse(cls: type[C], value: object, what: str, public: str) -> C:
+        """``value`` (a member or its exact string) as a member; else a ``ValueError`` naming
+        ``what`` was given, the choices, and the enum under its ``public`` name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{what} must be one of {cls.values()} (or {public}), got {value!r}")

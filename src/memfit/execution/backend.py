@@ -30,7 +30,7 @@ from memfit._compat import (
 from memfit.analysis.backward_start import BackwardStart
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.transfers import Link
-from memfit.capture.attention import ATTENTION_MODES, replace_attention
+from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.execution.executors import (
     EAGER,
@@ -186,8 +186,7 @@ def make_backend(
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
     graph's plan. A policy that offloads needs an ``offloader``.
     """
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    Attention.parse(attention, "attention", "memfit.Attention")
     check_executor(executor)
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())

@@ -34,9 +34,10 @@ from memfit._compat import (
 )
 from memfit.analysis.scheduled import Schedule
 from memfit.capture.mark import strip_marks
+from memfit.choice import Choice
 
 __all__ = [
-    "EXECUTORS",
+    "Executor",
     "EAGER",
     "INDUCTOR",
     "STATIC_INPUT",
@@ -47,9 +48,19 @@ __all__ = [
     "decompositions",
 ]
 
-EAGER = "eager"
-INDUCTOR = "inductor"
-EXECUTORS = (EAGER, INDUCTOR)
+
+class Executor(Choice):
+    """How a planned forward and backward run."""
+
+    #: op for op on the ATen kernels eager PyTorch calls: losses and gradients bit for bit
+    EAGER = "eager"
+    #: the same plan compiled by Inductor (``torch.compile``'s compiler): fused kernels,
+    #: results to floating-point tolerance
+    INDUCTOR = "inductor"
+
+
+EAGER = Executor.EAGER
+INDUCTOR = Executor.INDUCTOR
 
 #: Inductor's channels-last layouts for convolution graphs ("layout optimization"): Inductor's own
 #: choice (None), as in ``torch.compile``. With it Inductor copies convolution weights and inputs
@@ -80,11 +91,9 @@ DONATED = "memfit_donated"
 _KINDS = ("forward", "backward", "inference")
 
 
-def check_executor(executor: str) -> str:
+def check_executor(executor: str) -> Executor:
     """``executor`` if memfit knows it, else a ValueError naming the choices."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    return executor
+    return Executor.parse(executor, "executor", "memfit.Executor")
 
 
 def decompositions(executor: str) -> dict[Any, Callable[..., Any]] | None:

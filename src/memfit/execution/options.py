@@ -18,8 +18,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memfit.choice import Choice
-from memfit.execution.offload.options import OffloadOptions
+from memfit.capture.attention import Attention
+from memfit.execution.executors import Executor
+from memfit.execution.offload.options import OffloadOptions, OffloadTarget
 from memfit.planning.budget import Budget
 from memfit.planning.policy import Policy, parse_policy
 
@@ -39,47 +40,6 @@ PolicyLike = str | int | float | Sequence[str] | Budget | Policy
 #: Captures (one input shape, or one range of sizes captured as symbols) of one model or step
 #: before a call that needs another runs unplanned (with a warning).
 DEFAULT_MAX_SHAPES = 64
-
-
-class Executor(Choice):
-    """How a planned forward and backward run."""
-
-    #: op for op on the ATen kernels eager PyTorch calls: losses and gradients bit for bit
-    EAGER = "eager"
-    #: the same plan compiled by Inductor (``torch.compile``'s compiler): fused kernels,
-    #: results to floating-point tolerance
-    INDUCTOR = "inductor"
-
-
-class Attention(Choice):
-    """What memfit does with the attention it finds in a model."""
-
-    #: rewrite it to a kernel that keeps no sequence-length-squared tensor (fused SDPA where it
-    #: applies, memfit's chunked kernel otherwise)
-    AUTO = "auto"
-    #: leave attention as written
-    OFF = "off"
-
-
-class OffloadTarget(Choice):
-    """Where offloaded activations go."""
-
-    #: pinned host memory (CUDA activations)
-    HOST = "host"
-    #: files in a private directory, removed as they are read back
-    DISK = "disk"
-
-
-def _choice(kind: type[Choice], value: object, what: str) -> Choice:
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    choices = ", ".join(repr(str(c)) for c in kind)
-    raise ValueError(f"{what} must be one of {choices} (or memfit.{kind.__name__}), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -121,9 +81,10 @@ class Options:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "attention", _choice(Attention, self.attention, "attention"))
+        set_(self, "attention", Attention.parse(self.attention, "attention", "memfit.Attention"))
         if self.offload_to is not None:
-            set_(self, "offload_to", _choice(OffloadTarget, self.offload_to, "offload_to"))
+            to = OffloadTarget.parse(self.offload_to, "offload_to", "memfit.OffloadTarget")
+            set_(self, "offload_to", to)
         for name in ("autotune", "measure_outside"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} is True or False, got {getattr(self, name)!r}")
@@ -136,11 +97,11 @@ class Options:
     @property
     def offload_given(self) -> bool:
         """Whether any offload field differs from its default (they need offloading on)."""
-        default = Options()
         return any(
-            getattr(self, f) != getattr(default, f)
-            for f in ("offload_to", "offload_dir", "offload_bandwidth", "offload_min_bytes")
-        ) or (self.host_budget is not None)
+            getattr(self, f.name) != f.default
+            for f in dataclasses.fields(self)
+            if f.name.startswith("offload_") or f.name == "host_budget"
+        )
 
     def offload_options(self) -> OffloadOptions:
         """The offload fields as execution's ``OffloadOptions``."""
@@ -168,7 +129,7 @@ def resolve(
             f"is set in options=memfit.Options(offload_to=..., offload_dir=..., ...)"
         )
     chosen = parse_policy(policy)
-    ran = Executor(_choice(Executor, executor, "executor"))
+    ran = Executor.parse(executor, "executor", "memfit.Executor")
     if options.autotune and not chosen.autotune:
         # Policy checks it goes with a budget
         chosen = dataclasses.replace(chosen, autotune=True)

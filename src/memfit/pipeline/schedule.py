@@ -46,22 +46,14 @@ class PipelineSchedule(Choice):
 
 
 #: The schedules' names, as ``schedule=`` and ``--schedule`` accept them.
-SCHEDULES = tuple(s.value for s in PipelineSchedule)
+SCHEDULES = PipelineSchedule.values()
 
 
 def as_schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
-    """``schedule`` as a member; a ``ValueError`` naming the choices when it is none."""
-    if isinstance(schedule, PipelineSchedule):
-        return schedule
-    if isinstance(schedule, str):
-        try:
-            return PipelineSchedule(schedule.strip().lower())
-        except ValueError:
-            pass
-    raise ValueError(
-        f"schedule must be one of {SCHEDULES} (or memfit.pipeline.PipelineSchedule), "
-        f"got {schedule!r}"
-    )
+    """``schedule`` as a member (a name in any case, spaces around it ignored); a
+    ``ValueError`` naming the choices when it is none."""
+    name = schedule.strip().lower() if isinstance(schedule, str) else schedule
+    return PipelineSchedule.parse(name, "schedule", "memfit.pipeline.PipelineSchedule")
 
 
 def check_schedule(schedule: PipelineSchedule | str, stages: int, microbatches: int) -> None:

@@ -35,10 +35,10 @@ from __future__ import annotations
 from memfit.capture.attention.replace import replace_attention
 from memfit.capture.attention.site import (
     ADDITIVE,
-    ATTENTION_MODES,
     MEMFIT,
     SDPA,
+    Attention,
     AttentionSite,
 )
 
-__all__ = ["AttentionSite", "replace_attention", "ATTENTION_MODES", "SDPA", "MEMFIT", "ADDITIVE"]
+__all__ = ["AttentionSite", "replace_attention", "Attention", "SDPA", "MEMFIT", "ADDITIVE"]

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ADDITIVE", "ATTENTION_MODES", "MEMFIT", "SDPA", "AttentionSite"]
+from memfit.choice import Choice
 
-#: ``attention=`` values: "auto" rewrites every site found, "off" leaves the graph alone.
-ATTENTION_MODES = ("auto", "off")
+__all__ = ["ADDITIVE", "MEMFIT", "SDPA", "Attention", "AttentionSite"]
+
+
+class Attention(Choice):
+    """What memfit does with the attention it finds in a model (``Options.attention``)."""
+
+    #: rewrite it to a kernel that keeps no sequence-length-squared tensor (fused SDPA where it
+    #: applies, memfit's chunked kernel otherwise)
+    AUTO = "auto"
+    #: leave attention as written
+    OFF = "off"
+
+
 #: Kernel names in ``AttentionSite.kernel``.
 SDPA, MEMFIT, ADDITIVE = "sdpa", "memfit", "memfit-additive"
 

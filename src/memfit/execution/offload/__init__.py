@@ -39,9 +39,9 @@ from memfit.execution.offload.link import (
     measure_link,
 )
 from memfit.execution.offload.options import (
-    OFFLOAD_DESTINATIONS,
     OffloadError,
     OffloadOptions,
+    OffloadTarget,
     check_directory,
 )
 from memfit.execution.offload.rewrite import (
@@ -57,7 +57,7 @@ from memfit.execution.offload.store import (
 __all__ = [
     "JOINT_NAME",
     "Arena",
-    "OFFLOAD_DESTINATIONS",
+    "OffloadTarget",
     "check_directory",
     "OffloadError",
     "OffloadOptions",

@@ -10,17 +10,24 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.choice import Choice
 from memfit.planning.budget import parse_budget
 
 __all__ = [
-    "OFFLOAD_DESTINATIONS",
+    "OffloadTarget",
     "OffloadError",
     "OffloadOptions",
     "check_directory",
 ]
 
 
-OFFLOAD_DESTINATIONS = ("host", "disk")
+class OffloadTarget(Choice):
+    """Where offloaded activations go."""
+
+    #: pinned host memory (CUDA activations)
+    HOST = "host"
+    #: files in a private directory, removed as they are read back
+    DISK = "disk"
 
 
 class OffloadError(RuntimeError):
@@ -50,8 +57,8 @@ class OffloadOptions:
     host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
-        if self.to is not None and self.to not in OFFLOAD_DESTINATIONS:
-            raise ValueError(f"offload_to must be one of {OFFLOAD_DESTINATIONS}, got {self.to!r}")
+        if self.to is not None:
+            OffloadTarget.parse(self.to, "offload_to", "memfit.OffloadTarget")
         if self.bandwidth is not None and not self.bandwidth > 0:
             raise ValueError(f"offload_bandwidth must be positive bytes/s, got {self.bandwidth!r}")
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memfit.execution.offload.options import OFFLOAD_DESTINATIONS, OffloadError, check_directory
+from memfit.execution.offload.options import OffloadError, OffloadTarget, check_directory
 
 __all__ = [
     "Arena",
@@ -144,8 +144,7 @@ class OffloadStore:
     """Where one wrapper's offloaded values live between their forward and their backward."""
 
     def __init__(self, to: str, directory: str | None = None) -> None:
-        if to not in OFFLOAD_DESTINATIONS:
-            raise ValueError(f"unknown offload destination {to!r}")
+        OffloadTarget.parse(to, "an offload destination", "memfit.OffloadTarget")
         self.to = to
         self.slots: dict[int, _Slot] = {}
         self._lock = threading.Lock()
