@@ -49,34 +49,25 @@ def train(
     return out
 
 
-def measured_peaks(
-    rank: int,
-    name: str,
-    stages: int,
-    microbatches: int,
-    schedules: tuple[str, ...],
-    budget: int | None,
-) -> dict[str, Any]:
-    """Per schedule, on a fresh model: this rank's stage plan and the measured peak of a step
-    (after a first step that compiles)."""
-    out = {}
-    for schedule in schedules:
-        model, x, target, loss_fn = build(name)
-        pipe = Pipeline(
-            model,
-            x,
-            loss_fn,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            budget=budget,
-        )
-        pipe.step(x, target=target)
-        for p in pipe.parameters():
-            p.grad = None
-        measured = memfit.measure(pipe.step, x, target=target)
-        out[schedule] = (pipe.plan, measured.peak_bytes)
-    return out
+def measured_peak(
+    rank: int, name: str, stages: int, microbatches: int, schedule: str, budget: int | None
+) -> Any:
+    """Predicted and measured peak of a step (after a first step that compiles)."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(
+        model,
+        x,
+        loss_fn,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget,
+    )
+    pipe.step(x, target=target)
+    for p in pipe.parameters():
+        p.grad = None
+    measured = memfit.measure(lambda: pipe.step(x, target=target))
+    return pipe.plan, measured.peak_bytes
 
 
 def dies(rank: int, name: str, stages: int) -> None:

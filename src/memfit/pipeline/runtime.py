@@ -243,13 +243,7 @@ class Pipeline:
         flat = output if isinstance(output, tuple) else (output,)
         if self._no_target:
             target = None
-        loss = self._loss_fn(self._captured.rebuild_output(flat), target)
-        # The schedule keeps every micro-batch's loss until the step ends. A loss whose storage
-        # is larger than its value (``F.mse_loss``'s returns its unreduced buffer, one
-        # micro-batch's outputs, on torch 2.13) would keep that buffer too; a copy keeps the value.
-        if type(loss) is torch.Tensor and loss.untyped_storage().nbytes() > loss.nbytes:
-            loss = loss.clone()
-        return loss
+        return self._loss_fn(self._captured.rebuild_output(flat), target)
 
     def time_stage_alone(self, repeats: int = 3) -> float:
         """Median seconds of this stage's forward and backward on one micro-batch, alone.
@@ -285,16 +279,14 @@ class Pipeline:
         if last and target is None:  # the schedule splits a target: give it one to split
             target = torch.zeros(self.microbatches)
         args = tuple(inputs[i] for i in self._tensor_inputs(inputs)) if first else ()
-        # the last stage's outputs are not kept to be merged and returned (``step`` returns the
-        # loss only): each is freed with its backward, as the memory model has it
         if first and last:
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self._schedule.step(*args, target=target, losses=losses)
         elif first:
-            self._schedule.step(*args, return_outputs=False)
+            self._schedule.step(*args)
         elif last:
-            self._schedule.step(target=target, losses=losses, return_outputs=False)
+            self._schedule.step(target=target, losses=losses)
         else:
-            self._schedule.step(return_outputs=False)
+            self._schedule.step()
         for param, group in self._tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
