@@ -91,11 +91,15 @@ def lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object]:
-    """A model, a mini-batch of 8 and its target, and the loss, all from ``seed``."""
+    """A model, a mini-batch (of 8; "wide": 1024, each activation of a micro-batch of 256 then
+    64 KiB) and its target, and the loss, all from ``seed``."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     if name == "mlp":
         return MLP(), torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen), mse
+    if name == "wide":
+        x, target = torch.randn(1024, 64, generator=gen), torch.randn(1024, 4, generator=gen)
+        return MLP(width=64, depth=8), x, target, mse
     if name == "gpt":
         model = TinyGPT()
         idx = torch.randint(0, 40, (8, 8), generator=gen)

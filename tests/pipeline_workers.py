@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import memfit
-from memfit.pipeline import Pipeline
+import memfit.pipeline.runtime
+import memfit.pipeline.search
+from memfit.pipeline import Pipeline, StagePlan
 from pipeline_models import build
 
 #: each rank's generator is seeded with this plus its rank before the first step
@@ -49,25 +53,56 @@ def train(
     return out
 
 
-def measured_peak(
-    rank: int, name: str, stages: int, microbatches: int, schedule: str, budget: int | None
-) -> Any:
-    """Predicted and measured peak of a step (after a first step that compiles)."""
-    model, x, target, loss_fn = build(name)
-    pipe = Pipeline(
-        model,
-        x,
-        loss_fn,
-        stages=stages,
-        microbatches=microbatches,
-        schedule=schedule,
-        budget=budget,
-    )
-    pipe.step(x, target=target)
-    for p in pipe.parameters():
-        p.grad = None
-    measured = memfit.measure(lambda: pipe.step(x, target=target))
-    return pipe.plan, measured.peak_bytes
+#: one measured step: the schedule, the cuts to force (None: the search's own) and the budget
+Job = tuple[str, tuple[int, ...] | None, int | None]
+
+
+@contextlib.contextmanager
+def forced_cuts(cuts: tuple[int, ...] | None) -> Iterator[None]:
+    """``plan`` and ``Pipeline`` cut at ``cuts`` instead of where the search would.
+
+    The search's cut follows profiled times, so it moves with the machine's load; a test that
+    checks predictions at given cuts forces them (None: leaves the search alone).
+    """
+    if cuts is None:
+        yield
+        return
+    modules = (memfit.pipeline.search, memfit.pipeline.runtime)
+    saved = [m.choose_cuts for m in modules]
+    for m in modules:
+        m.choose_cuts = lambda *args, **kwargs: list(cuts)
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.choose_cuts = f
+
+
+def measured_peaks(
+    rank: int, name: str, stages: int, microbatches: int, jobs: tuple[Job, ...]
+) -> list[tuple[StagePlan, int]]:
+    """Per job, on a fresh model: this rank's stage plan and the measured peak of a step
+    (after a first step that compiles)."""
+    out = []
+    for schedule, cuts, budget in jobs:
+        torch.compiler.reset()  # a fresh model per job: Dynamo's recompile limit is per process
+        model, x, target, loss_fn = build(name)
+        with forced_cuts(cuts):
+            pipe = Pipeline(
+                model,
+                x,
+                loss_fn,
+                stages=stages,
+                microbatches=microbatches,
+                schedule=schedule,
+                budget=budget,
+            )
+        pipe.step(x, target=target)
+        for p in pipe.parameters():
+            p.grad = None
+        measured = memfit.measure(pipe.step, x, target=target)
+        out.append((pipe.plan, measured.peak_bytes))
+    return out
 
 
 def dies(rank: int, name: str, stages: int) -> None:

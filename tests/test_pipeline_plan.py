@@ -35,6 +35,16 @@ def test_in_flight_micro_batches_follow_the_schedule() -> None:
     model, x, target, loss_fn = build("mlp")
     planned = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="1f1b")
     assert [s.in_flight for s in planned.stages] == [2, 1]
+    # beside a steady-state backward torch's Schedule1F1B also holds, on the first stage, the
+    # output of micro-batch 0 (the warm-up's last fired send handle) and, on the last, the
+    # previous micro-batch's input gradient (its backward send handle)
+    first, last = planned.stages
+    assert last.receive_grad_bytes == last.receive_bytes > 0 and first.receive_grad_bytes == 0
+    each = first.kept_bytes + first.send_bytes
+    held = first.send_bytes
+    assert first.step_peak_bytes == each + first.transient_bytes + first.parameter_bytes + held
+    held = last.receive_grad_bytes
+    assert last.step_peak_bytes == last.transient_bytes + last.parameter_bytes + held
     assert planned.schedule is PipelineSchedule.ONE_F_ONE_B and "1f1b" in str(planned)
     assert all(s.schedule is PipelineSchedule.ONE_F_ONE_B for s in planned.stages)
     by_member = plan(model, x, loss_fn, stages=2, microbatches=4, schedule=PipelineSchedule.GPIPE)

@@ -15,7 +15,7 @@ from memfit.pipeline import RankError, launch, plan
 from memfit.pipeline.partition import capture_forward, split_stages
 from memfit.pipeline.plan import microbatch
 from pipeline_models import build
-from pipeline_workers import SEED, dies, measured_peak, train
+from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train
 
 
 def _plain_gradients(name: str, microbatches: int) -> dict[str, torch.Tensor]:
@@ -91,17 +91,45 @@ def test_skip_batchnorm_and_dropout_across_stages_are_exact() -> None:
         assert ranks[0]["loss"] == pytest.approx(expected["loss"], rel=1e-5)
 
 
+#: TinyGPT cuts (graph nodes) the measured-peak test forces: where the search cut when the
+#: machine was idle (57) and loaded (60); its own cut follows profiled times
+GPT_CUTS = (57, 60)
+
+
 def test_measured_peak_of_each_stage_is_within_ten_percent_of_the_prediction() -> None:
-    """Under a budget that makes the stages recompute: measured within 10%, and within budget."""
+    """At each forced cut, under a budget that makes the stages recompute (0.8 of that cut's
+    free peak) and with none (every stage keeps everything, the last holding M micro-batches'
+    losses under GPipe): measured within 10%, and within budget. One launch."""
     model, x, target, loss_fn = build("gpt")
-    free = plan(model, x, loss_fn, stages=2, microbatches=4)
-    budget = int(0.8 * free.peak_bytes)
-    results = launch(measured_peak, 2, args=("gpt", 2, 4, "gpipe", budget), timeout=120)
-    for stage, measured in results:
-        assert measured == pytest.approx(stage.step_peak_bytes, rel=0.10), stage
-        assert stage.peak_bytes <= budget
-        held = stage.peak_bytes - stage.step_peak_bytes
-        assert held + measured <= budget
+    jobs = []
+    for cut in GPT_CUTS:
+        with forced_cuts((cut,)):
+            free = plan(model, x, loss_fn, stages=2, microbatches=4)
+        torch.compiler.reset()
+        jobs += [("gpipe", (cut,), int(0.8 * free.peak_bytes)), ("gpipe", (cut,), None)]
+    results = launch(measured_peaks, 2, args=("gpt", 2, 4, tuple(jobs)), timeout=300)
+    for (_, cuts, budget), ranks in zip(jobs, zip(*results)):
+        for stage, measured in ranks:
+            assert stage.start in (0, cuts[0])
+            assert measured == pytest.approx(stage.step_peak_bytes, rel=0.10), (budget, stage)
+            if budget is not None:
+                assert stage.peak_bytes <= budget
+                held = stage.peak_bytes - stage.step_peak_bytes
+                assert held + measured <= budget
+
+
+def test_measured_peak_of_each_rank_is_its_prediction_under_1f1b_and_gpipe() -> None:
+    """Issue 57's MLP (8 layers 64 wide, 1024 rows, 4 micro-batches of 64 KiB activations).
+
+    Under 1F1B torch's send handles hold, beside a steady-state backward, an output the first
+    rank's warm-up sent and the last rank's previous input gradient; GPipe's first backward,
+    beside every other micro-batch, is its peak. Both schedules in one launch.
+    """
+    jobs = (("1f1b", None, None), ("gpipe", None, None))
+    results = launch(measured_peaks, 2, args=("wide", 2, 4, jobs), timeout=240)
+    for (schedule, _, _), ranks in zip(jobs, zip(*results)):
+        for stage, measured in ranks:
+            assert measured == pytest.approx(stage.step_peak_bytes, rel=0.03), (schedule, stage)
 
 
 def test_a_killed_rank_ends_the_job_with_an_error_naming_it() -> None:

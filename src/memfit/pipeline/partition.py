@@ -329,6 +329,12 @@ class StageGraph:
     def send_bytes(self) -> int:
         return sum(tensor_bytes(_value(n)) for n in self.sends)
 
+    @property
+    def receive_grad_bytes(self) -> int:
+        """The gradients the stage's backward sends back: of each received value that needs one."""
+        values = [_value(n) for n in self.receives]
+        return sum(tensor_bytes(v) for v in values if getattr(v, "requires_grad", False))
+
 
 def _root(names: Sequence[str], captured: CapturedForward) -> nn.Module:
     """A module tree holding exactly ``names`` (the model's own tensors) under those names."""

@@ -13,7 +13,9 @@ by several stages (a tied embedding and LM head) exists once per stage that read
 schedule's backward its gradients are summed over those ranks, which is the gradient plain
 PyTorch computes for a tied weight. And the schedule divides gradients by ``M`` (its
 ``scale_grads``), so with a loss that averages over its micro-batch the gradients are those of
-the mean loss over the whole mini-batch, as plain PyTorch computes them on the mini-batch.
+the mean loss over the whole mini-batch, as plain PyTorch computes them on the mini-batch. The
+loss is recomputed in each micro-batch's backward (NOTE [The loss holds nothing between a
+micro-batch's forward and backward]).
 
 Dropout draws from each rank's own generator, micro-batch after micro-batch, so the masks are
 not those one process would draw for the whole model (no pipeline can reproduce one process's
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.checkpoint import checkpoint as recompute
 
 from memfit.execution.options import Options
 from memfit.execution.state import preserved
@@ -243,6 +246,24 @@ class Pipeline:
         flat = output if isinstance(output, tuple) else (output,)
         if self._no_target:
             target = None
+        # NOTE [The loss holds nothing between a micro-batch's forward and backward]
+        # A last stage keeps every micro-batch in flight until its backward, and each one's loss
+        # with it. What a loss saves for its backward is the user's code, unknown to the plan
+        # (``F.cross_entropy`` saves its log-softmax, as large as the logits; ``F.mse_loss``
+        # only its inputs): under GPipe ``M - 1`` of them sat beside the first backward, which
+        # the stage model did not count (TinyGPT's last stage measured 7,712 B, 3 x 2,560 B of
+        # logits, above its prediction). Recomputed in its backward instead, the loss holds only
+        # what it reads, the stage's outputs (counted) and the target (the schedule's chunk), at
+        # the cost of one loss forward per micro-batch.
+        loss = recompute(self._loss_of, flat, target, use_reentrant=False, preserve_rng_state=False)
+        # The schedule keeps every micro-batch's loss until the step ends. A loss whose storage
+        # is larger than its value (``F.mse_loss``'s returns its unreduced buffer, one
+        # micro-batch's outputs, on torch 2.13) would keep that buffer too; a copy keeps the value.
+        if type(loss) is torch.Tensor and loss.untyped_storage().nbytes() > loss.nbytes:
+            loss = loss.clone()
+        return loss
+
+    def _loss_of(self, flat: tuple[Any, ...], target: Any) -> torch.Tensor:
         return self._loss_fn(self._captured.rebuild_output(flat), target)
 
     def time_stage_alone(self, repeats: int = 3) -> float:
@@ -279,14 +300,16 @@ class Pipeline:
         if last and target is None:  # the schedule splits a target: give it one to split
             target = torch.zeros(self.microbatches)
         args = tuple(inputs[i] for i in self._tensor_inputs(inputs)) if first else ()
+        # the last stage's outputs are not kept to be merged and returned (``step`` returns the
+        # loss only): each is freed with its backward, as the memory model has it
         if first and last:
-            self._schedule.step(*args, target=target, losses=losses)
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         elif first:
-            self._schedule.step(*args)
+            self._schedule.step(*args, return_outputs=False)
         elif last:
-            self._schedule.step(target=target, losses=losses)
+            self._schedule.step(target=target, losses=losses, return_outputs=False)
         else:
-            self._schedule.step()
+            self._schedule.step(return_outputs=False)
         for param, group in self._tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

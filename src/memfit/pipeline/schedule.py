@@ -1,10 +1,12 @@
 """Pipeline schedules: what each one makes a stage hold, its bubble, and its rules.
 
 A schedule decides the order in which a stage runs its micro-batches' forwards and backwards,
-so how many micro-batches' activations it holds at once ("in flight"): that, not the stage's
-compute, is where schedules differ in memory. Both schedules here take the same step,
-``(M - 1) * slowest stage + sum of stages`` (``balancing.pipeline_step_time``), so the same
-bubble; they differ in what a stage holds and in what they need (1F1B needs ``M >= K``).
+so how many micro-batches' activations it holds at once ("in flight"), and, as torch runs it,
+which earlier outputs and input gradients its send handles still hold beside a backward
+(``held_at_backward``): that, not the stage's compute, is where schedules differ in memory.
+Both schedules here take the same step, ``(M - 1) * slowest stage + sum of stages``
+(``balancing.pipeline_step_time``), so the same bubble; they differ in what a stage holds and in
+what they need (1F1B needs ``M >= K``).
 
 ``PipelineSchedule`` is the closed choice; every public function takes a member or its string
 and converts at the boundary (``as_schedule``), naming the choices when the string is none.
@@ -13,17 +15,20 @@ and converts at the boundary (``as_schedule``), naming the choices when the stri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from memfit.choice import Choice
 from memfit.pipeline.balancing import pipeline_step_time
 
 __all__ = [
     "SCHEDULES",
+    "HeldAtBackward",
     "PipelineSchedule",
     "as_schedule",
     "bubble",
     "check_schedule",
     "equal_stages_bubble",
+    "held_at_backward",
     "in_flight",
     "step_peak",
 ]
@@ -67,26 +72,99 @@ def in_flight(schedule: PipelineSchedule | str, stage: int, stages: int, microba
     return min(microbatches, stages - stage)
 
 
+@dataclass(frozen=True)
+class HeldAtBackward:
+    """What a stage holds beside one micro-batch's backward, in micro-batches (NOTE [What
+    torch's schedules hold beside a backward])."""
+
+    #: other micro-batches whose forward has run and whose backward has not
+    in_flight: int
+    #: earlier micro-batches' outputs, past their own backward, that a send handle still holds
+    sends: int
+    #: earlier micro-batches' input gradients that a send handle still holds
+    input_grads: int
+    #: whether the parameters' gradients exist already (from the second backward on)
+    grads: bool
+
+
+# NOTE [What torch's schedules hold beside a backward]
+# Checked on torch 2.13, ``torch/distributed/pipelining/schedules.py``; stage ``s`` of ``K``,
+# ``M`` micro-batches, backward ``j`` (0-based):
+# * ``ScheduleGPipe._step_microbatches`` runs every forward, then every backward; it keeps every
+#   forward send's handle in ``fwd_sends_to_wait`` and every backward send's in
+#   ``bwd_sends_to_wait`` until the step ends, and a handle holds its tensor. So beside backward
+#   ``j``: ``M - 1 - j`` others in flight, the outputs of the ``j`` micro-batches before (not on
+#   the last stage, which sends nothing) and their ``j`` input gradients (not on the first,
+#   whose inputs need none).
+# * ``Schedule1F1B._step_microbatches`` runs ``W = min(M, K - s)`` warm-up forwards, then
+#   backward ``j`` followed by forward ``j + W`` while forwards remain, then the remaining
+#   backwards: ``min(W, M - j) - 1`` others in flight. Its warm-up fires every forward send but
+#   the last and keeps the latest fired one's handle (``send_work``, micro-batch ``W - 2``) until
+#   the steady loop ends after backward ``M - W``: that output outlives its own backward during
+#   backwards ``W - 1 .. M - W``. Each backward's send (``bwd_sends``, then ``send_work`` in the
+#   cool-down) is held until the next backward has run: from backward 1 on, the previous
+#   micro-batch's input gradient.
+# * Both: parameter gradients exist from the second backward on (``.grad`` is None before a
+#   step), and the stage's receive buffers (``M`` inputs, ``M`` output gradients) live between
+#   steps (``StagePlan.buffers_bytes``).
+# ``Pipeline`` asks the schedule not to keep the last stage's outputs for merging
+# (``return_outputs=False``), so those are held only while in flight.
+
+
+def held_at_backward(
+    schedule: PipelineSchedule | str, stage: int, stages: int, microbatches: int, backward: int
+) -> HeldAtBackward:
+    """What stage ``stage`` holds beside micro-batch ``backward``'s backward (its ``j``-th)."""
+    first, last = stage == 0, stage == stages - 1
+    j, m = backward, microbatches
+    if as_schedule(schedule) is PipelineSchedule.GPIPE:
+        return HeldAtBackward(
+            in_flight=m - 1 - j,
+            sends=0 if last else j,
+            input_grads=0 if first else j,
+            grads=j > 0,
+        )
+    warmup = min(m, stages - stage)
+    return HeldAtBackward(
+        in_flight=min(warmup, m - j) - 1,
+        sends=int(not last and warmup - 1 <= j <= m - warmup),
+        input_grads=int(not first and j > 0),
+        grads=j > 0,
+    )
+
+
 def step_peak(
     schedule: PipelineSchedule | str,
+    stage: int,
+    stages: int,
     microbatches: int,
-    flight: int,
+    *,
     each: int,
     transient: int,
     grads: int,
+    sent: int = 0,
+    input_grad: int = 0,
 ) -> int:
-    """A stage's peak during a step above what is live before it (``StagePlan.step_peak_bytes``
-    says why each term is there).
+    """A stage's peak during a step above what is live before it: the largest of its backwards
+    (``StagePlan.step_peak_bytes`` says why each term is there).
 
     ``transient``: one micro-batch's forward and backward, its parameter gradients included;
     ``each``: what every other micro-batch in flight holds meanwhile; ``grads``: the gradients
-    accumulated so far, alive from the second backward on.
+    accumulated so far; ``sent``: one micro-batch's outputs, ``input_grad``: its input
+    gradients, as send handles hold them (``held_at_backward``).
     """
-    if microbatches == 1:
-        return transient
-    if as_schedule(schedule) is PipelineSchedule.ONE_F_ONE_B and microbatches > flight:
-        return (flight - 1) * each + transient + grads
-    return (flight - 2) * each + transient + max(each, grads)
+    peak = 0
+    for j in range(microbatches):
+        held = held_at_backward(schedule, stage, stages, microbatches, j)
+        peak = max(
+            peak,
+            held.in_flight * each
+            + transient
+            + (grads if held.grads else 0)
+            + held.sends * sent
+            + held.input_grads * input_grad,
+        )
+    return peak
 
 
 def bubble(stage_seconds: Sequence[float], microbatches: int) -> float:

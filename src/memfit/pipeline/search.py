@@ -26,7 +26,7 @@ import torch
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.intervals import CapacityError, balance_intervals
 from memfit.pipeline.partition import StageGraph, split_stages
-from memfit.pipeline.schedule import in_flight, step_peak
+from memfit.pipeline.schedule import step_peak
 from memfit.pipeline.stages import PipelineOptions, StagePlan, plan_stage, stage_inputs
 from memfit.planning.budget import BudgetError
 from memfit.units import format_bytes
@@ -100,14 +100,23 @@ def choose_cuts(
     def stage_memory(s: int, i: int, j: int) -> float:
         if (s, bounds[i], bounds[j]) in refused:
             return over
-        flight = in_flight(schedule, s, stages, microbatches)
         # GPipe's stage: nothing kept but what crosses the cuts; one micro-batch's activations
         # (all recomputed) and its gradients while its backward runs
         transient = act[j] - act[i] + grads[i, j]
         return (
             held[i, j]
             + microbatches * (received(i) + (sent(j) if j < n else 0))
-            + step_peak(schedule, microbatches, flight, sent(j), transient, grads[i, j])
+            + step_peak(
+                schedule,
+                s,
+                stages,
+                microbatches,
+                each=sent(j),
+                transient=transient,
+                grads=grads[i, j],
+                sent=sent(j),
+                input_grad=received(i),
+            )
         )
 
     try:

@@ -17,7 +17,9 @@ What a stage holds, in the terms of the table ``PipelinePlan`` prints (per devic
   the stage's plan keeps plus its outputs: ``M`` of them under GPipe, at most ``K - s`` under
   1F1B (stage ``s``; ``schedule.in_flight``);
 * the transient of one micro-batch's forward and backward, as memfit's simulator predicts it,
-  and from the second backward on the gradients accumulated so far beside the new ones
+  and from the second backward on the gradients accumulated so far beside the new ones;
+* what torch's send handles still hold beside a backward: earlier micro-batches' outputs and
+  input gradients (``schedule.held_at_backward``); the peak is the largest backward's
   (``schedule.step_peak``).
 
 Time per micro-batch is profiled forward time times three (forward, backward at twice the
@@ -82,6 +84,8 @@ class StagePlan:
     """One stage's cut, plan and prediction. Bytes are per device; times per micro-batch."""
 
     index: int
+    #: K: the pipeline's stages (where this one stands decides what the schedule holds)
+    stages: int
     start: int
     end: int
     modules: tuple[str, ...]
@@ -90,6 +94,8 @@ class StagePlan:
     optimizer_bytes: int
     receive_bytes: int
     send_bytes: int
+    #: the gradients of what the stage receives, sent back per micro-batch (0 on the first)
+    receive_grad_bytes: int
     in_flight: int
     microbatches: int
     kept_bytes: int
@@ -135,20 +141,28 @@ class StagePlan:
 
         ``transient_bytes`` is memfit's prediction for one micro-batch's forward and backward,
         its parameter gradients included. Around it: the other micro-batches in flight, each
-        holding what the plan keeps and its outputs; and, from the second backward on, the
-        gradients accumulated so far, alive beside the new ones the backward makes. Under
-        GPipe the first backward has ``M - 1`` others in flight and no gradients yet, the
-        second ``M - 2`` and the gradients; under 1F1B with more micro-batches than stages, a
-        new forward refills the stage after each backward, so later backwards run beside
-        ``in_flight - 1`` others and the gradients.
+        holding what the plan keeps and its outputs; from the second backward on, the
+        gradients accumulated so far, alive beside the new ones the backward makes; and what
+        torch's schedule still holds in send handles, earlier micro-batches' outputs and input
+        gradients. The peak is the largest over the step's backwards
+        (``schedule.held_at_backward`` counts each term per backward, from torch's schedules):
+        under GPipe the first backward, with ``M - 1`` others in flight, unless the sends held
+        outweigh them; under 1F1B a steady-state backward, with ``in_flight - 1`` others, the
+        gradients, the previous input gradients and (before the pipe drains) one output the
+        warm-up sent. From the second backward on, the new gradients ``transient_bytes``
+        counts are added into the accumulated ones and freed, so the peak may be up to one
+        layer's gradients lower than predicted.
         """
         return step_peak(
             self.schedule,
+            self.index,
+            self.stages,
             self.microbatches,
-            self.in_flight,
-            self.kept_bytes + self.send_bytes,
-            self.transient_bytes,
-            self.parameter_bytes,
+            each=self.kept_bytes + self.send_bytes,
+            transient=self.transient_bytes,
+            grads=self.parameter_bytes,
+            sent=self.send_bytes,
+            input_grad=self.receive_grad_bytes,
         )
 
     @property
@@ -279,6 +293,7 @@ def plan_stage(
     last = stage.end == len(search.captured.nodes)
     send = search.output_bytes if last else stage.send_bytes
     receive = stage.receive_bytes if stage.index > 0 else 0
+    receive_grad = stage.receive_grad_bytes if stage.index > 0 else 0
     flight = in_flight(schedule, stage.index, options.stages, microbatches)
     graph_plan = memfit_plan(
         stage.module, *inputs, policy=1.0, options=Options(attention=attention)
@@ -287,7 +302,17 @@ def plan_stage(
     fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
 
     def peak_of(p: FrontierPoint) -> int:
-        return step_peak(schedule, microbatches, flight, p.kept_bytes + send, p.peak_bytes, params)
+        return step_peak(
+            schedule,
+            stage.index,
+            options.stages,
+            microbatches,
+            each=p.kept_bytes + send,
+            transient=p.peak_bytes,
+            grads=params,
+            sent=send,
+            input_grad=receive_grad,
+        )
 
     def fits(p: FrontierPoint) -> bool:
         if budget is None:
@@ -317,6 +342,7 @@ def plan_stage(
     transfer = 2 * send / bandwidth if bandwidth and not last else 0.0
     return StagePlan(
         index=stage.index,
+        stages=options.stages,
         start=stage.start,
         end=stage.end,
         modules=tuple(stage.modules),
@@ -325,6 +351,7 @@ def plan_stage(
         optimizer_bytes=opt,
         receive_bytes=receive,
         send_bytes=send,
+        receive_grad_bytes=receive_grad,
         in_flight=flight,
         microbatches=microbatches,
         kept_bytes=chosen.kept_bytes,
