@@ -32,6 +32,7 @@ def train(
     """Per schedule, on a fresh model: plan, one step; report cuts, loss, gradients, buffers."""
     out = {}
     for schedule in schedules:
+        torch.compiler.reset()  # a fresh model per schedule: Dynamo's recompile limit
         model, x, target, loss_fn = build(name)
         pipe = Pipeline(
             model,
@@ -46,9 +47,10 @@ def train(
         loss = pipe.step(x, target=target).item()
         out[schedule] = {
             "start": pipe.graph.start,
+            "starts": {s: g.start for s, g in zip(pipe.local_stages, pipe.graphs)},
             "loss": loss,
             "grads": {n: p.grad.detach().clone() for n, p in pipe.named_parameters()},
-            "buffers": {n: b.detach().clone() for n, b in pipe.module.named_buffers()},
+            "buffers": {n: b.detach().clone() for m in pipe.modules for n, b in m.named_buffers()},
         }
     return out
 

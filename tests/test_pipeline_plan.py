@@ -51,6 +51,23 @@ def test_in_flight_micro_batches_follow_the_schedule() -> None:
     assert [s.in_flight for s in by_member.stages] == [4, 4]
 
 
+def test_schedules_with_several_stages_per_rank_cut_that_many_stages_and_place_them() -> None:
+    model, x, target, loss_fn = build("skip")
+    planned = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="dualpipev")
+    assert len(planned.stages) == 4 and planned.stages_per_rank == 2
+    assert [s.rank for s in planned.stages] == [0, 1, 1, 0]
+    assert planned.stages[0].start == 0 and planned.stages[-1].last_module == "out"
+    for a, b in zip(planned.stages, planned.stages[1:]):
+        assert a.end == b.start
+    by_rank = [sum(s.peak_bytes for s in planned.stages if s.rank == r) for r in (0, 1)]
+    assert planned.peak_bytes == max(by_rank)
+    assert "4 stages (2 per rank on 2 ranks)" in str(planned)
+    three = plan(
+        model, x, loss_fn, stages=2, microbatches=4, schedule="looped_bfs", stages_per_rank=3
+    )
+    assert [s.rank for s in three.stages] == [0, 1, 0, 1, 0, 1]
+
+
 def test_a_budget_is_met_by_every_stage_or_refused_with_the_least_that_fits() -> None:
     model, x, target, loss_fn = build("skip")
     free = plan(model, x, loss_fn, stages=2, microbatches=4)
@@ -76,6 +93,9 @@ def test_a_budget_is_met_by_every_stage_or_refused_with_the_least_that_fits() ->
         ({"stages": 2, "microbatches": 4, "budget": 0.5}, "bytes per device"),
         ({"stages": 2, "microbatches": 4, "schedule": "zb"}, "schedule must be"),
         ({"stages": 0, "microbatches": 4}, "stages must be"),
+        ({"stages": 2, "microbatches": 4, "schedule": "looped_bfs", "budget": 10**6}, "1f1b"),
+        ({"stages": 2, "microbatches": 2, "schedule": "dualpipev"}, "at least 4"),
+        ({"stages": 2, "microbatches": 4, "stages_per_rank": 2}, "one stage per rank"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(kwargs: dict, message: str) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from memfit.pipeline import RankError, launch, plan
 from memfit.pipeline.partition import capture_forward, split_stages
+from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.plan import microbatch
 from pipeline_models import build
 from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train
@@ -25,14 +26,17 @@ def _plain_gradients(name: str, microbatches: int) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _stages_in_one_process(name: str, cuts: list[int], microbatches: int) -> dict[str, object]:
-    """The same stages run one after another in one process, each seeded as its rank is."""
+def _stages_in_one_process(
+    name: str, cuts: list[int], microbatches: int, ranks: tuple[int, ...] | None = None
+) -> dict[str, object]:
+    """The same stages run one after another in one process, each seeded as its rank is
+    (``ranks``: the rank of each stage; by default stage s is on rank s)."""
     model, x, target, loss_fn = build(name)
     captured = capture_forward(model, microbatch((x,), microbatches))
     stages = split_stages(captured, cuts)
     values: list[tuple[torch.Tensor, ...]] = [(c,) for c in x.tensor_split(microbatches)]
     for s, stage in enumerate(stages):
-        torch.manual_seed(SEED + s)
+        torch.manual_seed(SEED + (s if ranks is None else ranks[s]))
         values = [stage.module(*v) for v in values]
     losses = [
         loss_fn(captured.rebuild_output(v), t)
@@ -94,6 +98,45 @@ def test_skip_batchnorm_and_dropout_across_stages_are_exact() -> None:
 #: TinyGPT cuts (graph nodes) the measured-peak test forces: where the search cut when the
 #: machine was idle (57) and loaded (60); its own cut follows profiled times
 GPT_CUTS = (57, 60)
+
+
+#: the schedules that run several stages per rank
+SEVERAL_PER_RANK = (
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+
+
+def test_every_schedule_with_two_stages_per_rank_equals_one_process() -> None:
+    """Two ranks, four stages (interleaved and looped: 0 and 2 on rank 0; V: 0 and 3), a value
+    relayed across stages, BatchNorm and dropout inside them; all five schedules in one launch.
+
+    Each stage draws from its own stream, started from its rank's generator, so the masks are
+    those of the stages run one after another, each seeded as its rank is.
+    """
+    results = launch(train, 2, args=("skip", 2, 4, SEVERAL_PER_RANK), timeout=400)
+    for schedule in SEVERAL_PER_RANK:
+        ranks = [r[schedule] for r in results]
+        starts = {s: start for r in ranks for s, start in r["starts"].items()}
+        assert sorted(starts) == [0, 1, 2, 3], schedule
+        placed = stage_ranks(schedule, 2, 2)
+        assert all(s in r["starts"] for s in range(4) for r in [ranks[placed[s]]])
+        cuts = [starts[s] for s in range(1, 4)]
+        expected = _stages_in_one_process("skip", cuts, 4, placed)
+        got = _merged(ranks)
+        assert set(got) == set(expected["grads"])  # type: ignore[arg-type]
+        for n, g in expected["grads"].items():  # type: ignore[union-attr]
+            torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=f"{schedule} {n}")
+        buffers = {n: b for r in ranks for n, b in r["buffers"].items()}
+        assert buffers
+        for n, b in buffers.items():
+            expected_buffer = expected["buffers"][n]  # type: ignore[index]
+            torch.testing.assert_close(b, expected_buffer, rtol=1e-6, atol=0, msg=n)
+        assert ranks[0]["loss"] == pytest.approx(expected["loss"], rel=1e-5), schedule
+        assert len({r["loss"] for r in ranks}) == 1
 
 
 def test_measured_peak_of_each_stage_is_within_ten_percent_of_the_prediction() -> None:

@@ -121,6 +121,7 @@ def _rank(
         peaks.append(measured.peak_bytes or 0)
     return {
         "plan": pipe.plan,
+        "plans": pipe.plans,
         "step_seconds": statistics.median(times),
         "peak_bytes": max(peaks),
         "stage_seconds": pipe.time_stage_alone(),
@@ -171,12 +172,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
     step = max(r["step_seconds"] for r in results)
     busy = statistics.fmean(r["stage_seconds"] for r in results) * args.microbatches
     lines = [f"{'stage':>5} {'predicted peak':>15} {'measured peak':>14} {'ratio':>6}"]
-    for r in results:
-        stage_plan = r["plan"]
-        predicted = stage_plan.step_peak_bytes
+    for rank, r in enumerate(results):
+        # a rank holding several stages (interleaved and V schedules) holds them all
+        predicted = sum(p.step_peak_bytes for p in r["plans"])
         ratio = r["peak_bytes"] / predicted if predicted else float("nan")
         lines.append(
-            f"{stage_plan.index:>5} {format_bytes(predicted):>15} "
+            f"{rank:>5} {format_bytes(predicted):>15} "
             f"{format_bytes(r['peak_bytes']):>14} {ratio:>6.2f}"
         )
     k, m = args.stages, args.microbatches

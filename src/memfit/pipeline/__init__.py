@@ -1,10 +1,12 @@
-"""memfit.pipeline: GPipe-style pipelines, stages balanced for time and memory.
+"""memfit.pipeline: pipelines under every torch schedule, stages balanced for time and memory.
 
-``plan`` cuts a model's captured forward into K stages (exact search for the predicted step of
-the schedule, every stage within the per-device budget, each stage planned by memfit's planner);
-``Pipeline`` runs this rank's stage with ``torch.distributed.pipelining``; ``launch`` runs a
+``plan`` cuts a model's captured forward into stages over K ranks (exact search for the predicted
+step, every stage within the per-device budget, each stage planned by memfit's planner);
+``Pipeline`` runs this rank's stages with ``torch.distributed.pipelining``; ``launch`` runs a
 function in K local processes and ends them all, naming the rank, when one fails;
-``PipelineSchedule`` names the schedules both take (``"gpipe"``, ``"1f1b"``). ``balance``,
+``PipelineSchedule`` names the schedules both take, as torch names them (``"gpipe"``, ``"1f1b"``,
+and, with several stages per rank, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"``, ``"dualpipev"``). ``balance``,
 ``balance_pipeline`` and ``balance_intervals`` are the pure searches underneath.
 """
 

@@ -17,7 +17,13 @@ import torch
 import torch.nn as nn
 
 from memfit.pipeline.costs import prepare_search
-from memfit.pipeline.schedule import PipelineSchedule, as_schedule, check_schedule
+from memfit.pipeline.schedule import (
+    PipelineSchedule,
+    as_schedule,
+    check_budget,
+    check_schedule,
+    default_stages_per_rank,
+)
 from memfit.pipeline.search import search_stages
 from memfit.pipeline.stages import PipelineOptions, PipelinePlan
 from memfit.planning.budget import parse_budget
@@ -56,24 +62,30 @@ def pipeline_options(
     budget: int | str | None,
     optimizer_state: float,
     bandwidth: float | None,
+    stages_per_rank: int | None = None,
 ) -> PipelineOptions:
     """The arguments of ``plan`` and ``Pipeline``, checked: ``ValueError`` for any that no
-    pipeline can honour, before anything runs."""
+    pipeline can honour, before anything runs. ``stages`` is K, the ranks (devices); the
+    options' ``stages`` counts every stage, ``stages_per_rank`` on each."""
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     chosen = as_schedule(schedule)
-    check_schedule(chosen, stages, microbatches)
+    per_rank = default_stages_per_rank(chosen) if stages_per_rank is None else stages_per_rank
+    check_schedule(chosen, stages, microbatches, per_rank)
     if not math.isfinite(optimizer_state) or optimizer_state < 0:
         raise ValueError("optimizer_state must be >= 0 bytes per parameter byte")
+    per_device = _budget_per_device(budget)
+    check_budget(chosen, per_device)
     return PipelineOptions(
-        stages=stages,
+        stages=stages * per_rank,
         microbatches=microbatches,
         schedule=chosen,
-        budget=_budget_per_device(budget),
+        budget=per_device,
         optimizer_state=optimizer_state,
         bandwidth=bandwidth,
+        stages_per_rank=per_rank,
     )
 
 
@@ -101,13 +113,17 @@ def plan(
     optimizer_state: float = 0.0,
     bandwidth: float | None = None,
     max_items: int = 128,
+    stages_per_rank: int | None = None,
 ) -> PipelinePlan:
     """Plan ``model`` as a pipeline of ``stages`` stages and ``microbatches`` micro-batches.
 
     ``example_inputs`` (a tensor or a tuple of the model's positional arguments) is one
-    mini-batch; it is split into equal micro-batches along dim 0. ``schedule`` is a
-    ``PipelineSchedule`` or its name (``"gpipe"``, ``"1f1b"``). ``budget`` is bytes per
-    device (``"2GiB"``); raises ``memfit.BudgetError`` naming the least budget when no split
+    mini-batch; it is split into equal micro-batches along dim 0. ``stages`` is K, the ranks
+    (devices). ``schedule`` is a ``PipelineSchedule`` or its name (``"gpipe"``, ``"1f1b"``,
+    ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``,
+    ``"zbv_zero_bubble"``, ``"dualpipev"``); the last five cut ``stages_per_rank x K`` stages
+    (default 2 per rank; V schedules exactly 2). ``budget`` is bytes per device (``"2GiB"``;
+    GPipe and 1F1B only); raises ``memfit.BudgetError`` naming the least budget when no split
     fits, and ``ValueError`` for arguments no pipeline can honour, before anything runs.
     ``loss_fn`` is not needed to plan (the loss runs after the last stage); it is accepted so
     ``plan`` and ``Pipeline`` take the same arguments. Changes nothing in the model.
@@ -120,6 +136,7 @@ def plan(
         budget=budget,
         optimizer_state=optimizer_state,
         bandwidth=bandwidth,
+        stages_per_rank=stages_per_rank,
     )
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = microbatch(inputs, microbatches)
@@ -132,4 +149,5 @@ def plan(
         cuts=tuple(found.cuts),
         budget_bytes=options.budget,
         candidate_cuts=search.costs.count - 1,
+        stages_per_rank=options.stages_per_rank,
     )

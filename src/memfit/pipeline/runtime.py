@@ -1,12 +1,12 @@
-"""``memfit.pipeline.Pipeline``: this rank's stage, run by ``torch.distributed.pipelining``.
+"""``memfit.pipeline.Pipeline``: this rank's stages, run by ``torch.distributed.pipelining``.
 
 memfit decides the cut and each stage's plan; PyTorch runs the schedule. Every rank builds the
 whole model (as with any ``torch.distributed`` program), captures it the same way and splits it
 at the same cuts; rank 0 alone profiles and searches, and broadcasts the cuts, so ranks whose
-timings differ cannot disagree on the split. Each rank then plans its own stage with memfit's
-planner, wraps the stage in ``memfit.checkpoint`` with that plan's budget, and hands it to a
-``PipelineStage`` driven by ``ScheduleGPipe`` or ``Schedule1F1B`` (point-to-point over gloo on
-CPU, NCCL on CUDA).
+timings differ cannot disagree on the split. Each rank then plans its own stages (one, or
+several where the schedule places them so: ``placement``) with memfit's planner, wraps each in
+``memfit.checkpoint`` with that plan's budget, and hands them to ``PipelineStage`` objects driven
+by the torch schedule of the same name (point-to-point over gloo on CPU, NCCL on CUDA).
 
 Two things ``torch.distributed.pipelining`` leaves to its user are done here. A parameter read
 by several stages (a tied embedding and LM head) exists once per stage that reads it; after the
@@ -20,7 +20,8 @@ micro-batch's forward and backward]).
 Dropout draws from each rank's own generator, micro-batch after micro-batch, so the masks are
 not those one process would draw for the whole model (no pipeline can reproduce one process's
 random stream without running every stage before it); they are the masks that running the same
-stages one after another in one process, each stage seeded as its rank is, draws. BatchNorm
+stages one after another in one process, each stage seeded as its rank is, draws (a rank with
+several stages gives each its own stream: ``streams.OwnStream``). BatchNorm
 sees micro-batches, as in GPipe: its statistics are those of ``M`` plain-PyTorch steps on the
 micro-batches, not of one step on the mini-batch.
 """
@@ -36,26 +37,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 from torch.utils.checkpoint import checkpoint as recompute
 
 from memfit.execution.options import Options
 from memfit.execution.state import preserved
 from memfit.pipeline.costs import Search, measure_items, prepare_search
 from memfit.pipeline.partition import StageGraph
+from memfit.pipeline.placement import local_stages, stage_ranks
 from memfit.pipeline.plan import microbatch, pipeline_options
-from memfit.pipeline.schedule import PipelineSchedule
+from memfit.pipeline.schedule import PipelineSchedule, splits_backward
 from memfit.pipeline.search import Span, choose_cuts, search_stages
 from memfit.pipeline.stages import PipelineOptions, StagePlan
+from memfit.pipeline.streams import OwnStream, set_rng_state
 from memfit.planning.budget import BudgetError
 
 __all__ = ["Pipeline"]
 
 #: The ``torch.distributed.pipelining`` schedule that runs each of memfit's.
-_TORCH_SCHEDULES = {
+_TORCH_SCHEDULES: dict[PipelineSchedule, Any] = {
     PipelineSchedule.GPIPE: ScheduleGPipe,
     PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
+    PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    PipelineSchedule.LOOPED_BFS: ScheduleLoopedBFS,
+    PipelineSchedule.INTERLEAVED_ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
+    PipelineSchedule.ZBV_ZERO_BUBBLE: ScheduleZBVZeroBubble,
+    PipelineSchedule.DUALPIPEV: ScheduleDualPipeV,
 }
+
+#: The schedules torch runs on one stage object (the others take a list).
+_ONE_STAGE = frozenset({PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B})
+
+
+# NOTE [Zero-bubble schedules and memfit's one-piece backward]
+# Zero-bubble schedules (``splits_backward``) run each backward as two steps, the input
+# gradients ("I", sent upstream at once) and the weight gradients ("W", deferred into the
+# bubble); torch splits an eager autograd graph for them (``stage_backward_input`` /
+# ``stage_backward_weight``). A stage memfit runs is one AOTAutograd function whose backward
+# makes both at once: split, the W step would run that whole backward a second time on a
+# retained graph. So such a stage is given a ``dw_builder`` (torch 2.13's hook for a custom
+# weight step): the I step runs the whole backward, input and weight gradients together, and the
+# W step has nothing left to do. Gradients are exact and nothing is held until W; the W slots
+# of the schedule stay empty, so its bubble is 1F1B's rather than zero.
+def _nothing_left() -> Callable[[], None]:
+    return lambda: None
 
 
 def _example(node: Any) -> torch.Tensor:
@@ -93,6 +127,7 @@ class Pipeline:
         max_items: int = 128,
         group: dist.ProcessGroup | None = None,
         release_others: bool = True,
+        stages_per_rank: int | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -107,12 +142,18 @@ class Pipeline:
             budget=budget,
             optimizer_state=optimizer_state,
             bandwidth=bandwidth,
+            stages_per_rank=stages_per_rank,
         )
         world = dist.get_world_size(group)
         if world != stages:
             raise ValueError(f"{stages} stages need {stages} ranks; the process group has {world}")
         self.rank = dist.get_rank(group)
         self.stages = stages
+        #: the rank of every stage, and the stages this rank holds (increasing)
+        self._placed = stage_ranks(options.schedule, stages, options.stages_per_rank)
+        self.local_stages = local_stages(
+            options.schedule, stages, options.stages_per_rank, self.rank
+        )
         self.microbatches = microbatches
         self.schedule_name = options.schedule
         self._group = group
@@ -129,55 +170,73 @@ class Pipeline:
                 search.captured, search.captured.placeholder_values, search.costs.boundaries
             )
         self._captured = search.captured
-        # see search.search_stages: rank 0 chooses the cuts, each rank plans its own stage,
+        # see search.search_stages: rank 0 chooses the cuts, each rank plans its own stages,
         # and every rank refuses the spans any rank's planner could not fit
         found = search_stages(
             search,
             micro,
             options,
-            planned_here=[self.rank],
+            planned_here=self.local_stages,
             choose=lambda refused: self._agree_on_cuts(search, options, refused),
             share=lambda failed: self._share_refusals(failed, options.budget),
         )
-        self.plan: StagePlan = found.plans[self.rank]
         graphs, examples = found.graphs, found.examples
-        mine = graphs[self.rank]
-        self._example_inputs = examples[self.rank]
-        self.graph: StageGraph = mine
+        #: this rank's stages' plans, graphs and modules, in ``local_stages`` order
+        self.plans: list[StagePlan] = [found.plans[s] for s in self.local_stages]
+        self.graphs: list[StageGraph] = [graphs[s] for s in self.local_stages]
+        self._examples = [examples[s] for s in self.local_stages]
         from memfit.execution.module import checkpoint
 
         # What a stage holds between its forwards and backwards (other micro-batches) is in the
         # pipeline's own memory model: the stage must not measure and replan for it.
-        self.module = checkpoint(
-            mine.module, self.plan.budget_bytes, options=Options(measure_outside=False)
-        )
+        self.modules: list[nn.Module] = [
+            checkpoint(g.module, p.budget_bytes, options=Options(measure_outside=False))
+            for g, p in zip(self.graphs, self.plans)
+        ]
+        #: the first of this rank's stages (its only one under GPipe and 1F1B)
+        self.plan, self.graph, self.module = self.plans[0], self.graphs[0], self.modules[0]
         device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
-        last = self.rank == stages - 1
-        if self.rank == 0:
-            input_args = tuple(examples[0])
-        else:
-            input_args = tuple(_example(v) for v in mine.receives)
-        if last:
-            output_node = next(iter(search.captured.graph.graph.find_nodes(op="output")))
-            output_args = tuple(_example(v) for v in output_node.all_input_nodes)
-        else:
-            output_args = tuple(_example(v) for v in mine.sends)
-        self._stage = PipelineStage(
-            self.module,
-            self.rank,
-            stages,
-            device,
-            input_args=input_args,
-            output_args=output_args,
-            group=group,
+        self._device = device
+        self._streams = (
+            [OwnStream(m, device) for m in self.modules] if len(self.modules) > 1 else []
         )
-        self._schedule = _TORCH_SCHEDULES[options.schedule](
-            self._stage, microbatches, loss_fn=self._loss, scale_grads=True
+        runs = self._streams or self.modules
+        output_node = next(iter(search.captured.graph.graph.find_nodes(op="output")))
+        split = splits_backward(options.schedule)
+        self._stages = []
+        for s, graph, run in zip(self.local_stages, self.graphs, runs):
+            if s == 0:
+                input_args = tuple(examples[0])
+            else:
+                input_args = tuple(_example(v) for v in graph.receives)
+            if s == options.stages - 1:
+                output_args = tuple(_example(v) for v in output_node.all_input_nodes)
+            else:
+                output_args = tuple(_example(v) for v in graph.sends)
+            self._stages.append(
+                PipelineStage(
+                    run,
+                    s,
+                    options.stages,
+                    device,
+                    input_args=input_args,
+                    output_args=output_args,
+                    group=group,
+                    dw_builder=_nothing_left if split else None,
+                )
+            )
+        self._last_stage = options.stages - 1
+        torch_schedule = _TORCH_SCHEDULES[options.schedule]
+        self._schedule = torch_schedule(
+            self._stages[0] if options.schedule in _ONE_STAGE else self._stages,
+            microbatches,
+            loss_fn=self._loss,
+            scale_grads=True,
         )
         self._input_positions = [search.captured.inputs.index(v) for v in graphs[0].receives]
         self._tied = self._tie(graphs)
         if release_others:
-            self._release(model, set(mine.state_names))
+            self._release(model, {n for g in self.graphs for n in g.state_names})
 
     def _global_rank(self, group_rank: int) -> int:
         if self._group is None:
@@ -208,24 +267,28 @@ class Pipeline:
     def _share_refusals(
         self, failed: dict[int, BudgetError], budget: int | None
     ) -> dict[int, BudgetError]:
-        """Every rank's refusal of its stage, on every rank, so all search again alike."""
-        mine = failed.get(self.rank)
-        failure = None if mine is None else (str(mine), mine.least_bytes)
-        failures: list[Any] = [None] * self.stages
-        dist.all_gather_object(failures, failure, group=self._group)
+        """Every rank's refusals of its stages, on every rank, so all search again alike."""
+        mine = {s: (str(e), e.least_bytes) for s, e in failed.items()}
+        gathered: list[Any] = [None] * self.stages
+        dist.all_gather_object(gathered, mine, group=self._group)
         return {
             s: BudgetError(f[0], budget_bytes=budget, least_bytes=f[1])
-            for s, f in enumerate(failures)
-            if f is not None
+            for failures in gathered
+            for s, f in failures.items()
         }
 
     def _tie(self, graphs: list[StageGraph]) -> list[tuple[nn.Parameter, Any]]:
-        """Process groups over the ranks sharing each tied parameter (created on every rank)."""
+        """Process groups over the ranks sharing each tied parameter (created on every rank).
+
+        Two stages on the same rank share the parameter itself, whose gradient accumulates both
+        stages' there: only ranks are summed over."""
         names = self._captured.parameter_names
         tied: list[tuple[nn.Parameter, Any]] = []
         seen: dict[tuple[int, ...], Any] = {}
         for name in sorted(names):
-            ranks = tuple(s for s, g in enumerate(graphs) if name in g.state_names)
+            ranks = tuple(
+                sorted({self._placed[s] for s, g in enumerate(graphs) if name in g.state_names})
+            )
             if len(ranks) < 2:
                 continue
             if ranks not in seen:
@@ -267,25 +330,25 @@ class Pipeline:
         return self._loss_fn(self._captured.rebuild_output(flat), target)
 
     def time_stage_alone(self, repeats: int = 3) -> float:
-        """Median seconds of this stage's forward and backward on one micro-batch, alone.
+        """Median seconds of this rank's stages' forward and backward on one micro-batch, alone.
 
-        No communication: what the stage would take per micro-batch if its neighbours were
-        infinitely fast, the "stage time" of the schedule's model. Gradients it adds are
-        removed again; buffers (BatchNorm statistics) and random states are restored.
+        No communication: what the rank's stages would take per micro-batch if its neighbours
+        were infinitely fast, the "stage time" of the schedule's model (summed over the rank's
+        stages when it holds several). Gradients it adds are removed again; buffers (BatchNorm
+        statistics) and random states are restored.
         """
         grads = {p: None if p.grad is None else p.grad.clone() for p in self.parameters()}
         times = []
         try:
-            with preserved(self.module.buffers()):
+            with preserved([b for m in self.modules for b in m.buffers()]):
                 for _ in range(repeats):
-                    inputs = tuple(
-                        x.detach().requires_grad_(x.requires_grad) for x in self._example_inputs
-                    )
                     start = time.perf_counter()
-                    out = self.module(*inputs)
-                    outs = out if isinstance(out, tuple) else (out,)
-                    flat = [o for o in outs if o.requires_grad]
-                    torch.autograd.backward(flat, [torch.ones_like(o) for o in flat])
+                    for module, example in zip(self.modules, self._examples):
+                        inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in example)
+                        out = module(*inputs)
+                        outs = out if isinstance(out, tuple) else (out,)
+                        flat = [o for o in outs if o.requires_grad]
+                        torch.autograd.backward(flat, [torch.ones_like(o) for o in flat])
                     times.append(time.perf_counter() - start)
         finally:
             for p, g in grads.items():
@@ -295,11 +358,13 @@ class Pipeline:
     def step(self, *inputs: Any, target: Any = None) -> torch.Tensor:
         """One forward and backward of the mini-batch; gradients accumulate into ``.grad``."""
         losses: list[torch.Tensor] = []
-        first, last = self.rank == 0, self.rank == self.stages - 1
+        first, last = 0 in self.local_stages, self._last_stage in self.local_stages
         self._no_target = target is None
         if last and target is None:  # the schedule splits a target: give it one to split
             target = torch.zeros(self.microbatches)
         args = tuple(inputs[i] for i in self._tensor_inputs(inputs)) if first else ()
+        for stream in self._streams:
+            stream.start()
         # the last stage's outputs are not kept to be merged and returned (``step`` returns the
         # loss only): each is freed with its backward, as the memory model has it
         if first and last:
@@ -310,14 +375,18 @@ class Pipeline:
             self._schedule.step(target=target, losses=losses, return_outputs=False)
         else:
             self._schedule.step(return_outputs=False)
+        if self._streams:  # the rank's generator moves on as its first stage's stream did
+            assert self._streams[0].state is not None
+            set_rng_state(self._device, self._streams[0].state)
         for param, group in self._tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
-        loss = torch.zeros((), dtype=torch.float32, device=self._stage.device)
+        loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if last:
             loss.copy_(torch.stack([x.detach().float() for x in losses]).mean())
-        dist.broadcast(loss, src=self._global_rank(self.stages - 1), group=self._group)
+        src = self._global_rank(self._placed[self._last_stage])
+        dist.broadcast(loss, src=src, group=self._group)
         return loss
 
     def _tensor_inputs(self, inputs: tuple[Any, ...]) -> list[int]:
@@ -330,12 +399,21 @@ class Pipeline:
         return [tensors[i] for i in self._input_positions]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the model."""
-        return self.module.named_parameters()
+        """This rank's parameters under their names in the model (a parameter two of its
+        stages share, once)."""
+        seen: set[str] = set()
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, param
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
+        return (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers under their names in the model."""
-        return self.module.state_dict()
+        merged: dict[str, Any] = {}
+        for module in self.modules:
+            merged.update(module.state_dict())
+        return merged

@@ -4,9 +4,16 @@ A schedule decides the order in which a stage runs its micro-batches' forwards a
 so how many micro-batches' activations it holds at once ("in flight"), and, as torch runs it,
 which earlier outputs and input gradients its send handles still hold beside a backward
 (``held_at_backward``): that, not the stage's compute, is where schedules differ in memory.
-Both schedules here take the same step, ``(M - 1) * slowest stage + sum of stages``
+GPipe and 1F1B take the same step, ``(M - 1) * slowest stage + sum of stages``
 (``balancing.pipeline_step_time``), so the same bubble; they differ in what a stage holds and in
 what they need (1F1B needs ``M >= K``).
+
+The other schedules ``torch.distributed.pipelining`` offers run several stages per rank
+(``placement`` says which rank holds which): interleaved and looped ones stage ``s`` on rank
+``s % K``, V-shaped ones stages ``r`` and ``2K - 1 - r`` on rank ``r``. Their memory is modelled
+as GPipe's for now (every micro-batch in flight, every send held: an upper bound), and a budget
+is refused for them (``check_budget``): a rank's memory is then the sum of several stages', which
+the per-stage search does not bound.
 
 ``PipelineSchedule`` is the closed choice; every public function takes a member or its string
 and converts at the boundary (``as_schedule``), naming the choices when the string is none.
@@ -26,10 +33,14 @@ __all__ = [
     "PipelineSchedule",
     "as_schedule",
     "bubble",
+    "check_budget",
     "check_schedule",
+    "default_stages_per_rank",
     "equal_stages_bubble",
     "held_at_backward",
     "in_flight",
+    "is_v_shaped",
+    "splits_backward",
     "step_peak",
 ]
 
@@ -43,6 +54,23 @@ class PipelineSchedule(Choice):
     #: one forward, one backward (``Schedule1F1B``) after ``K - s`` forwards that fill the pipe:
     #: stage ``s`` holds at most ``K - s`` micro-batches; needs ``M >= K``
     ONE_F_ONE_B = "1f1b"
+    #: 1F1B over several stages per rank (``ScheduleInterleaved1F1B``, Megatron's interleaving),
+    #: stage ``s`` on rank ``s % K``, earlier micro-batches first ("depth first"); needs ``M`` a
+    #: multiple of its rounds, ``max(1, M // K)``
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    #: every micro-batch through a rank's earlier stage before its later one ("breadth first",
+    #: ``ScheduleLoopedBFS``), stage ``s`` on rank ``s % K``
+    LOOPED_BFS = "looped_bfs"
+    #: interleaved 1F1B whose backwards are split into input and weight gradients, the weight
+    #: gradients deferred into the bubble (``ScheduleInterleavedZeroBubble``, ZB-1P); ``M`` a
+    #: multiple of its rounds, as interleaved 1F1B
+    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+    #: zero bubble on a V (``ScheduleZBVZeroBubble``): rank ``r`` holds stages ``r`` and
+    #: ``2K - 1 - r``; needs ``M >= 2K - 1``
+    ZBV_ZERO_BUBBLE = "zbv_zero_bubble"
+    #: DeepSeek's DualPipe on a V (``ScheduleDualPipeV``): one micro-batch's forward beside
+    #: another's backward; rank ``r`` holds stages ``r`` and ``2K - 1 - r``; needs ``M >= 2K``
+    DUALPIPEV = "dualpipev"
 
 
 #: The schedules' names, as ``schedule=`` and ``--schedule`` accept them.
@@ -56,18 +84,87 @@ def as_schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
     return PipelineSchedule.parse(name, "schedule", "memfit.pipeline.PipelineSchedule")
 
 
-def check_schedule(schedule: PipelineSchedule | str, stages: int, microbatches: int) -> None:
-    """Raise ``ValueError`` when ``schedule`` cannot run ``stages`` stages on ``microbatches``."""
-    if as_schedule(schedule) is PipelineSchedule.ONE_F_ONE_B and microbatches < stages:
+#: One stage per rank.
+_SINGLE = frozenset({PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B})
+#: Two stages per rank, in a V.
+_V_SHAPED = frozenset({PipelineSchedule.ZBV_ZERO_BUBBLE, PipelineSchedule.DUALPIPEV})
+#: Interleaved: ``M`` a multiple of the rounds.
+_ROUNDS = frozenset({PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.INTERLEAVED_ZERO_BUBBLE})
+
+
+def is_v_shaped(schedule: PipelineSchedule | str) -> bool:
+    """Whether rank ``r`` holds stages ``r`` and ``2K - 1 - r`` (else stage ``s`` is on rank
+    ``s % K``)."""
+    return as_schedule(schedule) in _V_SHAPED
+
+
+def splits_backward(schedule: PipelineSchedule | str) -> bool:
+    """Whether the schedule runs input and weight gradients as separate steps (zero bubble)."""
+    return as_schedule(schedule) in {
+        PipelineSchedule.INTERLEAVED_ZERO_BUBBLE,
+        PipelineSchedule.ZBV_ZERO_BUBBLE,
+        PipelineSchedule.DUALPIPEV,
+    }
+
+
+def default_stages_per_rank(schedule: PipelineSchedule | str) -> int:
+    """One for GPipe and 1F1B, two for the schedules that run several stages per rank."""
+    return 1 if as_schedule(schedule) in _SINGLE else 2
+
+
+def check_schedule(
+    schedule: PipelineSchedule | str, stages: int, microbatches: int, stages_per_rank: int = 1
+) -> None:
+    """Raise ``ValueError`` when ``schedule`` cannot run ``stages_per_rank`` stages on each of
+    K = ``stages`` ranks with ``microbatches`` micro-batches (torch 2.13's rules, checked before
+    anything runs)."""
+    chosen = as_schedule(schedule)
+    ranks = stages
+    v = stages_per_rank
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"stages_per_rank must be a positive integer, got {v!r}")
+    if chosen in _SINGLE and v != 1:
         raise ValueError(
-            f"1F1B needs at least as many micro-batches as stages ({microbatches} < {stages}); "
+            f"{chosen} runs one stage per rank, got stages_per_rank={v}; use "
+            "schedule='interleaved_1f1b' or 'looped_bfs' for several"
+        )
+    if chosen in _V_SHAPED and v != 2:
+        raise ValueError(f"{chosen} runs exactly two stages per rank (a V), got {v}")
+    if chosen is PipelineSchedule.ONE_F_ONE_B and microbatches < ranks:
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages ({microbatches} < {ranks}); "
             "use more micro-batches or schedule='gpipe'"
+        )
+    rounds = max(1, microbatches // ranks)
+    if chosen in _ROUNDS and microbatches % rounds:
+        raise ValueError(
+            f"{chosen} needs the micro-batches to be a multiple of its rounds, max(1, M // K) = "
+            f"{rounds} (M = {microbatches}, K = {ranks}); use M = {rounds * ranks}"
+        )
+    least = {PipelineSchedule.ZBV_ZERO_BUBBLE: 2 * ranks - 1, PipelineSchedule.DUALPIPEV: 2 * ranks}
+    if chosen in least and microbatches < least[chosen]:
+        raise ValueError(
+            f"{chosen} on {ranks} ranks needs at least {least[chosen]} micro-batches, got "
+            f"{microbatches}"
+        )
+
+
+def check_budget(schedule: PipelineSchedule | str, budget: int | None) -> None:
+    """Raise ``ValueError`` for a budget under a schedule with several stages per rank, whose
+    per-rank memory (a sum over stages) the cut search does not bound yet."""
+    if budget is not None and as_schedule(schedule) not in _SINGLE:
+        raise ValueError(
+            f"a per-device budget is planned for 'gpipe' and '1f1b' only; {as_schedule(schedule)} "
+            "holds several stages per rank, whose sum the cut search does not bound yet: plan it "
+            "without a budget, or use schedule='1f1b' under the budget"
         )
 
 
 def in_flight(schedule: PipelineSchedule | str, stage: int, stages: int, microbatches: int) -> int:
-    """Micro-batches stage ``stage`` holds at once: all under GPipe, ``K - s`` under 1F1B."""
-    if as_schedule(schedule) is PipelineSchedule.GPIPE:
+    """Micro-batches stage ``stage`` holds at once: all under GPipe, ``K - s`` under 1F1B;
+    every one under the schedules with several stages per rank (an upper bound, see the module
+    docstring)."""
+    if as_schedule(schedule) is not PipelineSchedule.ONE_F_ONE_B:
         return microbatches
     return min(microbatches, stages - stage)
 
@@ -117,7 +214,7 @@ def held_at_backward(
     """What stage ``stage`` holds beside micro-batch ``backward``'s backward (its ``j``-th)."""
     first, last = stage == 0, stage == stages - 1
     j, m = backward, microbatches
-    if as_schedule(schedule) is PipelineSchedule.GPIPE:
+    if as_schedule(schedule) is not PipelineSchedule.ONE_F_ONE_B:  # GPipe's, or its bound
         return HeldAtBackward(
             in_flight=m - 1 - j,
             sends=0 if last else j,

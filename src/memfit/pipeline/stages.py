@@ -40,6 +40,7 @@ from memfit.execution.state import preserved
 from memfit.pipeline.balancing import pipeline_step_time
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.partition import CapturedForward, StageGraph
+from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import (
     PipelineSchedule,
     bubble,
@@ -65,7 +66,7 @@ class PipelineOptions:
     """What a pipeline is asked, checked (``plan.pipeline_options``): what the cut search and
     every stage's plan read."""
 
-    #: K: the number of stages, one device each
+    #: the number of stages: ``stages_per_rank`` on each of K ranks (devices)
     stages: int
     #: M: the micro-batches a mini-batch is split into
     microbatches: int
@@ -77,6 +78,13 @@ class PipelineOptions:
     optimizer_state: float
     #: bytes per second between neighbouring stages, or None: transfers take no time
     bandwidth: float | None
+    #: stages each rank holds (``placement`` says which): 1 for GPipe and 1F1B
+    stages_per_rank: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """K: the ranks (devices) the stages are placed on."""
+        return self.stages // self.stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,8 @@ class StagePlan:
     #: micro-batch until the loss's backward, with no gradient buffer
     is_last: bool = False
     schedule: PipelineSchedule = PipelineSchedule.GPIPE
+    #: the rank (device) that holds this stage (``placement.stage_ranks``)
+    rank: int = 0
 
     @property
     def first_module(self) -> str:
@@ -187,6 +197,8 @@ class PipelinePlan:
     cuts: tuple[int, ...]
     budget_bytes: int | None
     candidate_cuts: int
+    #: stages each rank holds: the plan has ``stages_per_rank x K`` stages on K ranks
+    stages_per_rank: int = 1
 
     @property
     def step_seconds(self) -> float:
@@ -202,16 +214,26 @@ class PipelinePlan:
 
     @property
     def peak_bytes(self) -> int:
-        return max(s.peak_bytes for s in self.stages)
+        """The largest rank's peak: the sum of its stages' (each an upper bound of its share
+        when a rank holds several)."""
+        per_rank: dict[int, int] = {}
+        for s in self.stages:
+            per_rank[s.rank] = per_rank.get(s.rank, 0) + s.peak_bytes
+        return max(per_rank.values())
 
     def __str__(self) -> str:
         k = len(self.stages)
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        placed = (
+            ""
+            if self.stages_per_rank == 1
+            else f" ({self.stages_per_rank} per rank on {k // self.stages_per_rank} ranks)"
+        )
         lines = [
-            f"memfit pipeline: {k} stages, {self.microbatches} micro-batches, "
+            f"memfit pipeline: {k} stages{placed}, {self.microbatches} micro-batches, "
             f"{self.schedule}, budget {budget} per device "
             f"({self.candidate_cuts} candidate cuts)",
-            f"{'stage':>5} {'time/mb':>9} {'state':>10} {'buffers':>10} "
+            f"{'stage':>5} {'rank':>4} {'time/mb':>9} {'state':>10} {'buffers':>10} "
             f"{'in flight':>9} {'kept/mb':>10} {'peak':>10}  modules",
         ]
         for s in self.stages:
@@ -221,7 +243,7 @@ class PipelinePlan:
                 else (f"{s.first_module} .. {s.last_module}")
             )
             lines.append(
-                f"{s.index:>5} {s.time_seconds * 1e3:>7.2f}ms "
+                f"{s.index:>5} {s.rank:>4} {s.time_seconds * 1e3:>7.2f}ms "
                 f"{format_bytes(s.state_bytes):>10} {format_bytes(s.buffers_bytes):>10} "
                 f"{s.in_flight:>9} {format_bytes(s.kept_bytes):>10} "
                 f"{format_bytes(s.peak_bytes):>10}  {span}"
@@ -229,8 +251,13 @@ class PipelinePlan:
         lines.append(
             f"predicted step {self.step_seconds * 1e3:.2f} ms, bubble {self.bubble:.1%} "
             f"((K-1)/(M+K-1) = {equal_stages_bubble(k, self.microbatches):.1%}), "
-            f"largest stage peak {format_bytes(self.peak_bytes)}"
+            f"largest rank peak {format_bytes(self.peak_bytes)}"
         )
+        if self.schedule not in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+            lines.append(
+                f"(step and bubble are GPipe's over the {k} stages and the peaks GPipe's upper "
+                f"bound: {self.schedule}'s own model is not built yet)"
+            )
         return "\n".join(lines)
 
 
@@ -362,4 +389,5 @@ def plan_stage(
         budget_bytes=point.peak_bytes,
         is_last=last,
         schedule=schedule,
+        rank=stage_ranks(schedule, options.ranks, options.stages_per_rank)[stage.index],
     )
