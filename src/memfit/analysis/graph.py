@@ -327,6 +327,11 @@ class JointGraph:
     def is_backward(self, node: fx.Node) -> bool:
         return node in self._backward_set
 
+    @property
+    def grads_by_primal(self) -> list[fx.Node | None]:
+        """The gradient the backward returns for each primal, in order (None: it gets none)."""
+        return list(self._grads_by_primal)
+
     def must_save(self, node: fx.Node) -> bool:
         """Forward nodes whose value must be kept rather than recomputed, whatever the policy."""
         return node in self._must

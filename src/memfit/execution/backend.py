@@ -149,6 +149,7 @@ def make_backend(
     on_unmeasured: Callable[[], None] | None = None,
     backward_start: Callable[[str], BackwardStart | None] | None = None,
     on_backward_start: Callable[[str, BackwardStart, bool], None] | None = None,
+    in_chain: Callable[[], bool] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -180,7 +181,9 @@ def make_backend(
     step (which outputs the caller held, which got no gradient: ``analysis.backward_start``);
     None: it is assumed. ``on_backward_start(key, seen, material)`` receives, at each planned
     graph's first backward, the start seen there where it differs from the one planned for, and
-    whether it differs by enough to plan again (``execution.start_watch``).
+    whether it differs by enough to plan again (``execution.start_watch``). ``in_chain()``:
+    whether the step's graphs run as a chain (``planning.chain``), which ``"memory"`` plans each
+    graph for.
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -190,6 +193,9 @@ def make_backend(
     check_executor(executor)
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())
+    # Runs of a step with graph breaks may be dropped and replayed (execution.chain) where the
+    # policy chooses what to keep; an Inductor graph may write buffers a replay would write again.
+    chained = executor == EAGER and policy.chooses_what_to_keep
     partition = Partitioner(
         policy,
         on_plan,
@@ -201,6 +207,7 @@ def make_backend(
         on_unmeasured=on_unmeasured,
         backward_start=backward_start,
         on_backward_start=on_backward_start,
+        in_chain=in_chain,
     )
 
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -226,7 +233,7 @@ def make_backend(
             if on_run is not None:
                 on_run(this)
 
-        return boxed_forward(gm, example_inputs, on_run=ran, executor=executor)
+        return boxed_forward(gm, example_inputs, on_run=ran, executor=executor, chained=chained)
 
     def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         planned: GraphPlan | None = gm.meta.get(PLAN_META)

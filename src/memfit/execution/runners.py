@@ -33,6 +33,8 @@ from memfit.execution.accumulate import (
     accumulating,
     output_values,
 )
+from memfit.execution.chain import ForwardGraph, restore_saved
+from memfit.execution.chain import current as current_chain
 from memfit.execution.executors import (
     EAGER,
     compile_graph,
@@ -103,18 +105,26 @@ def boxed_forward(
     example_inputs: Any,
     on_run: Callable[[list[Any]], None] | None = None,
     executor: str = EAGER,
+    chained: bool = False,
 ) -> Callable[..., Any]:
     """``boxed``, and the outputs the loss does not read get no gradient, as in eager.
 
     By default autograd hands an ``autograd.Function`` zeros for every output that got no
     gradient; turning that off lets the backward skip them (``capture.tangents``). Until its
     first backward, a planned graph's outputs are watched (``execution.start_watch``).
+    ``chained``: its training runs join the step's chain where one is recording
+    (``execution.chain``), which may drop what they keep and replay them in the backward.
     """
     own_donation()  # memfit's backward decides what it writes into (boxed_backward)
     user_outputs = gm.meta.get(USER_OUTPUTS_META)
-    run_graph = boxed(
-        gm, example_inputs, on_run, executor, "forward", user_outputs, gm.meta.get(COMPILED_META)
-    )
+    compiled = gm.meta.get(COMPILED_META)
+    if compiled is None:
+        compiled = compile_graph(gm, example_inputs, executor, "forward", user_outputs)
+    run_graph = boxed(gm, example_inputs, on_run, executor, "forward", user_outputs, compiled)
+    plan = gm.meta.get(PLAN_META)
+    graph = None
+    if chained and user_outputs is not None and plan is not None:
+        graph = ForwardGraph(gm, compiled, user_outputs, droppable=not plan.transfers)
     shared = gm.meta.get(WATCH_META)
     watch: StartWatch | None = shared.value if shared is not None else None
     if watch is not None and user_outputs is not None:
@@ -128,10 +138,13 @@ def boxed_forward(
             return run_graph(args)
         ctx.set_materialize_grads(False)
         leaves.note(ctx, args)  # the backward adds into their .grad (execution.accumulate)
-        if watch is None or not watch.pending:
-            return run_graph(args)
-        outputs = run_graph(args)
-        watch.note_forward(ctx, outputs)
+        chain = current_chain() if graph is not None else None
+        if chain is None or graph is None:
+            outputs = run_graph(args)
+        else:
+            outputs = chain.run(ctx, graph, args, run_graph)
+        if watch is not None and watch.pending:
+            watch.note_forward(ctx, outputs)
         return outputs
 
     return mark_boxed_call(run)
@@ -184,6 +197,7 @@ def boxed_backward(
             ctx = compiled_function_ctx(frames=5)
         if watch is not None and watch.pending:
             watch.note_backward(ctx, missing)
+        restore_saved(ctx, args)  # what a dropped run of a chain left out (execution.chain)
         positions, grads = accumulating(ctx, values)
         # A backward that keeps the graph (retain_graph=True) may run again on the same saved
         # values: it must not write into them (execution.executors.DONATED).

@@ -48,7 +48,7 @@ import numpy as np
 import torch.fx as fx
 
 from memfit.analysis.cost import keeping_seconds, node_flops, node_seconds
-from memfit.analysis.graph import JointGraph
+from memfit.analysis.graph import JointGraph, ancestors
 from memfit.analysis.simulate import StepSimulation, simulate_step
 from memfit.analysis.transfers import TransferSchedule
 from memfit.planning.budget import BudgetError
@@ -72,6 +72,7 @@ __all__ = [
     "pareto_frontier",
     "pareto",
     "choose",
+    "least_kept_point",
     "least_peak_point",
     "warn_cut",
 ]
@@ -317,6 +318,57 @@ def least_peak_point(frontier: list[Candidate], base_peak_bytes: int, estimate: 
     return min(
         (p for p in frontier if p.peak_bytes <= near), key=lambda p: (p.cost_seconds, p.peak_bytes)
     )
+
+
+def least_kept_point(jg: JointGraph, frontier: list[Candidate]) -> Candidate:
+    """``"memory"``'s point for a graph whose runs a step's chain drops and replays
+    (``planning.chain``): the least kept, then the least peak, among the frontier and the plan
+    that keeps only its inputs and what no plan recomputes (random masks).
+
+    Why not the lowest peak: what a dropped run keeps comes back when its segment is replayed
+    and is held, beside what every other run of the segment keeps, until the backward reaches
+    it; the segment's sum is the step's peak, and the graph's own peak only a part of it. On a
+    chain of eight pairs of Linears broken by a branch after each pair, the lowest-peak plan of
+    each pair kept its ReLU (it cost that graph's peak nothing) and the replayed segments held
+    it too.
+    """
+    costs = {
+        n: (node_seconds(n, jg.sizes, jg.fused_elementwise), node_flops(n, jg.sizes))
+        for n in jg.forward
+    }
+    # Its outputs its backward reads too (a tanh's): the runs after it may not hold them, and a
+    # dropped run's replay would make them again to hold until its backward. Not the outputs
+    # it does not read (the new running statistics of a BatchNorm: recomputed, they would read
+    # the statistics the forward has since updated).
+    read = keep_all(jg)
+    buffers = {  # inputs that live with the module and get no gradient
+        p
+        for i, (p, grad) in enumerate(zip(jg.primals, jg.grads_by_primal))
+        if grad is None and i in jg.static_inputs
+    }
+    held = {
+        n
+        for n in jg.fwd_outputs
+        if n in read
+        and not jg.never_recompute(n)
+        and not any(a in buffers for m in ancestors([n]) for a in m.all_input_nodes)
+    }
+    kept = always_kept(jg)
+    least = [_point(jg, jg.saved_needed(kept), "least kept", costs)]
+    if held:
+        least.append(_point(jg, jg.saved_needed(kept - held), "least kept", costs))
+    static = {p for i, p in enumerate(jg.primals) if i in jg.static_inputs}
+
+    def saved_bytes(p: Candidate) -> int:
+        """What it saves, its inputs included: a saved input is held by the replay too, unless
+        the run before saves it as its output (then they share it)."""
+        saved = [n for n in jg.saved_needed(p.kept) if n not in static]
+        keys = {k for n in saved for k in jg.storages.get(n, ())}
+        return sum(jg.storage_bytes.get(k, 0) for k in keys)
+
+    # Where keeping its outputs saves as much, keep them (the next run often saves them as its
+    # inputs, and a value the two save is held once): min keeps the first of equals.
+    return min([*least, *frontier], key=saved_bytes)
 
 
 def choose(frontier: list[Candidate], budget_bytes: int) -> Candidate:

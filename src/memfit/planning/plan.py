@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memfit.planning.chain import ChainSummary
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
 
@@ -205,6 +206,9 @@ class Plan:
     graphs: tuple[GraphPlan, ...] = field(default_factory=tuple)
     #: calls of submodules recomputed whole, in the order they ran (graph breaks inside them)
     regions: tuple[RegionPlan, ...] = ()
+    #: with graph breaks, the runs dropped in the forward and replayed in the backward, and the
+    #: step's peak that follows (``planning.chain``); None: each graph keeps what it keeps
+    chain: ChainSummary | None = None
 
     def outside_regions(self) -> list[GraphPlan]:
         """The graphs that ran outside every region, in order (those a step budget shares)."""
@@ -415,7 +419,10 @@ class Plan:
         in its backward the graphs after it have left their parameters' gradients (``.grad``
         outlives the graph that made it; measured: DDP's optimizer splits a model into one graph
         per bucket, and a prediction without them was 3.4x low). A region is one part of that
-        order (``parts``)."""
+        order (``parts``). Where the graphs were planned as a chain, the chain's simulation of the
+        step (``planning.chain``)."""
+        if self.chain is not None:
+            return self.chain.peak_bytes
         graphs = self.parts()
         if len(graphs) == 1:
             return graphs[0].predicted_peak_bytes
@@ -439,7 +446,10 @@ class Plan:
     @property
     def forward_end_bytes(self) -> int:
         """Bytes predicted alive when the step's last forward ends: what the parts before the
-        last keep (a region: its inputs), and the last part's own end."""
+        last keep (a region: its inputs), and the last part's own end; of a chain, what its runs
+        hold."""
+        if self.chain is not None:
+            return self.chain.held_bytes
         parts = self.parts()
         if not parts:
             return 0
@@ -483,6 +493,14 @@ class Plan:
             lines.append(
                 f"  outside memfit    {format_bytes(self.outside_bytes)} between forward and "
                 f"backward (measured on an earlier step; included in the predicted peak)"
+            )
+        if self.chain is not None and self.chain.segments:
+            c = self.chain
+            extra = c.replay_flops / c.forward_flops if c.forward_flops else 0.0
+            lines.append(
+                f"  across breaks     {c.replayed} of {c.runs} graph runs dropped in "
+                f"{len(c.segments)} segments and replayed in the backward ({extra:.0%} of one "
+                f"forward again); {format_bytes(c.keep_all_peak_bytes)} if kept"
             )
         if self.regions:
             calls = f"{len(self.regions)} call{'s' if len(self.regions) > 1 else ''}"

@@ -31,6 +31,7 @@ from memfit.planning.frontier import (
     Candidate,
     activations,
     choose,
+    least_kept_point,
     least_peak_point,
     pareto_frontier,
 )
@@ -85,6 +86,7 @@ def plan_graph(
     first_plan: bool = False,
     headroom_bytes: int = 0,
     cache: FrontierCache | None = None,
+    least_kept: bool = False,
 ) -> GraphPlan:
     """Decide, under ``policy``, what ``jg``'s backward gets for every forward value it reads.
 
@@ -101,7 +103,8 @@ def plan_graph(
     space of the offload disk). ``headroom_bytes`` is taken off a budget for what the executor holds
     beyond the simulation (Inductor's schedule, measured on a plan compiled before:
     ``execution.partitioner``). With a ``cache`` of ``jg``, the frontier is computed once for all
-    the plans asked of it.
+    the plans asked of it. ``least_kept``: the graph is one of a step's chain of graphs
+    (``planning.chain``), where ``"memory"`` keeps the least it can (``least_kept_point``).
     """
     if cache is not None and cache.jg is not jg:
         raise ValueError("plan_graph: the frontier cache belongs to another graph")
@@ -165,7 +168,10 @@ def plan_graph(
         allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
         allowed -= headroom_bytes
         try:
-            chosen = choose(allowed_points or points, allowed)
+            if least_kept:  # the step's budget is held by the chain's segments
+                chosen = least_kept_point(jg, points)
+            else:
+                chosen = choose(allowed_points or points, allowed)
         except BudgetError as err:
             if share is not None or (first_plan and (fraction is not None or spent_bytes)):
                 chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
@@ -212,7 +218,10 @@ def plan_graph(
         # candidates, and the segment programme often finds a lower peak for less recompute.
         # Under Inductor, the cheapest within the frontier's gap of it.
         points = frontier_points()
-        lowest = least_peak_point(points, base_sim.peak_bytes, estimate=jg.fused_elementwise)
+        if least_kept:
+            lowest = least_kept_point(jg, points)
+        else:
+            lowest = least_peak_point(points, base_sim.peak_bytes, estimate=jg.fused_elementwise)
         kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
     elif policy.swaps:
         assert link is not None
@@ -233,7 +242,8 @@ def plan_graph(
             # kernels (``planning.fusion``), as torch.compile's partitioner does.
             kept = fused_plan(jg, kept)
         sim = simulate_step(jg, kept)
-    if policy.never_worse_than_none and sim.peak_bytes > base_sim.peak_bytes:
+    # A graph of a chain is judged by the step's peak (planning.chain), not by its own.
+    if policy.never_worse_than_none and not least_kept and sim.peak_bytes > base_sim.peak_bytes:
         note = (
             f"{policy.name!r} would peak above plain autograd here "
             f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead"
