@@ -82,9 +82,9 @@ def forced_cuts(cuts: tuple[int, ...] | None) -> Iterator[None]:
 
 def measured_peaks(
     rank: int, name: str, stages: int, microbatches: int, jobs: tuple[Job, ...]
-) -> list[tuple[StagePlan, int]]:
-    """Per job, on a fresh model: this rank's stage plan and the measured peak of a step
-    (after a first step that compiles)."""
+) -> list[tuple[StagePlan, int, int]]:
+    """Per job, on a fresh model: this rank's (first) stage plan, the measured peak of a step
+    (after a first step that compiles) and the rank's predicted one."""
     out = []
     for schedule, cuts, budget in jobs:
         torch.compiler.reset()  # a fresh model per job: Dynamo's recompile limit is per process
@@ -103,8 +103,20 @@ def measured_peaks(
         for p in pipe.parameters():
             p.grad = None
         measured = memfit.measure(pipe.step, x, target=target)
-        out.append((pipe.plan, measured.peak_bytes))
+        out.append((pipe.plan, measured.peak_bytes, pipe.predicted_step_peak_bytes))
     return out
+
+
+def trains_and_measures(
+    rank: int, schedules: tuple[str, ...], cuts: tuple[int, ...]
+) -> dict[str, Any]:
+    """Two ranks, per schedule: a step of the skip model (``train``) and a measured step of the
+    wide MLP cut at ``cuts`` (``measured_peaks``), in one launch."""
+    jobs = tuple((schedule, cuts, None) for schedule in schedules)
+    return {
+        "train": train(rank, "skip", 2, 4, schedules),
+        "peaks": measured_peaks(rank, "wide", 2, 4, jobs),
+    }
 
 
 def dies(rank: int, name: str, stages: int) -> None:

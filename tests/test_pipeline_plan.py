@@ -59,8 +59,13 @@ def test_schedules_with_several_stages_per_rank_cut_that_many_stages_and_place_t
     assert planned.stages[0].start == 0 and planned.stages[-1].last_module == "out"
     for a, b in zip(planned.stages, planned.stages[1:]):
         assert a.end == b.start
+    # each rank's peak is simulated on the schedule's order, below the sum of its stages'
+    # GPipe bounds
     by_rank = [sum(s.peak_bytes for s in planned.stages if s.rank == r) for r in (0, 1)]
-    assert planned.peak_bytes == max(by_rank)
+    assert planned.peak_bytes == max(planned.rank_peaks)
+    assert all(p <= bound for p, bound in zip(planned.rank_peaks, by_rank))
+    assert [s.index for s in planned.rank_stages(1)] == [1, 2]
+    assert "rank peaks" in str(planned)
     assert "4 stages (2 per rank on 2 ranks)" in str(planned)
     three = plan(
         model, x, loss_fn, stages=2, microbatches=4, schedule="looped_bfs", stages_per_rank=3

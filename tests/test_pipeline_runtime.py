@@ -16,7 +16,7 @@ from memfit.pipeline.partition import capture_forward, split_stages
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.plan import microbatch
 from pipeline_models import build
-from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train
+from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train, trains_and_measures
 
 
 def _plain_gradients(name: str, microbatches: int) -> dict[str, torch.Tensor]:
@@ -110,16 +110,24 @@ SEVERAL_PER_RANK = (
 )
 
 
+#: the wide MLP's cuts (graph nodes) for four stages of two layers (the last with the head)
+WIDE_CUTS = (4, 8, 12)
+
+
 def test_every_schedule_with_two_stages_per_rank_equals_one_process() -> None:
     """Two ranks, four stages (interleaved and looped: 0 and 2 on rank 0; V: 0 and 3), a value
-    relayed across stages, BatchNorm and dropout inside them; all five schedules in one launch.
+    relayed across stages, BatchNorm and dropout inside them; all five schedules in one launch,
+    which also measures each rank's peak on issue 57's MLP against its prediction.
 
     Each stage draws from its own stream, started from its rank's generator, so the masks are
     those of the stages run one after another, each seeded as its rank is.
     """
-    results = launch(train, 2, args=("skip", 2, 4, SEVERAL_PER_RANK), timeout=400)
+    results = launch(trains_and_measures, 2, args=(SEVERAL_PER_RANK, WIDE_CUTS), timeout=500)
+    for schedule, ranks_peaks in zip(SEVERAL_PER_RANK, zip(*(r["peaks"] for r in results))):
+        for rank, (_, measured, predicted) in enumerate(ranks_peaks):
+            assert measured == pytest.approx(predicted, rel=0.10), (schedule, rank)
     for schedule in SEVERAL_PER_RANK:
-        ranks = [r[schedule] for r in results]
+        ranks = [r["train"][schedule] for r in results]
         starts = {s: start for r in ranks for s, start in r["starts"].items()}
         assert sorted(starts) == [0, 1, 2, 3], schedule
         placed = stage_ranks(schedule, 2, 2)
@@ -152,7 +160,7 @@ def test_measured_peak_of_each_stage_is_within_ten_percent_of_the_prediction() -
         jobs += [("gpipe", (cut,), int(0.8 * free.peak_bytes)), ("gpipe", (cut,), None)]
     results = launch(measured_peaks, 2, args=("gpt", 2, 4, tuple(jobs)), timeout=300)
     for (_, cuts, budget), ranks in zip(jobs, zip(*results)):
-        for stage, measured in ranks:
+        for stage, measured, _ in ranks:
             assert stage.start in (0, cuts[0])
             assert measured == pytest.approx(stage.step_peak_bytes, rel=0.10), (budget, stage)
             if budget is not None:
@@ -173,8 +181,9 @@ def test_measured_peak_of_each_rank_is_its_prediction_under_1f1b_and_gpipe() -> 
     jobs = tuple((schedule, (cut,), None) for cut in (10, 4) for schedule in ("1f1b", "gpipe"))
     results = launch(measured_peaks, 2, args=("wide", 2, 4, jobs), timeout=300)
     for (schedule, _, _), ranks in zip(jobs, zip(*results)):
-        for stage, measured in ranks:
+        for stage, measured, predicted in ranks:
             assert measured == pytest.approx(stage.step_peak_bytes, rel=0.03), (schedule, stage)
+            assert predicted == stage.step_peak_bytes
 
 
 def test_a_killed_rank_ends_the_job_with_an_error_naming_it() -> None:

@@ -57,7 +57,7 @@ from memfit.pipeline.placement import local_stages, stage_ranks
 from memfit.pipeline.plan import microbatch, pipeline_options
 from memfit.pipeline.schedule import PipelineSchedule, splits_backward
 from memfit.pipeline.search import Span, choose_cuts, search_stages
-from memfit.pipeline.stages import PipelineOptions, StagePlan
+from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_step_peak_bytes
 from memfit.pipeline.streams import OwnStream, set_rng_state
 from memfit.planning.budget import BudgetError
 
@@ -237,6 +237,11 @@ class Pipeline:
         self._tied = self._tie(graphs)
         if release_others:
             self._release(model, {n for g in self.graphs for n in g.state_names})
+
+    @property
+    def predicted_step_peak_bytes(self) -> int:
+        """This rank's predicted peak above what is live before a step (all its stages')."""
+        return rank_step_peak_bytes(self.plans, self.stages)
 
     def _global_rank(self, group_rank: int) -> int:
         if self._group is None:

@@ -10,10 +10,11 @@ what they need (1F1B needs ``M >= K``).
 
 The other schedules ``torch.distributed.pipelining`` offers run several stages per rank
 (``placement`` says which rank holds which): interleaved and looped ones stage ``s`` on rank
-``s % K``, V-shaped ones stages ``r`` and ``2K - 1 - r`` on rank ``r``. Their memory is modelled
-as GPipe's for now (every micro-batch in flight, every send held: an upper bound), and a budget
-is refused for them (``check_budget``): a rank's memory is then the sum of several stages', which
-the per-stage search does not bound.
+``s % K``, V-shaped ones stages ``r`` and ``2K - 1 - r`` on rank ``r``. Here each of their stages
+gets GPipe's model (every micro-batch in flight, every send held: a bound per stage); a rank's
+peak is simulated on the order torch runs its stages in (``rank_model``). A budget is refused for
+them (``check_budget``): a rank's memory is then that of several stages together, which the
+per-stage cut search does not bound.
 
 ``PipelineSchedule`` is the closed choice; every public function takes a member or its string
 and converts at the boundary (``as_schedule``), naming the choices when the string is none.

@@ -41,6 +41,7 @@ from memfit.pipeline.balancing import pipeline_step_time
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.partition import CapturedForward, StageGraph
 from memfit.pipeline.placement import stage_ranks
+from memfit.pipeline.rank_model import StageSizes, rank_step_peak
 from memfit.pipeline.schedule import (
     PipelineSchedule,
     bubble,
@@ -57,6 +58,8 @@ __all__ = [
     "PipelinePlan",
     "StagePlan",
     "plan_stage",
+    "rank_peak",
+    "rank_step_peak_bytes",
     "stage_inputs",
 ]
 
@@ -177,14 +180,47 @@ class StagePlan:
 
     @property
     def peak_bytes(self) -> int:
-        """Everything the stage's device holds at the peak of a step."""
-        return (
-            self.parameter_bytes
-            + self.buffer_bytes
-            + self.optimizer_bytes
-            + self.buffers_bytes
-            + self.step_peak_bytes
+        """Everything the stage's device holds at the peak of a step (when its rank holds
+        several stages, GPipe's bound of this one's share: ``rank_peak`` is the rank's)."""
+        return self.held_bytes + self.step_peak_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What the stage holds between steps: state and the schedule's receive buffers."""
+        return self.parameter_bytes + self.buffer_bytes + self.optimizer_bytes + self.buffers_bytes
+
+    @property
+    def sizes(self) -> StageSizes:
+        """This stage's part in its rank's step, for ``rank_model.rank_step_peak``."""
+        return StageSizes(
+            each=self.kept_bytes + self.send_bytes,
+            transient=self.transient_bytes,
+            grads=self.parameter_bytes,
+            sent=self.send_bytes,
+            input_grad=self.receive_grad_bytes,
         )
+
+
+def rank_step_peak_bytes(plans: Sequence[StagePlan], ranks: int) -> int:
+    """The peak above what is live before a step of the rank holding ``plans`` (all its
+    stages): its one stage's under GPipe and 1F1B, else simulated on the order torch runs its
+    stages in (``rank_model``)."""
+    first = plans[0]
+    if first.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+        return first.step_peak_bytes
+    return rank_step_peak(
+        first.schedule,
+        ranks,
+        len(plans),
+        first.microbatches,
+        first.rank,
+        {p.index: p.sizes for p in plans},
+    )
+
+
+def rank_peak(plans: Sequence[StagePlan], ranks: int) -> int:
+    """Everything the rank holding ``plans`` holds at the peak of a step."""
+    return sum(p.held_bytes for p in plans) + rank_step_peak_bytes(plans, ranks)
 
 
 @dataclass(frozen=True)
@@ -213,13 +249,23 @@ class PipelinePlan:
         return bubble([s.time_seconds for s in self.stages], self.microbatches)
 
     @property
+    def ranks(self) -> int:
+        """K: the ranks (devices)."""
+        return len(self.stages) // self.stages_per_rank
+
+    def rank_stages(self, rank: int) -> list[StagePlan]:
+        """The stages rank ``rank`` holds, in increasing order."""
+        return [s for s in self.stages if s.rank == rank]
+
+    @property
+    def rank_peaks(self) -> list[int]:
+        """Every rank's peak (``rank_peak``), by rank."""
+        return [rank_peak(self.rank_stages(r), self.ranks) for r in range(self.ranks)]
+
+    @property
     def peak_bytes(self) -> int:
-        """The largest rank's peak: the sum of its stages' (each an upper bound of its share
-        when a rank holds several)."""
-        per_rank: dict[int, int] = {}
-        for s in self.stages:
-            per_rank[s.rank] = per_rank.get(s.rank, 0) + s.peak_bytes
-        return max(per_rank.values())
+        """The largest rank's peak."""
+        return max(self.rank_peaks)
 
     def __str__(self) -> str:
         k = len(self.stages)
@@ -254,9 +300,10 @@ class PipelinePlan:
             f"largest rank peak {format_bytes(self.peak_bytes)}"
         )
         if self.schedule not in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+            peaks = ", ".join(format_bytes(p) for p in self.rank_peaks)
             lines.append(
-                f"(step and bubble are GPipe's over the {k} stages and the peaks GPipe's upper "
-                f"bound: {self.schedule}'s own model is not built yet)"
+                f"rank peaks {peaks} (simulated on {self.schedule}'s order); stage peaks are "
+                f"GPipe's bound, step and bubble GPipe's over the {k} stages"
             )
         return "\n".join(lines)
 
