@@ -99,16 +99,17 @@ class StageSizes:
 # ``send_ops`` and waited for only when the step ends, and a pending send holds its tensor: so
 # each micro-batch's outputs outlive its backward, and every input gradient sent stays, until the
 # step ends. Between two stages on the same rank (the turn of a V) nothing is sent: the value is
-# handed over. Beside a backward the rank holds every other micro-batch in flight in any of its
-# stages, the gradients of every stage that has run a backward, and what the sends hold.
-# Zero-bubble stages run memfit's backward whole at ``I`` (NOTE [Zero-bubble schedules and
-# memfit's one-piece backward]), so ``W`` frees and holds nothing more.
-# Measured on issue 57's 8-layer MLP (2 ranks, 4 micro-batches, 64 KiB per activation): within
-# 1% on every rank of the interleaved and looped schedules and on the V's rank 0. On the V's
-# rank 1, whose two stages meet at the turn, counting the first one's handed-over outputs with
-# each micro-batch in flight put the prediction 6% (ZBV) and 10% (DualPipeV) above the measured
-# peak; not counting them (as here), 5% below and 0.5% above. That is a fit to measurements,
-# not a derivation from torch's code: which tensor the hand-over spares is not yet known.
+# handed over (``set_local_fwd_input`` / ``set_local_bwd_input``), and it takes the place of the
+# receiving stage's receive buffer for that micro-batch, which until then held the previous
+# step's value (counted between steps, ``StagePlan.buffers_bytes``): so an output handed over
+# frees as much as it takes, and is not counted again with its micro-batch in flight. Beside a
+# backward the rank holds every other micro-batch in flight in any of its stages, the gradients
+# of every stage that has run a backward, and what the sends hold. Zero-bubble stages run
+# memfit's backward whole at ``I`` (NOTE [Zero-bubble schedules and memfit's one-piece
+# backward]), so ``W`` frees and holds nothing more.
+# Measured on issue 57's 8-layer MLP (2 ranks, 4 micro-batches, 64 KiB per activation, four
+# two-layer stages): within 1.1% on every rank, but ZBV's rank 1 (the turn), 8.7% above the
+# prediction there (about one activation the simulation does not place yet).
 
 
 def rank_step_peak(
