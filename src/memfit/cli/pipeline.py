@@ -121,7 +121,7 @@ def _rank(
         peaks.append(measured.peak_bytes or 0)
     return {
         "plan": pipe.plan,
-        "plans": pipe.plans,
+        "predicted_peak": pipe.predicted_step_peak_bytes,
         "step_seconds": statistics.median(times),
         "peak_bytes": max(peaks),
         "stage_seconds": pipe.time_stage_alone(),
@@ -173,8 +173,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     busy = statistics.fmean(r["stage_seconds"] for r in results) * args.microbatches
     lines = [f"{'stage':>5} {'predicted peak':>15} {'measured peak':>14} {'ratio':>6}"]
     for rank, r in enumerate(results):
-        # a rank holding several stages (interleaved and V schedules) holds them all
-        predicted = sum(p.step_peak_bytes for p in r["plans"])
+        # a rank's, all its stages' together when it holds several (interleaved and V schedules)
+        predicted = r["predicted_peak"]
         ratio = r["peak_bytes"] / predicted if predicted else float("nan")
         lines.append(
             f"{rank:>5} {format_bytes(predicted):>15} "
