@@ -142,8 +142,9 @@ class Partitioner:
     on_unmeasured: Callable[[], None] | None
     backward_start: Callable[[str], BackwardStart | None] | None
     on_backward_start: Callable[[str, BackwardStart, bool], None] | None
-    #: whether the step's graphs run as a chain (``planning.chain``): "memory" keeps the least
-    in_chain: Callable[[], bool] | None = None
+    #: whether the step's graphs run as a chain (``planning.chain``) where each keeps the least
+    #: it can: ``"memory"`` plans them so (``planning.frontier.least_kept_point``)
+    least_kept: Callable[[], bool] | None = None
     # The Dynamo graph being captured, set by the backend as Dynamo hands it over and read as
     # AOTAutograd partitions its joint graph:
     #: its name (``backend.graph_key``)
@@ -276,7 +277,7 @@ class Partitioner:
             offload_limit_bytes=g.offload_limit,
             headroom_bytes=headroom,
             cache=g.frontier,
-            least_kept=self.in_chain is not None and self.in_chain(),
+            least_kept=self.least_kept is not None and self.least_kept(),
         )
         if asked is not policy:
             graph_plan = dataclasses.replace(

@@ -217,10 +217,10 @@ class PlannedCall:
         #: backward (``planning.chain``), chosen from the last call's; the current call's chain
         self._chain_plan: ChainPlan = KEEP_ALL
         self._chain: StepChain | None = None
-        #: the step runs several graphs that form a chain: "memory" plans each to keep the least
-        self._in_chain = False
-        #: "memory": the chain's least peak before its graphs were planned to keep the least
-        #: (None: not tried), and whether keeping the least was then kept (``_keep_least``)
+        #: "memory" with a chain: whether each graph keeps the least it can, the chain's least
+        #: peak before that was tried (None: not tried), and whether the try is decided
+        #: (``_keep_least``)
+        self._least_kept = False
         self._chain_tried: int | None = None
         self._chain_kept = False
         #: the simulated peak of the next call's chain, and the least any rule reaches, from
@@ -248,7 +248,7 @@ class PlannedCall:
             share=lambda key: self._shares.get(key),
             on_budget_miss=self._budget_missed,
             executor=self.executor,
-            in_chain=lambda: self._in_chain,
+            least_kept=lambda: self._least_kept,
             **reports,
         )
         if self.regions is not None:
@@ -427,7 +427,7 @@ class PlannedCall:
             ):
                 self.last_plan = Plan(policy=self.policy.name, graphs=tuple(ran), regions=calls)
             if chained is not None and _starts_training(out):
-                self._plan_chain(*chained)
+                self._plan_chain(*chained, settled=not made)
             self.unplanned = None
             if (
                 self.measure_outside
@@ -457,9 +457,13 @@ class PlannedCall:
             and (self.regions is None or not self.regions.chosen)
         )
 
-    def _plan_chain(self, runs: list[ChainRun], values: list[ChainValue]) -> None:
+    def _plan_chain(
+        self, runs: list[ChainRun], values: list[ChainValue], *, settled: bool
+    ) -> None:
         """The chain of the call that just ran: its prediction on the plan, and the rule the
-        next call cuts its runs by (chosen from this call's runs, whatever graphs it runs)."""
+        next call cuts its runs by (chosen from this call's runs, whatever graphs it runs).
+        ``settled``: this call captured nothing, so its graphs' plans have seen their backwards
+        where an earlier call had one."""
         plan = self.last_plan
         self._chain_next = None
         if plan is None or len(runs) < 2 or len(runs) != len(plan.graphs):
@@ -474,31 +478,37 @@ class PlannedCall:
         if budget is not None and peak > budget:
             least, _ = simulate(runs, values, segments_of(runs, choose(runs, values)))
         self._chain_next = (peak, least)
-        if self.policy.least_memory:
-            self._keep_least(least)
+        if self.policy.least_memory and (
+            self._chain_plan != KEEP_ALL or self._chain_tried is not None
+        ):
+            self._keep_least(least, settled)
         # What the plan shows and predicts: these runs under the rule the next call runs by
         # (the same as this call's once the rule settles; what memfit.plan shows before any).
         said = summary(runs, values, segments_of(runs, self._chain_plan))
         if plan.chain != said:
             self.last_plan = dataclasses.replace(plan, chain=said)
 
-    def _keep_least(self, least: int) -> None:
-        """``"memory"`` with a chain: try, once, each graph keeping the least it can
+    def _keep_least(self, least: int, settled: bool) -> None:
+        """Try, once, each graph of the chain keeping the least it can
         (``planning.frontier.least_kept_point``), and keep that only where the chain then
-        reaches a lower peak; each switch captures the graphs again.
+        reaches a lower peak; each switch captures the graphs again, and the comparison waits
+        for a call that captured nothing (its graphs' plans have seen their backwards).
 
         Why try: on a chain of 100 tanh layers broken by an ``.item()``, each graph's own
-        least-peak plan kept the layer's output for its backward, and the replayed segments
-        held it beside their inputs (31.5 MB against 23.1 with the least kept). Why not always:
+        least-peak plan kept the layer's output for its backward, and the replayed segments held
+        it beside their inputs (31.5 MB against 23.1 with the least kept). Why not always:
         on three graphs broken around a Linear, the least kept recomputed a Linear's input
-        inside each graph and the step peaked 8% higher; there no segment helped."""
+        inside each graph and the step peaked 11% higher; there no segment helped. A budget
+        does not try it: its graphs keep what their share of the budget lets them."""
         if self._chain_tried is None:
-            if self._chain_plan != KEEP_ALL:
-                self._chain_tried = least  # the chain's least with each graph's own plans
-                self._in_chain = True
-                self._replan = True
-        elif self._in_chain and least >= self._chain_tried and not self._chain_kept:
-            self._in_chain = False
+            self._chain_tried = least  # the chain's least with each graph's own plans
+            self._least_kept = True
+            self._replan = True
+        elif not self._least_kept or self._chain_kept or not settled:
+            return  # decided, or the graphs just captured have not run a backward yet
+        elif least >= self._chain_tried:
+            self._least_kept = False
+            self._chain_kept = True
             self._replan = True
         else:
             self._chain_kept = True
@@ -628,31 +638,16 @@ class PlannedCall:
                 )
             return
         budget = step_budget_bytes(self.policy.budget, plan)
-        chain = self._chain_next
-        if chain is not None and self._in_chain:
-            # Each graph keeps the least, and the chain's segments hold the budget or nothing
-            # does: the least is the lower of this and what the graphs' own plans reached.
-            if chain[0] <= budget:
-                return
-            shares = None
-        elif planned_as_step(plan, budget):
+        if planned_as_step(plan, budget):
             return
-        else:
-            shares = share_step(plan, budget)
-            if shares is None and chain is not None:
-                # No plans of the graphs fit it together: runs dropped and replayed in segments
-                # may (planning.chain), the more so once each graph keeps the least.
-                if chain[0] <= budget:
-                    return
-                if self._chain_tried is None:
-                    self._chain_tried = chain[1]
-                    self._in_chain = True
-                    self._replan = True
-                    return
+        shares = share_step(plan, budget)
+        chain = self._chain_next
+        if shares is None and chain is not None and chain[0] <= budget:
+            return  # no plans of the graphs fit it together; runs dropped in segments do
         if shares is None:
             smallest = least_step_peak(plan)
             if chain is not None:
-                smallest = min(smallest, chain[1], self._chain_tried or chain[1])
+                smallest = min(smallest, chain[1])
             self._fail()
             raise BudgetError(
                 f"no plan fits a budget of {format_bytes(budget)}: {self.name} runs in "

@@ -104,7 +104,7 @@ def plan_graph(
     beyond the simulation (Inductor's schedule, measured on a plan compiled before:
     ``execution.partitioner``). With a ``cache`` of ``jg``, the frontier is computed once for all
     the plans asked of it. ``least_kept``: the graph is one of a step's chain of graphs
-    (``planning.chain``), where ``"memory"`` keeps the least it can (``least_kept_point``).
+    (``planning.chain``) for which ``"memory"`` keeps the least it can (``least_kept_point``).
     """
     if cache is not None and cache.jg is not jg:
         raise ValueError("plan_graph: the frontier cache belongs to another graph")
@@ -168,10 +168,7 @@ def plan_graph(
         allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
         allowed -= headroom_bytes
         try:
-            if least_kept:  # the step's budget is held by the chain's segments
-                chosen = least_kept_point(jg, points)
-            else:
-                chosen = choose(allowed_points or points, allowed)
+            chosen = choose(allowed_points or points, allowed)
         except BudgetError as err:
             if share is not None or (first_plan and (fraction is not None or spent_bytes)):
                 chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
