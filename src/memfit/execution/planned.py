@@ -457,9 +457,7 @@ class PlannedCall:
             and (self.regions is None or not self.regions.chosen)
         )
 
-    def _plan_chain(
-        self, runs: list[ChainRun], values: list[ChainValue], *, settled: bool
-    ) -> None:
+    def _plan_chain(self, runs: list[ChainRun], values: list[ChainValue], *, settled: bool) -> None:
         """The chain of the call that just ran: its prediction on the plan, and the rule the
         next call cuts its runs by (chosen from this call's runs, whatever graphs it runs).
         ``settled``: this call captured nothing, so its graphs' plans have seen their backwards
