@@ -66,6 +66,10 @@ def test_schedules_with_several_stages_per_rank_cut_that_many_stages_and_place_t
     assert all(p <= bound for p, bound in zip(planned.rank_peaks, by_rank))
     assert [s.index for s in planned.rank_stages(1)] == [1, 2]
     assert "rank peaks" in str(planned)
+    # the step is simulated on the schedule's order: no shorter than the busiest rank's work
+    work = [4 * sum(s.time_seconds for s in planned.rank_stages(r)) for r in (0, 1)]
+    assert planned.step_seconds >= max(work) * (1 - 1e-9)
+    assert 0 <= planned.bubble < 1
     assert "4 stages (2 per rank on 2 ranks)" in str(planned)
     three = plan(
         model, x, loss_fn, stages=2, microbatches=4, schedule="looped_bfs", stages_per_rank=3

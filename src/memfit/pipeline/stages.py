@@ -49,6 +49,7 @@ from memfit.pipeline.schedule import (
     in_flight,
     step_peak,
 )
+from memfit.pipeline.timeline import simulate_step
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import FrontierPoint
 from memfit.units import format_bytes
@@ -238,15 +239,33 @@ class PipelinePlan:
 
     @property
     def step_seconds(self) -> float:
-        """Predicted step: ``(M - 1) * slowest stage + sum of stages``."""
+        """Predicted step: ``(M - 1) * slowest stage + sum of stages`` under GPipe and 1F1B,
+        simulated on torch's order under the others (``timeline.simulate_step``)."""
+        if self._simulated is not None:
+            return self._simulated[0]
         times = [s.time_seconds for s in self.stages]
         return pipeline_step_time(times, [1] * len(times), microbatches=self.microbatches)
 
     @property
     def bubble(self) -> float:
         """Idle share of the devices' time: ``1 - M * mean stage time / step``; for equal stages
-        ``(K - 1) / (M + K - 1)``."""
+        under GPipe and 1F1B ``(K - 1) / (M + K - 1)``."""
+        if self._simulated is not None:
+            return self._simulated[1]
         return bubble([s.time_seconds for s in self.stages], self.microbatches)
+
+    @property
+    def _simulated(self) -> tuple[float, float] | None:
+        if self.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+            return None
+        return simulate_step(
+            self.schedule,
+            self.ranks,
+            self.stages_per_rank,
+            self.microbatches,
+            [s.forward_seconds for s in self.stages],
+            [s.time_seconds - s.forward_seconds for s in self.stages],
+        )
 
     @property
     def ranks(self) -> int:
@@ -296,14 +315,14 @@ class PipelinePlan:
             )
         lines.append(
             f"predicted step {self.step_seconds * 1e3:.2f} ms, bubble {self.bubble:.1%} "
-            f"((K-1)/(M+K-1) = {equal_stages_bubble(k, self.microbatches):.1%}), "
+            f"((K-1)/(M+K-1) = {equal_stages_bubble(self.ranks, self.microbatches):.1%}), "
             f"largest rank peak {format_bytes(self.peak_bytes)}"
         )
         if self.schedule not in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
             peaks = ", ".join(format_bytes(p) for p in self.rank_peaks)
             lines.append(
-                f"rank peaks {peaks} (simulated on {self.schedule}'s order); stage peaks are "
-                f"GPipe's bound, step and bubble GPipe's over the {k} stages"
+                f"rank peaks {peaks}; rank peaks, step and bubble simulated on {self.schedule}'s "
+                "order; stage peaks are GPipe's bound"
             )
         return "\n".join(lines)
 
