@@ -310,6 +310,14 @@ class StepChain:
                         f"(version {tensor._version}, expected {version})"
                     )
             args = [made[(a.run, a.nr)] if isinstance(a, _Out) else a for a in run.inputs]
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.numel() and not a.untyped_storage().nbytes():
+                    raise RuntimeError(
+                        "memfit: a graph run this backward replays (across a graph break) reads "
+                        "a tensor whose storage was freed since the forward (a parameter FSDP "
+                        "resharded?); apply memfit to each sharded block instead, or use "
+                        "policy='speed' for this model"
+                    )
             with torch.no_grad(), _with_random_state(run.rng):
                 outs = run.graph.compiled(args)
             n_out = run.graph.n_out

@@ -248,7 +248,7 @@ class PlannedCall:
             share=lambda key: self._shares.get(key),
             on_budget_miss=self._budget_missed,
             executor=self.executor,
-            least_kept=lambda: self._least_kept,
+            least_kept=lambda: self._least_kept and self._chains(),
             **reports,
         )
         if self.regions is not None:
@@ -382,6 +382,7 @@ class PlannedCall:
         self._ran.clear()
         regions = self.regions.installed() if self.regions else contextlib.nullcontext()
         chain = self._chain = StepChain(self._chain_plan) if self._chains() else None
+        self._chain_next = None
         chained: tuple[list[ChainRun], list[ChainValue]] | None = None
         global _running
         _running += 1

@@ -496,11 +496,18 @@ class Plan:
             )
         if self.chain is not None and self.chain.segments:
             c = self.chain
+            lines[2] = (
+                f"  kept for backward {format_bytes(c.held_bytes)} held from forward to backward "
+                f"(the values entering each dropped segment, and what runs not dropped keep)"
+            )
             extra = c.replay_flops / c.forward_flops if c.forward_flops else 0.0
+            shown = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in c.segments[:6])
+            more = ", ..." if len(c.segments) > 6 else ""
             lines.append(
                 f"  across breaks     {c.replayed} of {c.runs} graph runs dropped in "
-                f"{len(c.segments)} segments and replayed in the backward ({extra:.0%} of one "
-                f"forward again); {format_bytes(c.keep_all_peak_bytes)} if kept"
+                f"{len(c.segments)} segments (runs {shown}{more}) and replayed in the backward "
+                f"({extra:.0%} of one forward again); only the values entering each segment "
+                f"are kept; {format_bytes(c.keep_all_peak_bytes)} if everything were kept"
             )
         if self.regions:
             calls = f"{len(self.regions)} call{'s' if len(self.regions) > 1 else ''}"
