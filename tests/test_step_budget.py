@@ -161,11 +161,12 @@ def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tenso
         warnings.simplefilter("ignore")  # the graph-break warning
         # the step is planned as a whole after its first call, and again where its graphs'
         # first backwards showed outputs dropped that the plans assumed held (the values one
-        # graph hands the next)
-        for i in range(6):
+        # graph hands the next), and where its chain holds the budget, until the chain's
+        # plans settle (planning.chain)
+        for i in range(10):
             step().backward()
             model.zero_grad(set_to_none=True)
-            if i >= 2 and not step.replan_pending:
+            if i >= 5 and not step.replan_pending:
                 break
         assert not step.replan_pending
         peak = memfit.measure(lambda: step().backward()).peak_bytes
@@ -190,33 +191,25 @@ def test_a_byte_budget_holds_for_the_whole_step_across_a_graph_break() -> None:
     assert peak == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
 
 
-def _refused(step: memfit.Step, model: nn.Module, calls: int = 3) -> memfit.BudgetError:
-    """The BudgetError ``step`` raises within ``calls`` calls (planned as a whole on its first,
-    with each graph's share on the next)."""
-    with pytest.raises(memfit.BudgetError, match="whole step") as err:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(calls):
-                step().backward()
-                model.zero_grad(set_to_none=True)
-    return err.value
-
-
 @pytest.mark.slow
 def test_a_fraction_is_of_the_whole_steps_activations() -> None:
     model, plain, _ = _plain()
-    # the least peak a budget reaches for this step: what a budget nothing reaches is told
-    least = _refused(memfit.step(lambda: model(X).square().mean(), policy=0.05), model)
-    assert least.least_bytes is not None and least.least_bytes < plain
     memory = memfit.step(lambda: model(X).square().mean(), policy="memory")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the graph-break warning
-        memory().backward()
-        model.zero_grad(set_to_none=True)
-    # the least fraction of the activations whose budget reaches that peak
-    base_peak, base_kept = memory.plan.baseline_peak_bytes, memory.plan.baseline_kept_bytes
-    share = 1 - (base_peak - least.least_bytes) / base_kept
-    feasible = round(share + 0.05, 2)
+        # planned as a whole after its first call, as a budget's first call is (before either
+        # learns what its backwards show); its chain's plans tried and settled (planning.chain)
+        for i in range(10):
+            memory().backward()
+            model.zero_grad(set_to_none=True)
+            if i >= 5 and not memory.replan_pending:
+                break
+    # the least fraction of the activations whose budget reaches "memory"'s peak
+    reached = memory.plan.baseline_peak_bytes - memory.plan.predicted_peak_bytes
+    share = 1 - reached / memory.plan.baseline_kept_bytes
+    # well above it, where the plain resolution binds (nearer, the least peak of plans of the
+    # graphs alone keeping that share of the activations may: planning.step_budget)
+    feasible = round(share + 0.2, 2)
     step = memfit.step(lambda: model(X).square().mean(), policy=feasible)
     peak, _ = _trained(model, step)
     plan = step.plan
@@ -224,5 +217,13 @@ def test_a_fraction_is_of_the_whole_steps_activations() -> None:
     assert plan.budget_bytes is not None and abs(plan.budget_bytes - expected) <= 1
     assert peak <= 1.05 * plan.budget_bytes and peak < plain
     below = memfit.step(lambda: model(X).square().mean(), policy=round(share - 0.05, 2))
-    err = _refused(below, model)
-    assert err.least_bytes == pytest.approx(least.least_bytes, rel=0.01)
+    with pytest.raises(memfit.BudgetError, match="whole step") as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # planned as a whole; where no plans of its graphs hold it together, held by the
+            # chain of its graphs (each keeping the least tried), and refused once settled
+            for _ in range(12):
+                below().backward()
+                model.zero_grad(set_to_none=True)
+    assert err.value.least_bytes is not None
+    assert err.value.least_bytes == pytest.approx(memory.plan.predicted_peak_bytes, rel=0.01)

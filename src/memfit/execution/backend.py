@@ -149,7 +149,7 @@ def make_backend(
     on_unmeasured: Callable[[], None] | None = None,
     backward_start: Callable[[str], BackwardStart | None] | None = None,
     on_backward_start: Callable[[str, BackwardStart, bool], None] | None = None,
-    least_kept: Callable[[], bool] | None = None,
+    chain_mode: Callable[[], tuple[bool, int | None] | None] | None = None,
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -181,8 +181,8 @@ def make_backend(
     step (which outputs the caller held, which got no gradient: ``analysis.backward_start``);
     None: it is assumed. ``on_backward_start(key, seen, material)`` receives, at each planned
     graph's first backward, the start seen there where it differs from the one planned for, and
-    whether it differs by enough to plan again (``execution.start_watch``). ``least_kept()``:
-    whether ``"memory"`` plans each graph of a chain (``planning.chain``) to keep the least.
+    whether it differs by enough to plan again (``execution.start_watch``). ``chain_mode()``:
+    how graphs that run as a chain (``planning.chain``) are planned (``Partitioner``'s).
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
@@ -206,7 +206,7 @@ def make_backend(
         on_unmeasured=on_unmeasured,
         backward_start=backward_start,
         on_backward_start=on_backward_start,
-        least_kept=least_kept,
+        chain_mode=chain_mode,
     )
 
     def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:

@@ -67,6 +67,9 @@ if TYPE_CHECKING:  # the backend module makes partitioners; it holds these for i
 
 __all__ = ["Partitioner", "activation_device"]
 
+#: How the graphs of a budget the step's chain holds are planned (``Partitioner.chain_mode``).
+MEMORY = Policy("memory")
+
 
 def activation_device(jg: JointGraph) -> torch.device:
     """The device ``jg``'s activations are on: its first forward value's (the CPU if none)."""
@@ -142,9 +145,11 @@ class Partitioner:
     on_unmeasured: Callable[[], None] | None
     backward_start: Callable[[str], BackwardStart | None] | None
     on_backward_start: Callable[[str, BackwardStart, bool], None] | None
-    #: whether the step's graphs run as a chain (``planning.chain``) where each keeps the least
-    #: it can: ``"memory"`` plans them so (``planning.frontier.least_kept_point``)
-    least_kept: Callable[[], bool] | None = None
+    #: how the step's graphs are planned where they run as a chain (``planning.chain``): None,
+    #: by the policy; else ``(least_kept, step_budget)``: as ``"memory"`` plans them, each
+    #: keeping the least it can if ``least_kept`` (``planning.frontier.least_kept_point``), and
+    #: under a budget (``step_budget`` bytes) that the chain's segments hold for the step
+    chain_mode: Callable[[], tuple[bool, int | None] | None] | None = None
     # The Dynamo graph being captured, set by the backend as Dynamo hands it over and read as
     # AOTAutograd partitions its joint graph:
     #: its name (``backend.graph_key``)
@@ -265,6 +270,10 @@ class Partitioner:
         asked = policy
         if headroom and g.least_simulated is not None:
             asked = Policy(BUDGET, budget=Budget(bytes=g.least_simulated))
+        chained = self.chain_mode() if self.chain_mode is not None else None
+        held_by_chain = chained is not None and chained[1] is not None
+        if held_by_chain:
+            asked = MEMORY
         graph_plan = plan_graph(
             g.jg,
             asked,
@@ -277,9 +286,17 @@ class Partitioner:
             offload_limit_bytes=g.offload_limit,
             headroom_bytes=headroom,
             cache=g.frontier,
-            least_kept=self.least_kept is not None and self.least_kept(),
+            least_kept=chained is not None and chained[0],
         )
-        if asked is not policy:
+        if held_by_chain:
+            assert chained is not None
+            graph_plan = dataclasses.replace(
+                graph_plan,
+                policy=policy.name,
+                budget_bytes=chained[1],
+                step_budget_bytes=chained[1],
+            )
+        elif asked is not policy:
             graph_plan = dataclasses.replace(
                 graph_plan,
                 policy=policy.name,

@@ -223,6 +223,9 @@ class PlannedCall:
         self._least_kept = False
         self._chain_tried: int | None = None
         self._chain_kept = False
+        #: a budget no plans of its graphs held together: held by the chain from then on, its
+        #: graphs planned as "memory" plans them; the step's budget in bytes (None: not so)
+        self._chain_budget: int | None = None
         #: the simulated peak of the next call's chain, and the least any rule reaches, from
         #: the last call's runs (None: the last call ran no chain)
         self._chain_next: tuple[int, int] | None = None
@@ -248,7 +251,7 @@ class PlannedCall:
             share=lambda key: self._shares.get(key),
             on_budget_miss=self._budget_missed,
             executor=self.executor,
-            least_kept=lambda: self._least_kept and self._chains(),
+            chain_mode=self._chain_mode,
             **reports,
         )
         if self.regions is not None:
@@ -468,9 +471,9 @@ class PlannedCall:
         if plan is None or len(runs) < 2 or len(runs) != len(plan.graphs):
             self._chain_plan = KEEP_ALL
             return
-        budget = (
-            step_budget_bytes(self.policy.budget, plan) if self.policy.budget is not None else None
-        )
+        budget = self._chain_budget
+        if budget is None and self.policy.budget is not None:
+            budget = step_budget_bytes(self.policy.budget, plan)
         self._chain_plan = choose(runs, values, budget)
         peak, _ = simulate(runs, values, segments_of(runs, self._chain_plan))
         least = peak
@@ -481,11 +484,23 @@ class PlannedCall:
             self._chain_plan != KEEP_ALL or self._chain_tried is not None
         ):
             self._keep_least(least, settled)
+        elif self._chain_budget is not None and peak > self._chain_budget and settled:
+            if self._chain_tried is None or not self._chain_kept:
+                self._keep_least(least, settled)
+            else:  # each graph keeping the least was tried: nothing reaches the budget
+                self._refuse_step(plan, self._chain_budget, min(least, self._chain_tried))
         # What the plan shows and predicts: these runs under the rule the next call runs by
         # (the same as this call's once the rule settles; what memfit.plan shows before any).
         said = summary(runs, values, segments_of(runs, self._chain_plan))
         if plan.chain != said:
             self.last_plan = dataclasses.replace(plan, chain=said)
+
+    def _chain_mode(self) -> tuple[bool, int | None] | None:
+        """How the partitioner plans a graph of this wrapper's chain (``Partitioner.chain_mode``):
+        None where its policy plans it alone."""
+        if not self._chains() or (self._chain_budget is None and not self._least_kept):
+            return None
+        return (self._least_kept, self._chain_budget)
 
     def _keep_least(self, least: int, settled: bool) -> None:
         """Try, once, each graph of the chain keeping the least it can
@@ -497,8 +512,8 @@ class PlannedCall:
         least-peak plan kept the layer's output for its backward, and the replayed segments held
         it beside their inputs (31.5 MB against 23.1 with the least kept). Why not always:
         on three graphs broken around a Linear, the least kept recomputed a Linear's input
-        inside each graph and the step peaked 11% higher; there no segment helped. A budget
-        does not try it: its graphs keep what their share of the budget lets them."""
+        inside each graph and the step peaked 11% higher; there no segment helped. A budget the
+        chain holds tries it where the chain does not fit with the graphs' "memory" plans."""
         if self._chain_tried is None:
             self._chain_tried = least  # the chain's least with each graph's own plans
             self._least_kept = True
@@ -637,25 +652,25 @@ class PlannedCall:
                 )
             return
         budget = step_budget_bytes(self.policy.budget, plan)
+        chain = self._chain_next
+        if self._chain_budget is not None and chain is not None:
+            return  # the chain holds the budget (_plan_chain)
         if planned_as_step(plan, budget):
             return
         shares = share_step(plan, budget)
-        chain = self._chain_next
-        if shares is None and chain is not None and chain[0] <= budget:
-            return  # no plans of the graphs fit it together; runs dropped in segments do
-        if shares is None:
-            smallest = least_step_peak(plan)
-            if chain is not None:
-                smallest = min(smallest, chain[1])
-            self._fail()
-            raise BudgetError(
-                f"no plan fits a budget of {format_bytes(budget)}: {self.name} runs in "
-                f"{len(plan.graphs)} graphs (graph breaks), and the smallest peak memfit can "
-                f"reach for the whole step is "
-                f"{format_bytes(smallest)} ({smallest} bytes)",
-                budget_bytes=budget,
-                least_bytes=smallest,
+        if shares is None and chain is not None:
+            # No plans of the graphs fit it together: from the next call the chain holds it,
+            # its graphs planned as "memory" plans them, and each keeping the least if need be.
+            # A fraction is then plain autograd's peak less its share of the activations: the
+            # least peak of plans keeping that share (step_budget_bytes) is a bound on plans
+            # of the graphs alone, which the chain's segments go below.
+            self._chain_budget = self.policy.budget.resolve(
+                plan.baseline_peak_bytes, plan.baseline_kept_bytes
             )
+            self._replan = True
+            return
+        if shares is None:
+            self._refuse_step(plan, budget, least_step_peak(plan))
         step = tuple(g.sized_key for g in plan.graphs)
         rounds = self._step_rounds.get(step, 0)
         if rounds >= STEP_ROUNDS:
@@ -674,6 +689,17 @@ class PlannedCall:
         self._step_rounds[step] = rounds + 1
         self._shares.update(shares)
         self._replan = True
+
+    def _refuse_step(self, plan: Plan, budget: int, smallest: int) -> None:
+        """BudgetError for a step of several graphs that no plan brings within ``budget``."""
+        self._fail()
+        raise BudgetError(
+            f"no plan fits a budget of {format_bytes(budget)}: {self.name} runs in "
+            f"{len(plan.graphs)} graphs (graph breaks), and the smallest peak memfit can "
+            f"reach for the whole step is {format_bytes(smallest)} ({smallest} bytes)",
+            budget_bytes=budget,
+            least_bytes=smallest,
+        )
 
     def _fail(self) -> None:
         """The graphs just compiled were planned over budget: none of them may run again."""

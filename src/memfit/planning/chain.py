@@ -159,6 +159,7 @@ def simulate(
     added = [r.random_state_bytes if dropped[i] else r.kept for i, r in enumerate(runs)]
     transient = [0] * n  # inputs alive only until they are read
     released = [0] * n  # freed after each run's backward
+    early = [0] * n  # freed as each run's backward starts (``execution.chain``'s release)
     #: freed as the backward reaches each run: what code outside memfit's graphs held of its
     #: outputs (the caller's output, as ``GraphPlan.backward_peak`` counts it if still held)
     let_go = [0] * n
@@ -171,10 +172,13 @@ def simulate(
         ]
         if v.pinned or holders:
             added[p] += v.nbytes
-            if holders:
-                released[min(holders)] += v.nbytes
-            else:
+            if not holders:
                 let_go[p] += v.nbytes
+            elif dropped[min(holders)] and min(holders) not in v.savers:
+                # held for the replay only: let go as that run's backward gets its values
+                early[min(holders)] += v.nbytes
+            else:
+                released[min(holders)] += v.nbytes
         else:
             for c in v.readers:
                 transient[c] += v.nbytes
@@ -201,6 +205,7 @@ def simulate(
                 peak = max(peak, live + later[j + 1] + made + runs[k].forward_peak)
                 made += runs[k].kept + replayed[k]
             live += made
+        live -= early[j]
         r = runs[j]
         peak = max(peak, live - r.kept + later[j + 1] + r.backward_peak)
         live -= r.kept + released[j] + (r.random_state_bytes if dropped[j] else 0)
