@@ -227,9 +227,9 @@ def test_a_byte_budget_holds_for_a_step_whose_runs_are_dropped() -> None:
     plain = Pairs(n=8, width=32)
     x = torch.randn(4096, 32)
     base = memfit.measure(lambda: _step(plain, x, 0)).peak_bytes
-    budget = int(0.6 * base)  # below what any plans of the graphs reach together
+    budget = int(0.5 * base)  # below what any plans of the graphs reach together
     wrapped = _chained(plain, budget)
-    _warm(wrapped, x, steps=6)
+    _warm(wrapped, x, steps=12)  # held by the chain, its graphs keeping the least tried
     peak = memfit.measure(lambda: _step(wrapped, x, 0)).peak_bytes
     plan = wrapped.memfit.plan
     assert plan.chain is not None and plan.chain.segments
