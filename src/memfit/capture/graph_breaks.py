@@ -1,8 +1,10 @@
 """Report, once per wrapped model, where Dynamo could not capture the model as one graph.
 
 A graph break is not an error for memfit: each piece is planned and checkpointed on its own, and
-values crossing a break are simply kept. But a user should know that savings stop at the break
-and where it is, so the first call that breaks warns with Dynamo's reason and the user's source
+values crossing a break are kept, or, under ``"memory"`` and budgets, the pieces' runs form a
+chain replayed in segments (``execution.chain``) or a submodule with a break inside is
+recomputed whole (``execution.regions``). But a user should know where the break is and what
+it costs, so the first call that breaks warns with Dynamo's reason and the user's source
 line. Dynamo records reasons in its global counters (read through
 ``memfit._compat.graph_break_reasons``); the watcher compares them before and after a call.
 """

@@ -41,26 +41,25 @@ from memfit._compat import (
     tree_flatten,
 )
 from memfit.analysis.backward_start import BackwardStart
-from memfit.capture.graph_breaks import GraphBreakReport, GraphBreakWatcher, loop_skip_message
+from memfit.capture.graph_breaks import GraphBreakReport, GraphBreakWatcher
 from memfit.execution.backend import Offloader, StepBudget, make_backend
+from memfit.execution.call_messages import (
+    INDUCTOR_BUDGET_WARNING,
+    break_action,
+    loss_outside_unseen,
+    swap_did_nothing,
+    unplanned,
+)
 from memfit.execution.chain import StepChain, recording
+from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.offload import OffloadError, OffloadStore
 from memfit.execution.options import Executor, Options
-from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions, recomputes_regions
+from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
 from memfit.planning.budget import BudgetError
-from memfit.planning.chain import (
-    KEEP_ALL,
-    ChainPlan,
-    ChainRun,
-    ChainValue,
-    choose,
-    segments_of,
-    simulate,
-    summary,
-)
+from memfit.planning.chain import ChainRun, ChainValue
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import Policy
 from memfit.planning.step_budget import (
@@ -95,15 +94,6 @@ START_REPLANS = 2
 
 #: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
 STEP_ROUNDS = 3
-
-#: Said once per wrapper that plans a budget with offload and runs it through Inductor: such
-#: plans are not measured after compiling (``execution.partitioner``), only simulated.
-INDUCTOR_BUDGET_WARNING = (
-    "executor='inductor' with a budget and offload: memfit plans offload against its op-by-op "
-    "simulation of the graphs, but Inductor schedules and allocates its fused kernels itself "
-    "and can peak above that prediction (measured up to 1.3x on a transformer encoder), so the "
-    "budget is not guaranteed; use executor='eager' (the default) for a budget that must hold"
-)
 
 
 def planning_error(exc: BaseException) -> BudgetError | OffloadError | None:
@@ -213,22 +203,10 @@ class PlannedCall:
         )
         #: the regions changed at the end of the last call (they apply from the next one)
         self.regions_changed = False
-        #: how the next call's graph runs are cut into segments dropped and replayed in the
-        #: backward (``planning.chain``), chosen from the last call's; the current call's chain
-        self._chain_plan: ChainPlan = KEEP_ALL
+        #: the chain of graph runs across the calls (``execution.chain_state``), and the
+        #: current call's
+        self.chain = ChainState(policy)
         self._chain: StepChain | None = None
-        #: "memory" with a chain: whether each graph keeps the least it can, the chain's least
-        #: peak before that was tried (None: not tried), and whether the try is decided
-        #: (``_keep_least``)
-        self._least_kept = False
-        self._chain_tried: int | None = None
-        self._chain_kept = False
-        #: a budget no plans of its graphs held together: held by the chain from then on, its
-        #: graphs planned as "memory" plans them; the step's budget in bytes (None: not so)
-        self._chain_budget: int | None = None
-        #: the simulated peak of the next call's chain, and the least any rule reaches, from
-        #: the last call's runs (None: the last call ran no chain)
-        self._chain_next: tuple[int, int] | None = None
         self.compiled = self._compile()
 
     def _compile(self) -> Callable[..., Any]:
@@ -251,7 +229,7 @@ class PlannedCall:
             share=lambda key: self._shares.get(key),
             on_budget_miss=self._budget_missed,
             executor=self.executor,
-            chain_mode=self._chain_mode,
+            chain_mode=lambda: self.chain.mode(self._chains()),
             **reports,
         )
         if self.regions is not None:
@@ -384,8 +362,8 @@ class PlannedCall:
         self._made.clear()
         self._ran.clear()
         regions = self.regions.installed() if self.regions else contextlib.nullcontext()
-        chain = self._chain = StepChain(self._chain_plan) if self._chains() else None
-        self._chain_next = None
+        chain = self._chain = StepChain(self.chain.rule) if self._chains() else None
+        self.chain.next = None
         chained: tuple[list[ChainRun], list[ChainValue]] | None = None
         global _running
         _running += 1
@@ -431,7 +409,7 @@ class PlannedCall:
             ):
                 self.last_plan = Plan(policy=self.policy.name, graphs=tuple(ran), regions=calls)
             if chained is not None and _starts_training(out):
-                self._plan_chain(*chained, settled=not made)
+                self._after_chain(*chained, settled=not made)
             self.unplanned = None
             if (
                 self.measure_outside
@@ -448,7 +426,7 @@ class PlannedCall:
         elif _starts_training(out):
             self._ran_unplanned(full, report)
         if report.broke:
-            report.warn_once(self._break_action())
+            report.warn_once(break_action(self.regions, self.policy, self._chains()))
         return out
 
     def _chains(self) -> bool:
@@ -461,71 +439,22 @@ class PlannedCall:
             and (self.regions is None or not self.regions.chosen)
         )
 
-    def _plan_chain(self, runs: list[ChainRun], values: list[ChainValue], *, settled: bool) -> None:
-        """The chain of the call that just ran: its prediction on the plan, and the rule the
-        next call cuts its runs by (chosen from this call's runs, whatever graphs it runs).
-        ``settled``: this call captured nothing, so its graphs' plans have seen their backwards
-        where an earlier call had one."""
+    def _after_chain(
+        self, runs: list[ChainRun], values: list[ChainValue], *, settled: bool
+    ) -> None:
+        """The chain of the call that just ran (``settled``: it captured nothing): the rule
+        the next call runs by, the plan's chain, and a budget the chain cannot hold refused."""
         plan = self.last_plan
-        self._chain_next = None
-        if plan is None or len(runs) < 2 or len(runs) != len(plan.graphs):
-            self._chain_plan = KEEP_ALL
+        if plan is None:
             return
-        budget = self._chain_budget
-        if budget is None and self.policy.budget is not None:
-            budget = step_budget_bytes(self.policy.budget, plan)
-        self._chain_plan = choose(runs, values, budget)
-        peak, _ = simulate(runs, values, segments_of(runs, self._chain_plan))
-        least = peak
-        if budget is not None and peak > budget:
-            least, _ = simulate(runs, values, segments_of(runs, choose(runs, values)))
-        self._chain_next = (peak, least)
-        if self.policy.least_memory and (
-            self._chain_plan != KEEP_ALL or self._chain_tried is not None
-        ):
-            self._keep_least(least, settled)
-        elif self._chain_budget is not None and peak > self._chain_budget and settled:
-            if self._chain_tried is None or not self._chain_kept:
-                self._keep_least(least, settled)
-            else:  # each graph keeping the least was tried: nothing reaches the budget
-                self._refuse_step(plan, self._chain_budget, min(least, self._chain_tried))
-        # What the plan shows and predicts: these runs under the rule the next call runs by
-        # (the same as this call's once the rule settles; what memfit.plan shows before any).
-        said = summary(runs, values, segments_of(runs, self._chain_plan))
-        if plan.chain != said:
-            self.last_plan = dataclasses.replace(plan, chain=said)
-
-    def _chain_mode(self) -> tuple[bool, int | None] | None:
-        """How the partitioner plans a graph of this wrapper's chain (``Partitioner.chain_mode``):
-        None where its policy plans it alone."""
-        if not self._chains() or (self._chain_budget is None and not self._least_kept):
-            return None
-        return (self._least_kept, self._chain_budget)
-
-    def _keep_least(self, least: int, settled: bool) -> None:
-        """Try, once, each graph of the chain keeping the least it can
-        (``planning.frontier.least_kept_point``), and keep that only where the chain then
-        reaches a lower peak; each switch captures the graphs again, and the comparison waits
-        for a call that captured nothing (its graphs' plans have seen their backwards).
-
-        Why try: on a chain of 100 tanh layers broken by an ``.item()``, each graph's own
-        least-peak plan kept the layer's output for its backward, and the replayed segments held
-        it beside their inputs (31.5 MB against 23.1 with the least kept). Why not always:
-        on three graphs broken around a Linear, the least kept recomputed a Linear's input
-        inside each graph and the step peaked 11% higher; there no segment helped. A budget the
-        chain holds tries it where the chain does not fit with the graphs' "memory" plans."""
-        if self._chain_tried is None:
-            self._chain_tried = least  # the chain's least with each graph's own plans
-            self._least_kept = True
+        outcome = self.chain.after_call(runs, values, plan, settled)
+        if outcome.replan:
             self._replan = True
-        elif not self._least_kept or self._chain_kept or not settled:
-            return  # decided, or the graphs just captured have not run a backward yet
-        elif least >= self._chain_tried:
-            self._least_kept = False
-            self._chain_kept = True
-            self._replan = True
-        else:
-            self._chain_kept = True
+        if outcome.shown is not None and plan.chain != outcome.shown:
+            self.last_plan = dataclasses.replace(plan, chain=outcome.shown)
+        if outcome.refuse is not None:
+            assert self.chain.budget is not None
+            self._refuse_step(plan, self.chain.budget, outcome.refuse)
 
     def _say_what_cannot_act(self, plan: Plan, out: Any) -> None:
         """Once each, after a call that planned: a policy that could not act here, and a budget
@@ -538,13 +467,7 @@ class PlannedCall:
         holds between forward and backward only inside ``memfit.measure``."""
         if self.policy.swaps and not plan.offloaded_bytes and not self._warned_swap:
             self._warned_swap = True
-            warn_user(
-                f"policy 'swap' offloaded nothing in {self.name}: no copy of a saved value can "
-                "hide behind compute here (measured overlap of copies with compute: none, as on "
-                "a CPU), so the plan keeps what plain PyTorch keeps. To save memory anyway, "
-                "recompute ('memory', or a budget), or offload with a predicted stall: "
-                "memfit.checkpoint(model, '2GiB', offload=True) with a budget of your own"
-            )
+            warn_user(swap_did_nothing(self.name))
         if (
             self.policy.budget is not None
             and self.measure_outside
@@ -556,39 +479,7 @@ class PlannedCall:
             and _starts_training(out)
         ):
             self._warned_unmeasured_outside = True
-            warn_user(
-                f"{self.name} returns no loss, so the training step computes one outside it, "
-                "and on CPU memfit cannot see what that code holds between the forward and the "
-                f"backward (a cross-entropy over logits holds about as much as they take: "
-                f"{format_bytes(plan.graphs[-1].output_bytes)} here) outside memfit.measure: "
-                f"the budget covers {self.name}'s graphs only. Compute the loss inside "
-                "(memfit.step(fn) with the loss computed in fn plans it too), or run one step "
-                "inside memfit.measure(...) and memfit reserves what it measures from the next "
-                "call."
-            )
-
-    def _break_action(self) -> str | None:
-        """What memfit does about the graph breaks of the last call, for the warning."""
-        if self.regions is None:
-            return None
-        if self.regions.chosen:
-            return (
-                f"From the next call on, memfit recomputes each call of "
-                f"{self.regions.describe()} whole in the backward pass, as "
-                f"torch.utils.checkpoint(use_reentrant=False) does: only its inputs are kept, "
-                f"its Python runs again with the forward's random state, and its buffers "
-                f"(BatchNorm statistics) are updated once. Elsewhere each piece is checkpointed "
-                f"on its own and values that cross a break are kept"
-            )
-        inside = self.regions.modules_with_breaks
-        if inside and not recomputes_regions(self.policy):
-            return (
-                f"Each piece is checkpointed on its own, and values that cross a break and what "
-                f"the Python between pieces saves are kept: policy {self.policy.label!r} does "
-                f"not recompute the modules the breaks are in ({', '.join(inside[:3])}"
-                f"{', ...' if len(inside) > 3 else ''}); 'memory' or a budget would"
-            )
-        return None
+            warn_user(loss_outside_unseen(self.name, plan.graphs[-1].output_bytes))
 
     def _open_window(self, out: Any) -> None:
         """Measure what the caller's code holds between this forward and its backward."""
@@ -652,21 +543,14 @@ class PlannedCall:
                 )
             return
         budget = step_budget_bytes(self.policy.budget, plan)
-        chain = self._chain_next
-        if self._chain_budget is not None and chain is not None:
-            return  # the chain holds the budget (_plan_chain)
+        if self.chain.budget is not None and self.chain.next is not None:
+            return  # the chain holds the budget (execution.chain_state)
         if planned_as_step(plan, budget):
             return
         shares = share_step(plan, budget)
-        if shares is None and chain is not None:
-            # No plans of the graphs fit it together: from the next call the chain holds it,
-            # its graphs planned as "memory" plans them, and each keeping the least if need be.
-            # A fraction is then plain autograd's peak less its share of the activations: the
-            # least peak of plans keeping that share (step_budget_bytes) is a bound on plans
-            # of the graphs alone, which the chain's segments go below.
-            self._chain_budget = self.policy.budget.resolve(
-                plan.baseline_peak_bytes, plan.baseline_kept_bytes
-            )
+        if shares is None and self.chain.next is not None:
+            # No plans of the graphs fit it together: from the next call the chain holds it.
+            self.chain.hold(self.policy.budget, plan)
             self._replan = True
             return
         if shares is None:
@@ -710,23 +594,9 @@ class PlannedCall:
 
     def _ran_unplanned(self, full: bool, report: GraphBreakReport) -> None:
         """A training call ran none of memfit's graphs: say so, and keep no stale plan."""
+        why = unplanned(self.name, full, self.shapes_planned, self.max_shapes, report)
         if report.frame_skipped:
-            # the one warning says both: the break, and that nothing was planned because of it
-            why = loop_skip_message(self.name, report.reasons)
-            self.watcher.warned = True
-        elif full:
-            why = (
-                f"memfit has captured and planned {self.name} {self.shapes_planned} times "
-                f"(Options.max_shapes={self.max_shapes}: input shapes, or ranges of sizes) and ran "
-                "this call, which needed another capture, as plain PyTorch, without a plan or "
-                "savings; pad or bucket inputs to fewer shapes, or raise "
-                "memfit.Options(max_shapes=...)"
-            )
-        else:
-            why = (
-                f"{self.name} ran as plain PyTorch, without a plan or savings: torch.compile "
-                "did not run memfit's graphs for this call (see TORCH_LOGS=recompiles)"
-            )
+            self.watcher.warned = True  # the one warning says both: the break, and the skip
         self.last_plan = None
         self.unplanned = why
         if not self._warned_unplanned:

@@ -1,0 +1,107 @@
+"""What a memfit wrapper tells its user after a call: the texts of its one-time warnings.
+
+Each warning says what happened, what memfit did about it, and what the user can do; the
+wrapper (``execution.planned``) decides when one is due and gives each once. Kept apart so the
+wrapper reads as what it does, and so each text can be read whole.
+"""
+
+from __future__ import annotations
+
+from memfit.capture.graph_breaks import GraphBreakReport, loop_skip_message
+from memfit.execution.regions import Regions, recomputes_regions
+from memfit.planning.policy import Policy
+from memfit.units import format_bytes
+
+__all__ = [
+    "INDUCTOR_BUDGET_WARNING",
+    "break_action",
+    "loss_outside_unseen",
+    "swap_did_nothing",
+    "unplanned",
+]
+
+#: Said once per wrapper that plans a budget with offload and runs it through Inductor: such
+#: plans are not measured after compiling (``execution.partitioner``), only simulated.
+INDUCTOR_BUDGET_WARNING = (
+    "executor='inductor' with a budget and offload: memfit plans offload against its op-by-op "
+    "simulation of the graphs, but Inductor schedules and allocates its fused kernels itself "
+    "and can peak above that prediction (measured up to 1.3x on a transformer encoder), so the "
+    "budget is not guaranteed; use executor='eager' (the default) for a budget that must hold"
+)
+
+
+def swap_did_nothing(name: str) -> str:
+    """``"swap"`` offloaded nothing: no copy could hide behind compute (a CPU)."""
+    return (
+        f"policy 'swap' offloaded nothing in {name}: no copy of a saved value can "
+        "hide behind compute here (measured overlap of copies with compute: none, as on "
+        "a CPU), so the plan keeps what plain PyTorch keeps. To save memory anyway, "
+        "recompute ('memory', or a budget), or offload with a predicted stall: "
+        "memfit.checkpoint(model, '2GiB', offload=True) with a budget of your own"
+    )
+
+
+def loss_outside_unseen(name: str, output_bytes: int) -> str:
+    """A budget on CPU whose loss is computed outside the model, where memfit cannot see it."""
+    return (
+        f"{name} returns no loss, so the training step computes one outside it, "
+        "and on CPU memfit cannot see what that code holds between the forward and the "
+        f"backward (a cross-entropy over logits holds about as much as they take: "
+        f"{format_bytes(output_bytes)} here) outside memfit.measure: "
+        f"the budget covers {name}'s graphs only. Compute the loss inside "
+        "(memfit.step(fn) with the loss computed in fn plans it too), or run one step "
+        "inside memfit.measure(...) and memfit reserves what it measures from the next "
+        "call."
+    )
+
+
+def break_action(regions: Regions | None, policy: Policy, chained: bool) -> str | None:
+    """What memfit does about the graph breaks of the last call, for the break warning (None:
+    the warning's default, each piece on its own and values crossing a break kept).
+    ``chained``: the graph runs form a chain (``execution.chain``)."""
+    chain = (
+        "memfit runs the graphs as one chain: from the next calls, segments of graph runs keep "
+        "only the values that enter them and run their compiled graphs again in the backward "
+        "(the branches taken are not decided again)"
+    )
+    if regions is not None and regions.chosen:
+        return (
+            f"From the next call on, memfit recomputes each call of "
+            f"{regions.describe()} whole in the backward pass, as "
+            f"torch.utils.checkpoint(use_reentrant=False) does: only its inputs are kept, "
+            f"its Python runs again with the forward's random state, and its buffers "
+            f"(BatchNorm statistics) are updated once. Elsewhere each piece is checkpointed "
+            f"on its own and values that cross a break are kept"
+        )
+    inside = regions.modules_with_breaks if regions is not None else []
+    if inside and not recomputes_regions(policy):
+        return (
+            f"Each piece is checkpointed on its own, and values that cross a break and what "
+            f"the Python between pieces saves are kept: policy {policy.label!r} does "
+            f"not recompute the modules the breaks are in ({', '.join(inside[:3])}"
+            f"{', ...' if len(inside) > 3 else ''}); 'memory' or a budget would"
+        )
+    if chained:
+        return chain[0].upper() + chain[1:]
+    return None
+
+
+def unplanned(
+    name: str, full: bool, shapes_planned: int, max_shapes: int, report: GraphBreakReport
+) -> str:
+    """Why a training call ran none of memfit's graphs."""
+    if report.frame_skipped:
+        # the one warning says both: the break, and that nothing was planned because of it
+        return loop_skip_message(name, report.reasons)
+    if full:
+        return (
+            f"memfit has captured and planned {name} {shapes_planned} times "
+            f"(Options.max_shapes={max_shapes}: input shapes, or ranges of sizes) and ran "
+            "this call, which needed another capture, as plain PyTorch, without a plan or "
+            "savings; pad or bucket inputs to fewer shapes, or raise "
+            "memfit.Options(max_shapes=...)"
+        )
+    return (
+        f"{name} ran as plain PyTorch, without a plan or savings: torch.compile "
+        "did not run memfit's graphs for this call (see TORCH_LOGS=recompiles)"
+    )
