@@ -153,6 +153,26 @@ def run_config(
     return rows
 
 
+def write_record(
+    benchmark: str, rows: list[dict[str, Any]], started: float, out: Path, quick: bool
+) -> dict[str, Any]:
+    """The benchmark's JSON record (date, machine, software, load, rows, runtime since
+    ``started``), written as ``{benchmark}[_quick].json`` under ``out``; also returned."""
+    result = {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "software": software_info(ROOT),
+        "load_average": load_average(),
+        "rows": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{benchmark}_quick" if quick else benchmark
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -209,18 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for schedule, fwd, bwd in configs:
         rows += run_config(schedule, fwd, bwd, counts, args.repeats)
-    result = {
-        "benchmark": "pipeline_schedule",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "software": software_info(ROOT),
-        "load_average": load_average(),
-        "rows": rows,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    result = write_record("pipeline_schedule", rows, started, args.out, args.quick)
     stem = "pipeline_schedule_quick" if args.quick else "pipeline_schedule"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Pipeline schedules with sleeping stages (torch.distributed.pipelining, gloo)",
         "",

@@ -20,8 +20,6 @@ a barrier and timed on every rank (a step's time is its slowest rank's). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import time
 from pathlib import Path
@@ -38,12 +36,11 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from memfit.bench.environment import load_average, machine_info, software_info
 from memfit.pipeline import launch
 from memfit.pipeline.placement import local_stages
 from memfit.pipeline.schedule import check_schedule, splits_backward
 from memfit.pipeline.timeline import simulate_step
-from pipeline_schedule import SleepStage
+from pipeline_schedule import SleepStage, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -163,18 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for ranks in (2, 4):
         rows += run_ranks(ranks, unit, 2 * unit, counts, args.repeats)
-    result = {
-        "benchmark": "pipeline_schedules",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "software": software_info(ROOT),
-        "load_average": load_average(),
-        "rows": rows,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    result = write_record("pipeline_schedules", rows, started, args.out, args.quick)
     stem = "pipeline_schedules_quick" if args.quick else "pipeline_schedules"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Schedules with two stages per rank, sleeping stages (torch.distributed.pipelining)",
         "",

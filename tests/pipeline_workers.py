@@ -21,6 +21,25 @@ from pipeline_models import build
 SEED = 100
 
 
+def _fresh(
+    name: str, stages: int, microbatches: int, schedule: str, budget: int | None
+) -> tuple[Pipeline, torch.Tensor, torch.Tensor]:
+    """A pipeline of a fresh model ``name`` (Dynamo reset: its recompile limit is per process),
+    with its batch and target."""
+    torch.compiler.reset()
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(
+        model,
+        x,
+        loss_fn,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        budget=budget,
+    )
+    return pipe, x, target
+
+
 def train(
     rank: int,
     name: str,
@@ -32,17 +51,7 @@ def train(
     """Per schedule, on a fresh model: plan, one step; report cuts, loss, gradients, buffers."""
     out = {}
     for schedule in schedules:
-        torch.compiler.reset()  # a fresh model per schedule: Dynamo's recompile limit
-        model, x, target, loss_fn = build(name)
-        pipe = Pipeline(
-            model,
-            x,
-            loss_fn,
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            budget=budget,
-        )
+        pipe, x, target = _fresh(name, stages, microbatches, schedule, budget)
         torch.manual_seed(SEED + rank)
         loss = pipe.step(x, target=target).item()
         out[schedule] = {
@@ -87,18 +96,8 @@ def measured_peaks(
     (after a first step that compiles) and the rank's predicted one."""
     out = []
     for schedule, cuts, budget in jobs:
-        torch.compiler.reset()  # a fresh model per job: Dynamo's recompile limit is per process
-        model, x, target, loss_fn = build(name)
         with forced_cuts(cuts):
-            pipe = Pipeline(
-                model,
-                x,
-                loss_fn,
-                stages=stages,
-                microbatches=microbatches,
-                schedule=schedule,
-                budget=budget,
-            )
+            pipe, x, target = _fresh(name, stages, microbatches, schedule, budget)
         pipe.step(x, target=target)
         for p in pipe.parameters():
             p.grad = None

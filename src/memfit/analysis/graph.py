@@ -414,9 +414,10 @@ class JointGraph:
         ]
         return self.bytes_of(grads)
 
-    def bytes_of(self, nodes: Iterable[fx.Node]) -> int:
-        """Bytes of the distinct storages behind ``nodes``, primals' storages excluded."""
-        primal_keys = self.primal_keys
+    def bytes_of(self, nodes: Iterable[fx.Node], *, primals: bool = False) -> int:
+        """Bytes of the distinct storages behind ``nodes``, primals' storages excluded unless
+        ``primals`` (a graph's inputs: a chain's replay holds them, ``planning.chain``)."""
+        primal_keys = frozenset() if primals else self.primal_keys
         keys = {k for n in nodes for k in self.storages.get(n, ()) if k not in primal_keys}
         return sum(self.storage_bytes[k] for k in keys)
 

@@ -32,6 +32,7 @@ from memfit.analysis.graph import JointGraph
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
+from memfit.execution.chain import chains
 from memfit.execution.executors import (
     EAGER,
     INDUCTOR,
@@ -192,9 +193,7 @@ def make_backend(
     check_executor(executor)
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())
-    # Runs of a step with graph breaks may be dropped and replayed (execution.chain) where the
-    # policy chooses what to keep; an Inductor graph may write buffers a replay would write again.
-    chained = executor == EAGER and policy.chooses_what_to_keep
+    chained = chains(policy, executor)  # runs of a step may be dropped and replayed
     partition = Partitioner(
         policy,
         on_plan,

@@ -41,11 +41,12 @@ import torch.fx as fx
 
 from memfit._compat import StorageWeakRef, backward_keeps_graph
 from memfit.analysis.graph import is_random
-from memfit.execution.executors import STATIC_INPUT
-from memfit.planning.chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue
+from memfit.execution.executors import EAGER, STATIC_INPUT
+from memfit.planning.chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue, segment_cost
 from memfit.planning.plan import GraphPlan
+from memfit.planning.policy import Policy
 
-__all__ = ["ForwardGraph", "StepChain", "recording", "restore_saved"]
+__all__ = ["ForwardGraph", "StepChain", "chains", "recording", "restore_saved"]
 
 #: The attribute of a CompiledFunction's ctx holding its run (``_Run``) in a step's chain.
 RUN = "memfit_chain_run"
@@ -62,6 +63,13 @@ def recording(chain: StepChain | None) -> Iterator[None]:
         yield
     finally:
         _current = outer
+
+
+def chains(policy: Policy, executor: str) -> bool:
+    """Whether graph runs planned under ``policy`` and run by ``executor`` may form a chain:
+    where the policy chooses what to keep, and under the eager executor (an Inductor graph
+    writes BatchNorm's statistics inside itself, which a replay would write again)."""
+    return executor == EAGER and policy.chooses_what_to_keep
 
 
 def current() -> StepChain | None:
@@ -188,8 +196,6 @@ class StepChain:
         self._spent = 0
         self._reported: GraphPlan | None = None
         self.sealed = False
-        #: once sealed, the segments this step dropped (first and last run of each)
-        self.dropped: list[tuple[int, int]] = []
 
     def reported(self, plan: GraphPlan) -> None:
         """The plan of the graph about to run, at the sizes it runs at (the backend's report)."""
@@ -265,7 +271,7 @@ class StepChain:
                 run.tokens.append((symints + j, j))
             setattr(ctx, RUN, run)
             if run.plan is not None:
-                self._spent += run.plan.kept_bytes + run.plan.output_bytes
+                self._spent += segment_cost(run.plan.kept_bytes, run.plan.output_bytes)
             assert self.plan.segment_bytes is not None
             if self._spent >= self.plan.segment_bytes:
                 self._open = None
@@ -334,7 +340,6 @@ class StepChain:
         """End the forward: the runs and values as ``planning.chain`` plans them; from now on
         only the runs' autograd nodes hold the runs."""
         facts = self._facts()
-        self.dropped = _segments([r.segment for r in self._runs])
         self._weak = [weakref.ref(r) for r in self._runs]
         self._runs = []
         self.sealed = True
@@ -386,19 +391,6 @@ class StepChain:
                         ChainValue(r.index, nbytes, tuple(read), tuple(save), pinned=pinned)
                     )
         return runs, values
-
-
-def _segments(starts: list[int]) -> list[tuple[int, int]]:
-    """(first, last) of each dropped segment, from each run's segment start (-1: kept)."""
-    segments: list[tuple[int, int]] = []
-    for i, start in enumerate(starts):
-        if start < 0:
-            continue
-        if segments and segments[-1][0] == start:
-            segments[-1] = (start, i)
-        else:
-            segments.append((start, i))
-    return segments
 
 
 @contextlib.contextmanager

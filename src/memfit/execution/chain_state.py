@@ -73,6 +73,9 @@ class ChainState:
         #: the last call's chain: the simulated peak under ``rule`` and the least any rule
         #: reaches (None: the last call ran no chain)
         self.next: tuple[int, int] | None = None
+        #: the last runs chosen for and what was chosen: a step that runs the same graphs on
+        #: the same sizes as the last one is not simulated again (15-25 ms on 200 runs)
+        self._chosen: tuple[object, tuple[ChainPlan, int, int, ChainSummary]] | None = None
 
     def mode(self, active: bool) -> tuple[bool, int | None] | None:
         """How the partitioner plans a graph of the chain (``Partitioner.chain_mode``): None
@@ -101,11 +104,10 @@ class ChainState:
         budget = self.budget
         if budget is None and self.policy.budget is not None:
             budget = step_budget_bytes(self.policy.budget, plan)
-        self.rule = choose(runs, values, budget)
-        peak, _ = simulate(runs, values, segments_of(runs, self.rule))
-        least = peak
-        if budget is not None and peak > budget:
-            least, _ = simulate(runs, values, segments_of(runs, choose(runs, values)))
+        key = (tuple(runs), tuple(values), budget)
+        if self._chosen is None or self._chosen[0] != key:
+            self._chosen = (key, self._choose(runs, values, budget))
+        self.rule, peak, least, shown = self._chosen[1]
         self.next = (peak, least)
         replan = False
         refuse = None
@@ -116,10 +118,22 @@ class ChainState:
                 replan = self._keep_least(least, settled)
             else:  # each graph keeping the least was tried: nothing reaches the budget
                 refuse = min(least, self.tried)
-        # What the plan shows and predicts: these runs under the rule the next call runs by
-        # (the same as this call's once the rule settles; what memfit.plan shows before any).
-        shown = summary(runs, values, segments_of(runs, self.rule))
         return ChainOutcome(shown, replan, refuse)
+
+    @staticmethod
+    def _choose(
+        runs: list[ChainRun], values: list[ChainValue], budget: int | None
+    ) -> tuple[ChainPlan, int, int, ChainSummary]:
+        """The rule for these runs, its simulated peak, the least any rule reaches, and what
+        the plan shows: these runs under the rule the next call runs by (the same as this
+        call's once the rule settles; what ``memfit.plan`` shows before any)."""
+        rule = choose(runs, values, budget)
+        segments = segments_of(runs, rule)
+        shown = summary(runs, values, segments)
+        peak = least = shown.peak_bytes
+        if budget is not None and peak > budget:
+            least, _ = simulate(runs, values, segments_of(runs, choose(runs, values)))
+        return rule, peak, least, shown
 
     def _keep_least(self, least: int, settled: bool) -> bool:
         """Try each graph keeping the least, or decide the try (see the module); whether the

@@ -50,7 +50,7 @@ from memfit.execution.call_messages import (
     swap_did_nothing,
     unplanned,
 )
-from memfit.execution.chain import StepChain, recording
+from memfit.execution.chain import StepChain, chains, recording
 from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.offload import OffloadError, OffloadStore
@@ -362,7 +362,10 @@ class PlannedCall:
         self._made.clear()
         self._ran.clear()
         regions = self.regions.installed() if self.regions else contextlib.nullcontext()
-        chain = self._chain = StepChain(self.chain.rule) if self._chains() else None
+        # A chain needs two graph runs: after a call that ran one, none is recorded (a call that
+        # runs more from then on is one unplanned by the chain, and the next is).
+        several = self.last_plan is None or len(self.last_plan.graphs) > 1
+        chain = self._chain = StepChain(self.chain.rule) if several and self._chains() else None
         self.chain.next = None
         chained: tuple[list[ChainRun], list[ChainValue]] | None = None
         global _running
@@ -430,13 +433,11 @@ class PlannedCall:
         return out
 
     def _chains(self) -> bool:
-        """Whether this call's graph runs form a chain (``execution.chain``): where the policy
-        chooses what to keep, under the eager executor, and not where regions recompute
-        submodules whole (their graphs run again as Python, which a chain cannot replay)."""
-        return (
-            self.policy.chooses_what_to_keep
-            and self.executor != INDUCTOR
-            and (self.regions is None or not self.regions.chosen)
+        """Whether this call's graph runs form a chain (``execution.chain.chains``), and not
+        where regions recompute submodules whole (their graphs run again as Python, which a
+        chain cannot replay)."""
+        return chains(self.policy, self.executor) and (
+            self.regions is None or not self.regions.chosen
         )
 
     def _after_chain(

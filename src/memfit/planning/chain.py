@@ -36,6 +36,7 @@ __all__ = [
     "ChainValue",
     "KEEP_ALL",
     "choose",
+    "segment_cost",
     "segments_of",
     "simulate",
     "summary",
@@ -61,7 +62,13 @@ class ChainRun:
     @property
     def cost(self) -> int:
         """What keeping the run costs until its backward, as the segment rule counts it."""
-        return self.kept + self.output_bytes
+        return segment_cost(self.kept, self.output_bytes)
+
+
+def segment_cost(kept_bytes: int, output_bytes: int) -> int:
+    """What a run adds to its segment: what it keeps and its outputs. One rule for the runs
+    ``execution.chain`` cuts as a step runs and for the runs ``segments_of`` cuts in planning."""
+    return kept_bytes + output_bytes
 
 
 @dataclass(frozen=True)

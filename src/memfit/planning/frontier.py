@@ -118,6 +118,14 @@ class Candidate:
         return self.recompute_seconds + self.stall_seconds + self.keep_seconds
 
 
+def _costs(jg: JointGraph) -> dict[fx.Node, tuple[float, int]]:
+    """Each forward node's estimated seconds and FLOPs, what recomputing it costs."""
+    return {
+        n: (node_seconds(n, jg.sizes, jg.fused_elementwise), node_flops(n, jg.sizes))
+        for n in jg.forward
+    }
+
+
 def _point(
     jg: JointGraph, kept: set[fx.Node], source: str, costs: dict[fx.Node, tuple[float, int]]
 ) -> Candidate:
@@ -157,10 +165,7 @@ def pareto_frontier(
     it warns, since the plan then depends on how fast the machine was.
     """
     started = time.perf_counter()
-    costs = {
-        n: (node_seconds(n, jg.sizes, jg.fused_elementwise), node_flops(n, jg.sizes))
-        for n in jg.forward
-    }
+    costs = _costs(jg)
     baseline = keep_all(jg)
     points = [
         _point(jg, baseline, "none", costs),
@@ -332,20 +337,15 @@ def least_kept_point(jg: JointGraph, frontier: list[Candidate]) -> Candidate:
     each pair kept its ReLU (it cost that graph's peak nothing) and the replayed segments held
     it too.
     """
-    costs = {
-        n: (node_seconds(n, jg.sizes, jg.fused_elementwise), node_flops(n, jg.sizes))
-        for n in jg.forward
-    }
+    costs = _costs(jg)
     # Its outputs its backward reads too (a tanh's): the runs after it may not hold them, and a
     # dropped run's replay would make them again to hold until its backward. Not the outputs
     # it does not read (the new running statistics of a BatchNorm: recomputed, they would read
     # the statistics the forward has since updated).
     read = keep_all(jg)
-    buffers = {  # inputs that live with the module and get no gradient
-        p
-        for i, (p, grad) in enumerate(zip(jg.primals, jg.grads_by_primal))
-        if grad is None and i in jg.static_inputs
-    }
+    static = {p for i, p in enumerate(jg.primals) if i in jg.static_inputs}
+    # inputs that live with the module and get no gradient
+    buffers = {p for p, grad in zip(jg.primals, jg.grads_by_primal) if grad is None} & static
     held = {
         n
         for n in jg.fwd_outputs
@@ -357,14 +357,11 @@ def least_kept_point(jg: JointGraph, frontier: list[Candidate]) -> Candidate:
     least = [_point(jg, jg.saved_needed(kept), "least kept", costs)]
     if held:
         least.append(_point(jg, jg.saved_needed(kept - held), "least kept", costs))
-    static = {p for i, p in enumerate(jg.primals) if i in jg.static_inputs}
 
     def saved_bytes(p: Candidate) -> int:
         """What it saves, its inputs included: a saved input is held by the replay too, unless
         the run before saves it as its output (then they share it)."""
-        saved = [n for n in jg.saved_needed(p.kept) if n not in static]
-        keys = {k for n in saved for k in jg.storages.get(n, ())}
-        return sum(jg.storage_bytes.get(k, 0) for k in keys)
+        return jg.bytes_of((n for n in jg.saved_needed(p.kept) if n not in static), primals=True)
 
     # Where keeping its outputs saves as much, keep them (the next run often saves them as its
     # inputs, and a value the two save is held once): min keeps the first of equals.
