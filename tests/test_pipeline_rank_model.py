@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.pipeline.rank_model import StageSizes, rank_actions, rank_step_peak
+from memfit.pipeline.rank_model import StageSizes, rank_actions, rank_step_peak, rank_steps
 
 
 def test_the_order_is_torchs() -> None:
@@ -37,3 +37,14 @@ def test_a_rank_holds_its_stages_in_flight_its_gradients_and_every_pending_send(
     # gradients (8), stage 2's output of micro-batch 0 sent (6) and stage 1's input gradient
     # of micro-batch 0 sent (1)
     assert rank_step_peak("zbv_zero_bubble", 2, 2, 3, 1, {1: a, 2: b}) == 32 + 9 + 8 + 7
+
+
+def test_gpipe_and_1f1b_orders_and_dualpipevs_pairs() -> None:
+    assert rank_actions("gpipe", 2, 1, 2, 1) == [("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 1, 1)]
+    # 1F1B on stage 0 of 2: two warm-up forwards, then one backward and one forward
+    assert rank_actions("1f1b", 2, 1, 3, 0) == [
+        ("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2),
+    ]  # fmt: skip
+    steps = rank_steps("dualpipev", 2, 2, 4, 0)
+    assert (("F", 0, 3), ("B", 3, 1)) in steps  # a forward overlapped with a backward
+    assert [a for s in steps for a in s] == rank_actions("dualpipev", 2, 2, 4, 0)

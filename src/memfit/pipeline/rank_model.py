@@ -6,7 +6,9 @@ torch's ``_PipelineScheduleRuntime`` from an action list per rank: forwards ``F`
 memory does not follow a formula as GPipe's and 1F1B's do (``schedule.held_at_backward``), so it
 is simulated on that list (``rank_actions``, made by torch's own schedule classes over stand-in
 stages, so it is the order that runs) by ``rank_step_peak``; NOTE [What torch's runtime schedules
-hold] says what each action adds and frees.
+hold] says what each action adds and frees. GPipe's and 1F1B's orders (one stage per rank) are
+listed too, written out as their ``_step_microbatches`` run them, so that ``timeline`` can
+simulate every schedule's step alike.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.distributed.pipelining import (
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import PipelineSchedule, as_schedule
 
-__all__ = ["Action", "StageSizes", "rank_actions", "rank_step_peak"]
+__all__ = ["Action", "StageSizes", "rank_actions", "rank_step_peak", "rank_steps"]
 
 _CLASSES = {
     PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
@@ -40,16 +42,32 @@ _CLASSES = {
 Action = tuple[str, int, int]
 
 
-def rank_actions(
+def rank_steps(
     schedule: PipelineSchedule | str, ranks: int, stages_per_rank: int, microbatches: int, rank: int
-) -> list[Action]:
-    """The compute actions rank ``rank`` runs in one step, in order (checked on torch 2.13).
+) -> list[tuple[Action, ...]]:
+    """The compute steps rank ``rank`` runs in one step of the pipeline, in order (checked on
+    torch 2.13): one action each, or DualPipeV's overlapped forward-backward pair, whose two
+    actions run one after the other and whose sends are posted only when both are done
+    (torch's ``_add_send_recv`` puts a pair's sends after the pair).
 
-    Torch's schedule class computes every rank's order when it is made; it reads only the
-    stages' index, count and group, so stand-ins carry those. An overlapped forward-backward
-    pair (DualPipeV) is listed as its two actions, in the pair's order.
+    GPipe runs every forward then every backward; 1F1B ``min(M, K - r)`` forwards, then one
+    backward and one forward while forwards remain, then the backwards left. For the others,
+    torch's schedule class computes every rank's order when it is made; it reads only the
+    stages' index, count and group, so stand-ins carry those.
     """
     chosen = as_schedule(schedule)
+    m = microbatches
+    if chosen is PipelineSchedule.GPIPE:
+        gpipe: list[tuple[Action, ...]] = [(("F", rank, i),) for i in range(m)]
+        return gpipe + [(("B", rank, i),) for i in range(m)]
+    if chosen is PipelineSchedule.ONE_F_ONE_B:
+        warmup = min(m, ranks - rank)
+        order: list[tuple[Action, ...]] = [(("F", rank, i),) for i in range(warmup)]
+        for j in range(m):
+            order.append((("B", rank, j),))
+            if j + warmup < m:
+                order.append((("F", rank, j + warmup),))
+        return order
     total = ranks * stages_per_rank
     placed = stage_ranks(chosen, ranks, stages_per_rank)
     stand_ins = [
@@ -66,15 +84,28 @@ def rank_actions(
         if placed[s] == rank
     ]
     made = _CLASSES[chosen](stand_ins, microbatches, loss_fn=lambda output, target: output)
-    out: list[Action] = []
+    out: list[tuple[Action, ...]] = []
     for action in made.pipeline_order[rank]:
         if action is None:
             continue
-        for step in getattr(action, "sub_actions", None) or (action,):
-            kind = step.computation_type.value
-            if kind in ("F", "B", "I", "W"):
-                out.append((kind, step.stage_index, step.microbatch_index))
+        step = tuple(
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in getattr(action, "sub_actions", None) or (action,)
+            if a.computation_type.value in ("F", "B", "I", "W")
+        )
+        if step:
+            out.append(step)
     return out
+
+
+def rank_actions(
+    schedule: PipelineSchedule | str, ranks: int, stages_per_rank: int, microbatches: int, rank: int
+) -> list[Action]:
+    """The compute actions rank ``rank`` runs in one step, in order (``rank_steps`` with an
+    overlapped pair listed as its two actions, in the pair's order)."""
+    return [
+        a for step in rank_steps(schedule, ranks, stages_per_rank, microbatches, rank) for a in step
+    ]
 
 
 @dataclass(frozen=True)
