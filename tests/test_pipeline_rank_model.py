@@ -32,11 +32,12 @@ def test_a_rank_holds_its_stages_in_flight_its_gradients_and_every_pending_send(
     # and one of stage 2 in flight, nothing sent back yet: 40 + 9
     assert rank_step_peak("looped_bfs", 2, 2, 2, 0, {0: a, 2: b}) == 49
     # ZBV, rank 1 holds stages 1 and 2, which meet at the turn: stage 1's outputs are handed
-    # over (each in flight holds 10 - 4), stage 2's input gradients too (never held). The peak,
-    # I(2,1), runs beside (1,1), (1,2) and (2,2) in flight (6 + 6 + 20), both stages'
-    # gradients (8), stage 2's output of micro-batch 0 sent (6) and stage 1's input gradient
-    # of micro-batch 0 sent (1)
-    assert rank_step_peak("zbv_zero_bubble", 2, 2, 3, 1, {1: a, 2: b}) == 32 + 9 + 8 + 7
+    # over (each in flight holds 10 - 4), stage 2's input gradients too (never held, but each
+    # replaces the previous step's in stage 1's buffer only once stage 2's backward is over:
+    # 2 more during it). The peak, I(2,1), runs beside (1,1), (1,2) and (2,2) in flight
+    # (6 + 6 + 20), both stages' gradients (8), stage 2's output of micro-batch 0 sent (6),
+    # stage 1's input gradient of micro-batch 0 sent (1) and the gradient it replaces (2)
+    assert rank_step_peak("zbv_zero_bubble", 2, 2, 3, 1, {1: a, 2: b}) == 32 + 9 + 8 + 7 + 2
 
 
 def test_gpipe_and_1f1b_orders_and_dualpipevs_pairs() -> None:

@@ -133,14 +133,20 @@ class StageSizes:
 # handed over (``set_local_fwd_input`` / ``set_local_bwd_input``), and it takes the place of the
 # receiving stage's receive buffer for that micro-batch, which until then held the previous
 # step's value (counted between steps, ``StagePlan.buffers_bytes``): so an output handed over
-# frees as much as it takes, and is not counted again with its micro-batch in flight. Beside a
+# frees as much as it takes, and is not counted again with its micro-batch in flight. The
+# previous value goes only when the handing stage's action is over, though: during the backward
+# of the stage after the turn, its new input gradient and the previous step's, still in the
+# earlier stage's buffer, are both alive, one input gradient more than the net count (the
+# forward's twin, an output beside the buffered one, lies below every backward's peak). Beside a
 # backward the rank holds every other micro-batch in flight in any of its stages, the gradients
 # of every stage that has run a backward, and what the sends hold. Zero-bubble stages run
 # memfit's backward whole at ``I`` (NOTE [Zero-bubble schedules and memfit's one-piece
 # backward]), so ``W`` frees and holds nothing more.
 # Measured on issue 57's 8-layer MLP (2 ranks, 4 micro-batches, 64 KiB per activation, four
-# two-layer stages): within 1.1% on every rank, but ZBV's rank 1 (the turn), 8.7% above the
-# prediction there (about one activation the simulation does not place yet).
+# two-layer stages), live bytes over each action of a step: every backward of the stage after
+# the turn (stage 2) 74 KiB above the net count under ZBV and DualPipeV alike (the gradient, and
+# about 10 KiB that every backward shows), which set ZBV's rank 1 peak 8.7% above the prediction
+# (DualPipeV's peaks at stage 1, where the count held); with it, 1.1%.
 
 
 def rank_step_peak(
@@ -171,7 +177,9 @@ def rank_step_peak(
             continue
         others = sum(each(s) for s, m in flight if (s, m) != (stage, mb))
         grads = sum(sizes[s].grads for s in with_grads)
-        peak = max(peak, others + sizes[stage].transient + grads + held)
+        # after the turn, the previous step's gradient waits in the earlier stage's buffer
+        replaced = sizes[stage].input_grad if stage > 0 and placed[stage - 1] == rank else 0
+        peak = max(peak, others + sizes[stage].transient + grads + held + replaced)
         flight.discard((stage, mb))
         with_grads.add(stage)
         if stage < total - 1 and placed[stage + 1] != rank:
