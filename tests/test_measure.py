@@ -130,3 +130,20 @@ def test_reachable_through_optimizer_partial_and_objects():
 
     m = measure(functools.partial(drop_grads, model))
     assert m.end_bytes == -MB
+
+
+def test_reachable_through_a_modules_plain_tensor_attributes():
+    """A module that keeps a tensor as a plain attribute (a cache, a random state) and replaces
+    it: the old one's free is seen, so the call ends where it started."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Module()
+            self.inner.cache = torch.zeros(FLOATS_PER_MB)
+
+        def forward(self) -> None:
+            self.inner.cache = torch.ones(FLOATS_PER_MB)
+
+    m = measure(Holder())
+    assert m.end_bytes == 0 and m.peak_bytes == MB

@@ -237,6 +237,14 @@ def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
             elif isinstance(obj, torch.nn.Module):
                 stack.extend(obj.parameters())
                 stack.extend(obj.buffers())
+                # tensors a module keeps as plain attributes (a cache, a random state): one the
+                # call replaces is freed, which is seen only if it is watched
+                stack.extend(
+                    v
+                    for m in obj.modules()
+                    for v in vars(m).values()
+                    if isinstance(v, torch.Tensor)
+                )
             elif isinstance(obj, torch.optim.Optimizer):
                 stack.append(obj.param_groups)
                 stack.append(obj.state)

@@ -46,7 +46,15 @@ class OwnStream(nn.Module):
 
     def start(self) -> None:
         """Begin this stage's stream from the rank's generator as it is now."""
-        self.state = rng_state(self.device)
+        self._keep(rng_state(self.device))
+
+    def _keep(self, state: torch.Tensor) -> None:
+        # into the same tensor from the first step on: a step allocates no state that outlives
+        # it, so what the step holds is only what the pipeline's memory model counts
+        if self.state is None or self.state.shape != state.shape:
+            self.state = state
+        else:
+            self.state.copy_(state)
 
     def forward(self, *args: Any) -> Any:
         if self.state is None:
@@ -55,7 +63,7 @@ class OwnStream(nn.Module):
         set_rng_state(self.device, self.state)
         try:
             out = self.stage(*args)
-            self.state = rng_state(self.device)
+            self._keep(rng_state(self.device))
         finally:
             set_rng_state(self.device, outer)
         return out
