@@ -67,9 +67,14 @@ def unique_graph_count() -> int:
 
 
 def compile_with_recompile_limit(
-    fn: Callable[..., Any], *, backend: Any, dynamic: bool | None, limit: int
+    fn: Callable[..., Any],
+    *,
+    backend: Any,
+    dynamic: bool | None,
+    limit: int,
+    fullgraph: bool = False,
 ) -> Callable[..., Any]:
-    """``torch.compile(fn, backend=..., dynamic=..., recompile_limit=limit)``.
+    """``torch.compile(fn, backend=..., dynamic=..., fullgraph=..., recompile_limit=limit)``.
 
     ``recompile_limit`` (documented in ``torch.compile``'s docstring, checked 2.13.0) lifts
     Dynamo's per-code-object limit (``torch._dynamo.config.recompile_limit``, 8) for the frames
@@ -77,7 +82,9 @@ def compile_with_recompile_limit(
     call through ``Any``.
     """
     compile_: Any = torch.compile
-    return compile_(fn, backend=backend, dynamic=dynamic, recompile_limit=limit)
+    return compile_(
+        fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, recompile_limit=limit
+    )
 
 
 def accumulated_recompile_limit(limit: int) -> AbstractContextManager[Any]:

@@ -27,7 +27,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from memfit._compat import child_module, tree_flatten, tree_unflatten
+from memfit._compat import (
+    child_module,
+    compile_with_recompile_limit,
+    tree_flatten,
+    tree_unflatten,
+)
 from memfit.execution.state import preserved
 
 __all__ = [
@@ -40,6 +45,10 @@ __all__ = [
     "module_path",
     "split_stages",
 ]
+
+#: captures of one model's forward (one per micro-batch size and ``plan`` call) before Dynamo
+#: refuses more
+CAPTURE_LIMIT = 256
 
 
 class PipelineCaptureError(RuntimeError):
@@ -128,7 +137,11 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
 
         return run
 
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    # a model is captured once per micro-batch size (``schedule="auto"`` tries several) and per
+    # ``plan``: Dynamo's limit of 8 captures per forward would refuse the ninth
+    compiled = compile_with_recompile_limit(
+        model, backend=backend, fullgraph=True, dynamic=False, limit=CAPTURE_LIMIT
+    )
     try:
         with preserved(model.buffers()), torch.enable_grad():
             out = compiled(*example_inputs)
