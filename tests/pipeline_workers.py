@@ -25,7 +25,7 @@ def _fresh(
     name: str, stages: int, microbatches: int, schedule: str, budget: int | None
 ) -> tuple[Pipeline, torch.Tensor, torch.Tensor]:
     """A pipeline of a fresh model ``name`` (Dynamo reset: its recompile limit is per process),
-    with its batch and target."""
+    with its batch and target; ``"auto"`` chooses among two stages per rank."""
     torch.compiler.reset()
     model, x, target, loss_fn = build(name)
     pipe = Pipeline(
@@ -36,6 +36,7 @@ def _fresh(
         microbatches=microbatches,
         schedule=schedule,
         budget=budget,
+        stages_per_rank=2 if schedule == "auto" else None,
     )
     return pipe, x, target
 
@@ -55,6 +56,7 @@ def train(
         torch.manual_seed(SEED + rank)
         loss = pipe.step(x, target=target).item()
         out[schedule] = {
+            "schedule": pipe.schedule_name.value,
             "start": pipe.graph.start,
             "starts": {s: g.start for s, g in zip(pipe.local_stages, pipe.graphs)},
             "loss": loss,
@@ -107,14 +109,16 @@ def measured_peaks(
 
 
 def trains_and_measures(
-    rank: int, schedules: tuple[str, ...], cuts: tuple[int, ...]
+    rank: int, schedules: tuple[str, ...], cuts: tuple[int, ...], budgeted: Job
 ) -> dict[str, Any]:
-    """Two ranks, per schedule: a step of the skip model (``train``) and a measured step of the
-    wide MLP cut at ``cuts`` (``measured_peaks``), in one launch."""
+    """Two ranks, per schedule and for ``"auto"``: a step of the skip model (``train``); per
+    schedule, a measured step of the wide MLP cut at ``cuts``, and under the ``budgeted`` job
+    (``measured_peaks``); in one launch."""
     jobs = tuple((schedule, cuts, None) for schedule in schedules)
     return {
-        "train": train(rank, "skip", 2, 4, schedules),
+        "train": train(rank, "skip", 2, 4, (*schedules, "auto")),
         "peaks": measured_peaks(rank, "wide", 2, 4, jobs),
+        "budget": measured_peaks(rank, "wide", 2, 4, (budgeted,))[0],
     }
 
 

@@ -24,16 +24,38 @@ def test_arguments_no_pipeline_can_honour_are_refused_in_one_line(
         (("--stages", "50", "--microbatches", "4"), "candidate cuts"),
         (("--stages", "2", "--microbatches", "4", "--budget", "1KiB"), "smallest per-device"),
         (("--stages", "3", "--microbatches", "2", "--schedule", "1f1b"), "1F1B needs"),
+        (("--stages", "2"), "--microbatches is required unless --schedule auto"),
+        (("--stages", "2", "--schedule", "auto", "--stages-per-rank", "0"), "must be at least 1"),
+        (("--stages", "2", "--schedule", "auto", "--budget", "1KiB"), "least reachable"),
     ):
         assert main(["pipeline", FACTORY, *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
 
 
+def test_auto_prints_the_candidates_and_its_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pipeline", FACTORY, "--stages", "2", "--schedule", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule='auto' compared" in out and "dualpipev" in out and "\n* " in out
+
+
 def test_run_trains_in_k_processes_and_sets_measured_beside_predicted() -> None:
+    """Under ``auto`` (its choice among two stages per rank is what the ranks run)."""
     done = run_memfit(
-        "pipeline", FACTORY, "--stages", "2", "--microbatches", "4", "--run", "--steps", "2"
+        "pipeline",
+        FACTORY,
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "auto",
+        "--stages-per-rank",
+        "2",
+        "--run",
+        "--steps",
+        "2",
     )
     assert done.returncode == 0, done.stderr
     assert "predicted peak" in done.stdout and "measured peak" in done.stdout
-    assert "step: measured" in done.stdout
+    assert "step: measured" in done.stdout and "(2 per rank on 2 ranks)" in done.stdout

@@ -16,6 +16,7 @@ from memfit.pipeline import RankError, launch, plan
 from memfit.pipeline.partition import capture_forward, split_stages
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.plan import microbatch
+from memfit.pipeline.stages import rank_step_peak_bytes
 from pipeline_models import build
 from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train, trains_and_measures
 
@@ -113,25 +114,51 @@ SEVERAL_PER_RANK = (
 
 #: the wide MLP's cuts (graph nodes) for four stages of two layers (the last with the head)
 WIDE_CUTS = (4, 8, 12)
+#: cuts of the wide MLP under a budget: four layers in the first stage, whose plans can trade
+BUDGET_CUTS = (8, 12, 14)
 
 
 def test_every_schedule_with_two_stages_per_rank_equals_one_process() -> None:
     """Two ranks, four stages (interleaved and looped: 0 and 2 on rank 0; V: 0 and 3), a value
-    relayed across stages, BatchNorm and dropout inside them; all five schedules in one launch,
-    which also measures each rank's peak on issue 57's MLP against its prediction.
+    relayed across stages, BatchNorm and dropout inside them; all five schedules and the one
+    ``"auto"`` chooses among them in one launch, which also measures each rank's peak on issue
+    57's MLP against its prediction, and under a budget that makes interleaved 1F1B's first rank
+    recompute (its stages planned together).
 
     Each stage draws from its own stream, started from its rank's generator, so the masks are
     those of the stages run one after another, each seeded as its rank is.
     """
-    results = launch(trains_and_measures, 2, args=(SEVERAL_PER_RANK, WIDE_CUTS), timeout=500)
+    model, x, target, loss_fn = build("wide")
+    with forced_cuts(BUDGET_CUTS):
+        free = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b")
+        budget = int(0.9 * free.peak_bytes)
+        tight = plan(
+            model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b", budget=budget
+        )
+    torch.compiler.reset()
+    assert max(tight.rank_peaks) <= budget
+    assert sum(s.kept_bytes for s in tight.stages) < sum(s.kept_bytes for s in free.stages)
+    budgeted = ("interleaved_1f1b", BUDGET_CUTS, budget)
+    results = launch(
+        trains_and_measures, 2, args=(SEVERAL_PER_RANK, WIDE_CUTS, budgeted), timeout=500
+    )
     for schedule, ranks_peaks in zip(SEVERAL_PER_RANK, zip(*(r["peaks"] for r in results))):
         for rank, (_, measured, predicted) in enumerate(ranks_peaks):
             assert measured == pytest.approx(predicted, rel=0.10), (schedule, rank)
-    for schedule in SEVERAL_PER_RANK:
+    for rank, (_, measured, predicted) in enumerate(r["budget"] for r in results):
+        assert predicted == rank_step_peak_bytes(tight.rank_stages(rank), 2)
+        assert measured == pytest.approx(predicted, rel=0.10), rank
+        held = sum(s.held_bytes for s in tight.rank_stages(rank))
+        # within the budget, to the rank model's accuracy (a measured step of 1.30 MB came
+        # 0.4% above its prediction; NOTE [What torch's runtime schedules hold])
+        assert held + measured <= budget * 1.01, rank
+    for schedule in (*SEVERAL_PER_RANK, "auto"):
         ranks = [r["train"][schedule] for r in results]
         starts = {s: start for r in ranks for s, start in r["starts"].items()}
         assert sorted(starts) == [0, 1, 2, 3], schedule
-        placed = stage_ranks(schedule, 2, 2)
+        chosen = ranks[0]["schedule"]
+        assert chosen in SEVERAL_PER_RANK and {r["schedule"] for r in ranks} == {chosen}
+        placed = stage_ranks(chosen, 2, 2)
         assert all(s in r["starts"] for s in range(4) for r in [ranks[placed[s]]])
         cuts = [starts[s] for s in range(1, 4)]
         expected = _stages_in_one_process("skip", cuts, 4, placed)

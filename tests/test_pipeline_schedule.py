@@ -12,12 +12,12 @@ from memfit.pipeline.schedule import (
     HeldAtBackward,
     as_schedule,
     bubble,
-    check_budget,
     check_schedule,
     default_stages_per_rank,
     equal_stages_bubble,
     held_at_backward,
     in_flight,
+    is_single,
     is_v_shaped,
     splits_backward,
     step_peak,
@@ -78,14 +78,11 @@ def test_each_schedule_checks_torchs_rules_before_anything_runs() -> None:
         check_schedule("looped_bfs", stages=2, microbatches=8, stages_per_rank=0)
 
 
-def test_schedules_with_several_stages_per_rank_default_to_two_and_refuse_a_budget() -> None:
+def test_schedules_with_several_stages_per_rank_default_to_two() -> None:
     assert [default_stages_per_rank(s) for s in SCHEDULES] == [1, 1, 2, 2, 2, 2, 2]
+    assert [is_single(s) for s in SCHEDULES] == [True] * 2 + [False] * 5
     assert [is_v_shaped(s) for s in SCHEDULES] == [False] * 5 + [True] * 2
     assert [splits_backward(s) for s in SCHEDULES] == [False] * 4 + [True] * 3
-    check_budget("1f1b", 2**20)
-    check_budget("dualpipev", None)
-    with pytest.raises(ValueError, match=r"budget is planned for 'gpipe' and '1f1b' only"):
-        check_budget("looped_bfs", 2**20)
 
 
 def test_in_flight_is_every_micro_batch_under_gpipe_and_k_minus_s_under_1f1b() -> None:

@@ -13,23 +13,26 @@ from memfit.pipeline import plan
 from memfit.pipeline.costs import prepare_search
 from memfit.pipeline.plan import microbatch, pipeline_options
 from memfit.pipeline.search import search_stages
+from memfit.pipeline.stage_planner import StageRefused
 from pipeline_models import build
 
 
 def _refusing_first(monkeypatch: pytest.MonkeyPatch, stage: int) -> list[tuple[int, int, int]]:
     """Make memfit's planner refuse the first span proposed for ``stage``; returns the spans
     it was asked to plan."""
-    real = search_module.plan_stage
+    real = search_module.plan_rank
     asked: list[tuple[int, int, int]] = []
 
-    def planner(search: Any, graph: Any, inputs: Any, options: Any, **kwargs: Any) -> Any:
+    def planner(search: Any, facts: Any, options: Any, **kwargs: Any) -> Any:
+        (graph,) = (f.graph for f in facts)  # one stage per rank under GPipe
         span = (graph.index, graph.start, graph.end)
         asked.append(span)
         if graph.index == stage and not any(a[0] == stage for a in asked[:-1]):
-            raise memfit.BudgetError("refused by the test", budget_bytes=options.budget)
-        return real(search, graph, inputs, options, **kwargs)
+            error = memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+            raise StageRefused(graph.index, error)
+        return real(search, facts, options, **kwargs)
 
-    monkeypatch.setattr(search_module, "plan_stage", planner)
+    monkeypatch.setattr(search_module, "plan_rank", planner)
     return asked
 
 
@@ -47,10 +50,11 @@ def test_a_span_the_planner_refuses_is_cut_around(monkeypatch: pytest.MonkeyPatc
 def test_too_many_refusals_end_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x, target, loss_fn = build("skip")
 
-    def planner(search: Any, graph: Any, inputs: Any, options: Any, **kwargs: Any) -> Any:
-        raise memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+    def planner(search: Any, facts: Any, options: Any, **kwargs: Any) -> Any:
+        error = memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+        raise StageRefused(facts[0].graph.index, error)
 
-    monkeypatch.setattr(search_module, "plan_stage", planner)
+    monkeypatch.setattr(search_module, "plan_rank", planner)
     with pytest.raises(memfit.BudgetError, match="refused by the test|planner could not fit"):
         plan(model, x, loss_fn, stages=2, microbatches=4, budget=10**12)
 
@@ -91,3 +95,28 @@ def test_one_process_plans_its_stage_and_refuses_what_another_shares(
     assert list(found.plans) == [1] and shared == [{}, {}]
     assert len(first_zero) == 2 and first_zero[1] != first_zero[0]
     assert found.plans[1].start == found.cuts[0] == first_zero[1][1]
+
+
+def test_a_choice_that_ignores_refusals_ends_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``choose`` that proposes a refused split again (cuts forced by hand) gets an error,
+    not a search that never ends."""
+    model, x, target, loss_fn = build("skip")
+    options = pipeline_options(
+        stages=2,
+        microbatches=4,
+        schedule="gpipe",
+        budget=10**12,
+        optimizer_state=0.0,
+        bandwidth=None,
+    )
+    micro = microbatch((x,), 4)
+    search = prepare_search(model, micro, 128)
+    cut = search.costs.boundaries[1]
+
+    def planner(search: Any, facts: Any, options: Any, **kwargs: Any) -> Any:
+        error = memfit.BudgetError("refused by the test", budget_bytes=options.budget)
+        raise StageRefused(facts[0].graph.index, error)
+
+    monkeypatch.setattr(search_module, "plan_rank", planner)
+    with pytest.raises(memfit.BudgetError, match="proposed again"):
+        search_stages(search, micro, options, choose=lambda refused: [cut])

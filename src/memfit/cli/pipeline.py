@@ -1,7 +1,9 @@
 """``memfit pipeline TARGET --stages K --microbatches M``: the plan, and with ``--run`` the run.
 
 Without ``--run`` nothing but the plan is computed (one process): the cuts, each stage's
-modules, predicted time per micro-batch and predicted peak, the step time and the bubble. With
+modules, predicted time per micro-batch and predicted peak, the step time and the bubble.
+``--schedule auto`` compares every schedule, stages per rank and micro-batch count
+(``--microbatches`` fixes the count) and prints the table of candidates. With
 ``--run`` K local processes (gloo, one stage each; ``memfit.pipeline.launch``) train
 ``--steps`` steps with ``memfit.pipeline.Pipeline`` and the report sets the measurement beside
 the prediction: the step time (median over the steps after a first one that compiles), each
@@ -22,6 +24,7 @@ import torch
 
 from memfit.cli.errors import CliError
 from memfit.cli.options import HelpFormatter
+from memfit.pipeline.plan import AUTO
 from memfit.pipeline.schedule import SCHEDULES, PipelineSchedule, equal_stages_bubble
 from memfit.units import format_bytes
 
@@ -32,6 +35,7 @@ examples:
   memfit pipeline model.py:make --stages 4 --microbatches 8
   memfit pipeline model.py:make --stages 2 --microbatches 4 --budget 512MiB --schedule 1f1b
   memfit pipeline model.py:make --stages 2 --microbatches 4 --run --steps 3
+  memfit pipeline model.py:make --stages 4 --schedule auto --budget 2GiB --offload
 """
 
 
@@ -40,7 +44,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "pipeline",
         parents=parents,
         help="split a model into pipeline stages; --run trains it in K local processes",
-        description="Plan a GPipe-style pipeline of TARGET (a factory returning (model, "
+        description="Plan a pipeline of TARGET (a factory returning (model, "
         "example_inputs), the inputs being one mini-batch): where to cut, what each stage "
         "keeps and recomputes, the predicted step time and per-stage peak. --run launches one "
         "process per stage and reports measured against predicted.",
@@ -49,9 +53,28 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     )
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory")
     p.add_argument("--stages", type=int, required=True, help="number of stages (K)")
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step (M)")
-    p.add_argument("--schedule", choices=SCHEDULES, default=PipelineSchedule.GPIPE.value)
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        help="micro-batches per step (M); required unless --schedule auto, which chooses it",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=[*SCHEDULES, AUTO],
+        default=PipelineSchedule.GPIPE.value,
+        help="torch's schedule, or auto: memfit compares them all (default gpipe)",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        help="stages on each rank for interleaved, looped and V schedules (default 2)",
+    )
     p.add_argument("--budget", help="bytes per device, e.g. 2GiB (default: none)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="let memfit offload what micro-batches keep while they wait for their backward",
+    )
     p.add_argument(
         "--optimizer-state",
         type=float,
@@ -90,8 +113,10 @@ def _rank(
     stages: int,
     microbatches: int,
     schedule: str,
+    stages_per_rank: int,
     budget: str | None,
     optimizer_state: float,
+    offload: bool,
     steps: int,
 ) -> dict[str, Any]:
     """One rank of ``--run``: build, plan, train; its prediction and measurements."""
@@ -106,8 +131,10 @@ def _rank(
         stages=stages,
         microbatches=microbatches,
         schedule=schedule,
+        stages_per_rank=stages_per_rank,
         budget=budget,
         optimizer_state=optimizer_state,
+        offload=offload,
     )
     pipe.step(*inputs)  # compiles this rank's stage
     times, peaks = [], []
@@ -131,8 +158,14 @@ def _rank(
 def run(args: argparse.Namespace, console: Any) -> int:
     from memfit.pipeline import plan
 
-    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
-        if value < 1:
+    if args.microbatches is None and args.schedule != AUTO:
+        raise CliError("--microbatches is required unless --schedule auto (which chooses it)")
+    for flag, value in (
+        ("--stages", args.stages),
+        ("--microbatches", args.microbatches),
+        ("--stages-per-rank", args.stages_per_rank),
+    ):
+        if value is not None and value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
     if args.steps < 1:
         raise CliError(f"--steps {args.steps}: must be at least 1")
@@ -144,8 +177,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
             stages=args.stages,
             microbatches=args.microbatches,
             schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
             budget=args.budget,
             optimizer_state=args.optimizer_state,
+            offload=args.offload,
         )
     except ValueError as err:  # BudgetError is one: a budget no split fits, before any process
         raise CliError(str(err)) from err
@@ -161,16 +196,18 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args=(
             args.target,
             args.stages,
-            args.microbatches,
-            args.schedule,
+            planned.microbatches,  # auto's choices, so the ranks do not choose again
+            planned.schedule.value,
+            planned.stages_per_rank,
             args.budget,
             args.optimizer_state,
+            args.offload,
             args.steps,
         ),
         timeout=args.timeout,
     )
     step = max(r["step_seconds"] for r in results)
-    busy = statistics.fmean(r["stage_seconds"] for r in results) * args.microbatches
+    busy = statistics.fmean(r["stage_seconds"] for r in results) * planned.microbatches
     lines = [f"{'stage':>5} {'predicted peak':>15} {'measured peak':>14} {'ratio':>6}"]
     for rank, r in enumerate(results):
         # a rank's, all its stages' together when it holds several (interleaved and V schedules)
@@ -180,7 +217,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
             f"{rank:>5} {format_bytes(predicted):>15} "
             f"{format_bytes(r['peak_bytes']):>14} {ratio:>6.2f}"
         )
-    k, m = args.stages, args.microbatches
+    k, m = args.stages, planned.microbatches
     lines.append(
         f"step: measured {step * 1e3:.1f} ms, predicted {planned.step_seconds * 1e3:.1f} ms; "
         f"bubble measured {max(0.0, 1 - busy / step):.1%}, predicted {planned.bubble:.1%}, "

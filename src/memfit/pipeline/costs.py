@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,9 @@ from memfit.pipeline.partition import (
     item_boundaries,
     tensor_bytes,
 )
+
+if TYPE_CHECKING:
+    from memfit.planning.plan import Plan
 
 __all__ = [
     "TRAINING_FACTOR",
@@ -132,14 +135,16 @@ def measure_items(
 class Search:
     """The captured forward and its profiled items: what the cut search reads.
 
-    Made once per model (``prepare_search``: capture, candidate cuts, profiling); the search,
-    the split and every stage's plan read it.
+    Made once per model and micro-batch (``prepare_search``: capture, candidate cuts,
+    profiling); the search, the split and every stage's plan read it. ``stage_plans`` keeps
+    memfit's plans of stage spans (``stage_planner``), which do not depend on the schedule.
     """
 
     captured: CapturedForward
     costs: ItemCosts
     crossing: list[int]
     output_bytes: int
+    stage_plans: dict[tuple[Any, ...], Plan] = field(default_factory=dict)
 
 
 def prepare_search(

@@ -51,11 +51,12 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from memfit.execution.options import Options
 from memfit.execution.state import preserved
+from memfit.pipeline.auto import Candidate
 from memfit.pipeline.costs import Search, measure_items, prepare_search
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import local_stages, stage_ranks
-from memfit.pipeline.plan import microbatch, pipeline_options
-from memfit.pipeline.schedule import PipelineSchedule, splits_backward
+from memfit.pipeline.plan import is_auto, microbatch, pipeline_options, plan
+from memfit.pipeline.schedule import PipelineSchedule, is_single, splits_backward
 from memfit.pipeline.search import Span, choose_cuts, search_stages
 from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_step_peak_bytes
 from memfit.pipeline.streams import OwnStream, set_rng_state
@@ -73,9 +74,6 @@ _TORCH_SCHEDULES: dict[PipelineSchedule, Any] = {
     PipelineSchedule.ZBV_ZERO_BUBBLE: ScheduleZBVZeroBubble,
     PipelineSchedule.DUALPIPEV: ScheduleDualPipeV,
 }
-
-#: The schedules torch runs on one stage object (the others take a list).
-_ONE_STAGE = frozenset({PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B})
 
 
 # NOTE [Zero-bubble schedules and memfit's one-piece backward]
@@ -119,7 +117,7 @@ class Pipeline:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         stages: int,
-        microbatches: int,
+        microbatches: int | None = None,
         schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
         budget: int | str | None = None,
         optimizer_state: float = 0.0,
@@ -128,6 +126,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         release_others: bool = True,
         stages_per_rank: int | None = None,
+        offload: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -135,6 +134,23 @@ class Pipeline:
                 "torch.distributed.init_process_group first (memfit.pipeline.launch does it for "
                 "local runs)"
             )
+        #: under ``schedule="auto"``, every configuration rank 0 compared (else empty)
+        self.candidates: tuple[Candidate, ...] = ()
+        if is_auto(schedule):
+            schedule, stages_per_rank, microbatches = self._choose(
+                model,
+                example_inputs,
+                group,
+                stages=stages,
+                microbatches=microbatches,
+                budget=budget,
+                optimizer_state=optimizer_state,
+                bandwidth=bandwidth,
+                max_items=max_items,
+                stages_per_rank=stages_per_rank,
+                offload=offload,
+            )
+        assert microbatches is not None
         options = pipeline_options(
             stages=stages,
             microbatches=microbatches,
@@ -143,6 +159,7 @@ class Pipeline:
             optimizer_state=optimizer_state,
             bandwidth=bandwidth,
             stages_per_rank=stages_per_rank,
+            offload=offload,
         )
         world = dist.get_world_size(group)
         if world != stages:
@@ -190,7 +207,12 @@ class Pipeline:
         # What a stage holds between its forwards and backwards (other micro-batches) is in the
         # pipeline's own memory model: the stage must not measure and replan for it.
         self.modules: list[nn.Module] = [
-            checkpoint(g.module, p.budget_bytes, options=Options(measure_outside=False))
+            checkpoint(
+                g.module,
+                p.budget_bytes,
+                offload=options.offload,
+                options=Options(measure_outside=False),
+            )
             for g, p in zip(self.graphs, self.plans)
         ]
         #: the first of this rank's stages (its only one under GPipe and 1F1B)
@@ -228,7 +250,7 @@ class Pipeline:
         self._last_stage = options.stages - 1
         torch_schedule = _TORCH_SCHEDULES[options.schedule]
         self._schedule = torch_schedule(
-            self._stages[0] if options.schedule in _ONE_STAGE else self._stages,
+            self._stages[0] if is_single(options.schedule) else self._stages,
             microbatches,
             loss_fn=self._loss,
             scale_grads=True,
@@ -237,6 +259,32 @@ class Pipeline:
         self._tied = self._tie(graphs)
         if release_others:
             self._release(model, {n for g in self.graphs for n in g.state_names})
+
+    def _choose(
+        self, model: nn.Module, example_inputs: Any, group: dist.ProcessGroup | None, **kwargs: Any
+    ) -> tuple[PipelineSchedule, int, int]:
+        """``schedule="auto"``: rank 0 plans every configuration (``auto``) while the others
+        wait, and every rank gets its choice, or its error, so all fail alike."""
+        payload: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                chosen = plan(model, example_inputs, schedule="auto", **kwargs)
+                payload[0] = (
+                    "ok",
+                    (chosen.schedule, chosen.stages_per_rank, chosen.microbatches),
+                    chosen.candidates,
+                )
+            except (BudgetError, ValueError) as exc:
+                payload[0] = (type(exc).__name__, str(exc), getattr(exc, "least_bytes", None))
+        root = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(payload, src=root, group=group)
+        kind, first, second = payload[0]
+        if kind == "BudgetError":
+            raise BudgetError(first, budget_bytes=None, least_bytes=second)
+        if kind != "ok":
+            raise ValueError(first)
+        self.candidates = second
+        return first
 
     @property
     def predicted_step_peak_bytes(self) -> int:

@@ -12,9 +12,8 @@ The other schedules ``torch.distributed.pipelining`` offers run several stages p
 (``placement`` says which rank holds which): interleaved and looped ones stage ``s`` on rank
 ``s % K``, V-shaped ones stages ``r`` and ``2K - 1 - r`` on rank ``r``. Here each of their stages
 gets GPipe's model (every micro-batch in flight, every send held: a bound per stage); a rank's
-peak is simulated on the order torch runs its stages in (``rank_model``). A budget is refused for
-them (``check_budget``): a rank's memory is then that of several stages together, which the
-per-stage cut search does not bound.
+peak is simulated on the order torch runs its stages in (``rank_model``), and a budget is met by
+the rank's stages together (``stage_planner``).
 
 ``PipelineSchedule`` is the closed choice; every public function takes a member or its string
 and converts at the boundary (``as_schedule``), naming the choices when the string is none.
@@ -34,12 +33,12 @@ __all__ = [
     "PipelineSchedule",
     "as_schedule",
     "bubble",
-    "check_budget",
     "check_schedule",
     "default_stages_per_rank",
     "equal_stages_bubble",
     "held_at_backward",
     "in_flight",
+    "is_single",
     "is_v_shaped",
     "splits_backward",
     "step_peak",
@@ -91,6 +90,11 @@ _SINGLE = frozenset({PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B})
 _V_SHAPED = frozenset({PipelineSchedule.ZBV_ZERO_BUBBLE, PipelineSchedule.DUALPIPEV})
 #: Interleaved: ``M`` a multiple of the rounds.
 _ROUNDS = frozenset({PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.INTERLEAVED_ZERO_BUBBLE})
+
+
+def is_single(schedule: PipelineSchedule | str) -> bool:
+    """Whether the schedule runs one stage per rank (GPipe, 1F1B)."""
+    return as_schedule(schedule) in _SINGLE
 
 
 def is_v_shaped(schedule: PipelineSchedule | str) -> bool:
@@ -147,17 +151,6 @@ def check_schedule(
         raise ValueError(
             f"{chosen} on {ranks} ranks needs at least {least[chosen]} micro-batches, got "
             f"{microbatches}"
-        )
-
-
-def check_budget(schedule: PipelineSchedule | str, budget: int | None) -> None:
-    """Raise ``ValueError`` for a budget under a schedule with several stages per rank, whose
-    per-rank memory (a sum over stages) the cut search does not bound yet."""
-    if budget is not None and as_schedule(schedule) not in _SINGLE:
-        raise ValueError(
-            f"a per-device budget is planned for 'gpipe' and '1f1b' only; {as_schedule(schedule)} "
-            "holds several stages per rank, whose sum the cut search does not bound yet: plan it "
-            "without a budget, or use schedule='1f1b' under the budget"
         )
 
 

@@ -5,13 +5,17 @@ captured forward (``partition.item_boundaries``) for the predicted step of the s
 ``(M - 1) * slowest stage + sum of stages``, with every stage's predicted peak within the
 per-device budget (``choose_cuts``). The stage model of that search is GPipe's: a stage keeps,
 per micro-batch in flight, only what crosses its cuts and recomputes the rest in backward, so
-while one micro-batch's backward runs it holds that micro-batch's activations (``costs``).
+while one micro-batch's backward runs it holds that micro-batch's activations (``costs``). Where
+a rank holds ``V`` stages, the fastest split is proposed first, whatever the budget (the
+planner, which simulates the rank, judges it); once a span is refused, each stage is held to
+``budget / V`` (the rank's stages together then fit, by that model: a bound, since they do not
+all peak at once, so it may refuse budgets a rank would meet).
 
-That model is an estimate; memfit's planner, which decides what each stage really keeps
-(``stages.plan_stage``), may need more. A span it cannot fit within the budget is refused and the
-search runs again without it, until a split whose every stage the planner fits is found
-(``search_stages``, the one loop both ``plan`` and ``Pipeline`` run; ``Pipeline`` plugs in its
-ranks' agreement on the cuts and their refusals).
+That model is an estimate; memfit's planner, which decides what each stage really keeps, a
+rank's stages together (``stage_planner.plan_rank``), may need more. A span it cannot fit within
+the budget is refused and the search runs again without it, until a split whose every rank the
+planner fits is found (``search_stages``, the one loop both ``plan`` and ``Pipeline`` run;
+``Pipeline`` plugs in its ranks' agreement on the cuts and their refusals).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import torch
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.intervals import CapacityError, balance_intervals
 from memfit.pipeline.partition import StageGraph, split_stages
+from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import step_peak
-from memfit.pipeline.stages import PipelineOptions, StagePlan, plan_stage, stage_inputs
+from memfit.pipeline.stage_planner import StageRefused, plan_rank, stage_facts
+from memfit.pipeline.stages import PipelineOptions, StagePlan, stage_inputs
 from memfit.planning.budget import BudgetError
 from memfit.units import format_bytes
 
@@ -96,6 +102,11 @@ def choose_cuts(
             grads[i, j] = params_total
 
     over = float(budget or 0) + 1.0
+    share = options.stages_per_rank  # each of a rank's stages within budget / V
+    if share > 1 and not refused:
+        # V x a stage's bound is far above what a rank's stages hold together (they do not all
+        # peak at once): propose the fastest split first and let the planner judge the ranks
+        budget = None
 
     def stage_memory(s: int, i: int, j: int) -> float:
         if (s, bounds[i], bounds[j]) in refused:
@@ -103,7 +114,7 @@ def choose_cuts(
         # GPipe's stage: nothing kept but what crosses the cuts; one micro-batch's activations
         # (all recomputed) and its gradients while its backward runs
         transient = act[j] - act[i] + grads[i, j]
-        return (
+        return share * (
             held[i, j]
             + microbatches * (received(i) + (sent(j) if j < n else 0))
             + step_peak(
@@ -190,35 +201,66 @@ def search_stages(
     planned_here: Sequence[int] | None = None,
     choose: Callable[[frozenset[Span]], list[int]] | None = None,
     share: Callable[[dict[int, BudgetError]], dict[int, BudgetError]] | None = None,
+    exact: bool = True,
 ) -> StagesFound:
     """Cut, plan the stages with memfit's planner, and cut again around every span it refuses.
 
-    One process plans every stage (``plan``); ``Pipeline`` plans only its rank's
-    (``planned_here``), takes the cuts rank 0 chose (``choose``, given the spans refused so far;
-    default ``choose_cuts``) and gathers every rank's refusal (``share``, given this process's
-    and returning all of them), so that every rank refuses the same spans and searches again
-    alike. Raises ``BudgetError`` when no split fits, or when too many spans were refused
-    (``refuse``).
+    The stages are planned rank by rank, a rank's together (``stage_planner.plan_rank``); a rank
+    that does not fit refuses its largest stage's span. One process plans every stage
+    (``plan``); ``Pipeline`` plans only its rank's (``planned_here``), takes the cuts rank 0
+    chose (``choose``, given the spans refused so far; default ``choose_cuts``) and gathers
+    every rank's refusal (``share``, given this process's and returning all of them), so that
+    every rank refuses the same spans and searches again alike (``exact``: see
+    ``stage_planner``). Raises ``BudgetError`` when no split fits, or when too many spans were
+    refused (``refuse``), with the least peak the planner reached on a refused split when the
+    search's estimate gives none.
     """
     refused: set[Span] = set()
+    tried: set[tuple[int, ...]] = set()
+    reached: list[int] = []  # the planner's least peak of each refused rank
     while True:
-        if choose is None:
-            cuts = choose_cuts(search, options, frozenset(refused))
-        else:
-            cuts = choose(frozenset(refused))
+        try:
+            if choose is None:
+                cuts = choose_cuts(search, options, frozenset(refused))
+            else:
+                cuts = choose(frozenset(refused))
+            if tuple(cuts) in tried:  # a ``choose`` that ignores refusals would loop forever
+                raise BudgetError(
+                    f"the split {list(cuts)} was proposed again after memfit's planner refused it",
+                    budget_bytes=options.budget,
+                )
+        except BudgetError as err:
+            if err.least_bytes is not None or not reached:
+                raise
+            raise BudgetError(
+                f"{err}; the least peak memfit's planner reached on a rank of a split it tried "
+                f"is {format_bytes(min(reached))}",
+                budget_bytes=err.budget_bytes,
+                least_bytes=min(reached),
+            ) from None
+        tried.add(tuple(cuts))
         graphs = split_stages(search.captured, cuts)
         examples = stage_inputs(graphs, micro, search.captured)
         plans: dict[int, StagePlan] = {}
         failed: dict[int, BudgetError] = {}
-        for s in range(len(graphs)) if planned_here is None else planned_here:
+        placed = stage_ranks(options.schedule, options.ranks, options.stages_per_rank)
+        here = range(len(graphs)) if planned_here is None else planned_here
+        for rank in sorted({placed[s] for s in here}):
+            facts = [
+                stage_facts(search, graphs[s], examples[s], options)
+                for s in here
+                if placed[s] == rank
+            ]
             try:
-                plans[s] = plan_stage(search, graphs[s], examples[s], options)
-            except BudgetError as err:
-                failed[s] = err
-                break  # the split changes: the later stages' plans would not be used
+                plans.update(plan_rank(search, facts, options, exact=exact))
+            except StageRefused as refusal:
+                failed[refusal.stage] = refusal.error
+                break  # the split changes: the later ranks' plans would not be used
         if share is not None:
             failed = share(failed)
         if not failed:
             return StagesFound(cuts, graphs, examples, plans)
         for s in sorted(failed):
+            least = failed[s].least_bytes
+            reached += [least] if least is not None else []
             refuse(refused, graphs[s], failed[s], options.stages)

@@ -23,43 +23,43 @@ What a stage holds, in the terms of the table ``PipelinePlan`` prints (per devic
   (``schedule.step_peak``).
 
 Time per micro-batch is profiled forward time times three (forward, backward at twice the
-forward) plus the recomputation the plan does, plus, when ``bandwidth`` is given, the transfer of
-what crosses the stage's outgoing cut forward and its gradient back.
+forward) plus the recomputation the plan does and the time its compute waits for offloaded values
+(``offload``), plus, when ``bandwidth`` is given, the transfer of what crosses the stage's
+outgoing cut forward and its gradient back. ``stage_planner`` makes the plans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.execution.options import Options
 from memfit.execution.state import preserved
 from memfit.pipeline.balancing import pipeline_step_time
-from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
+from memfit.pipeline.costs import TRAINING_FACTOR
 from memfit.pipeline.partition import CapturedForward, StageGraph
-from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.rank_model import StageSizes, rank_step_peak
 from memfit.pipeline.schedule import (
     PipelineSchedule,
     bubble,
     equal_stages_bubble,
-    in_flight,
+    is_single,
     step_peak,
 )
 from memfit.pipeline.timeline import simulate_step
-from memfit.planning.budget import BudgetError
-from memfit.planning.plan import FrontierPoint
 from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.pipeline.auto import Candidate
 
 __all__ = [
     "PipelineOptions",
     "PipelinePlan",
     "StagePlan",
-    "plan_stage",
     "rank_peak",
+    "rank_step",
     "rank_step_peak_bytes",
     "stage_inputs",
 ]
@@ -84,6 +84,9 @@ class PipelineOptions:
     bandwidth: float | None
     #: stages each rank holds (``placement`` says which): 1 for GPipe and 1F1B
     stages_per_rank: int = 1
+    #: whether memfit's planner may offload what a micro-batch keeps while it waits for its
+    #: backward (``memfit.checkpoint(..., offload=True)`` on every stage)
+    offload: bool = False
 
     @property
     def ranks(self) -> int:
@@ -123,6 +126,9 @@ class StagePlan:
     schedule: PipelineSchedule = PipelineSchedule.GPIPE
     #: the rank (device) that holds this stage (``placement.stage_ranks``)
     rank: int = 0
+    #: what the plan offloads per micro-batch, and the seconds its compute waits for the link
+    offloaded_bytes: int = 0
+    stall_seconds: float = 0.0
 
     @property
     def first_module(self) -> str:
@@ -134,9 +140,12 @@ class StagePlan:
 
     @property
     def time_seconds(self) -> float:
-        """Forward, backward, recomputation and transfer of one micro-batch."""
+        """Forward, backward, recomputation, offload stall and transfer of one micro-batch."""
         return (
-            TRAINING_FACTOR * self.forward_seconds + self.recompute_seconds + self.transfer_seconds
+            TRAINING_FACTOR * self.forward_seconds
+            + self.recompute_seconds
+            + self.stall_seconds
+            + self.transfer_seconds
         )
 
     @property
@@ -202,14 +211,39 @@ class StagePlan:
         )
 
 
+def rank_step(
+    schedule: PipelineSchedule,
+    ranks: int,
+    stages_per_rank: int,
+    microbatches: int,
+    rank: int,
+    sizes: Mapping[int, StageSizes],
+) -> int:
+    """The peak above what is live before a step of rank ``rank``, its stages' parts
+    ``sizes`` (all of them, by stage index): its one stage's under GPipe and 1F1B
+    (``schedule.step_peak``), else simulated on the order torch runs its stages in
+    (``rank_model``)."""
+    if is_single(schedule):
+        ((stage, part),) = sizes.items()
+        return step_peak(
+            schedule,
+            stage,
+            ranks,
+            microbatches,
+            each=part.each,
+            transient=part.transient,
+            grads=part.grads,
+            sent=part.sent,
+            input_grad=part.input_grad,
+        )
+    return rank_step_peak(schedule, ranks, stages_per_rank, microbatches, rank, sizes)
+
+
 def rank_step_peak_bytes(plans: Sequence[StagePlan], ranks: int) -> int:
     """The peak above what is live before a step of the rank holding ``plans`` (all its
-    stages): its one stage's under GPipe and 1F1B, else simulated on the order torch runs its
-    stages in (``rank_model``)."""
+    stages; ``rank_step``)."""
     first = plans[0]
-    if first.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
-        return first.step_peak_bytes
-    return rank_step_peak(
+    return rank_step(
         first.schedule,
         ranks,
         len(plans),
@@ -236,6 +270,8 @@ class PipelinePlan:
     candidate_cuts: int
     #: stages each rank holds: the plan has ``stages_per_rank x K`` stages on K ranks
     stages_per_rank: int = 1
+    #: under ``schedule="auto"``, every configuration compared, the chosen one among them
+    candidates: tuple[Candidate, ...] = ()
 
     @property
     def step_seconds(self) -> float:
@@ -256,7 +292,7 @@ class PipelinePlan:
 
     @property
     def _simulated(self) -> tuple[float, float] | None:
-        if self.schedule in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+        if is_single(self.schedule):
             return None
         return simulate_step(
             self.schedule,
@@ -318,12 +354,24 @@ class PipelinePlan:
             f"((K-1)/(M+K-1) = {equal_stages_bubble(self.ranks, self.microbatches):.1%}), "
             f"largest rank peak {format_bytes(self.peak_bytes)}"
         )
-        if self.schedule not in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
+        if not is_single(self.schedule):
             peaks = ", ".join(format_bytes(p) for p in self.rank_peaks)
             lines.append(
                 f"rank peaks {peaks}; rank peaks, step and bubble simulated on {self.schedule}'s "
                 "order; stage peaks are GPipe's bound"
             )
+        if any(s.offloaded_bytes for s in self.stages):
+            offloaded = ", ".join(format_bytes(s.offloaded_bytes) for s in self.stages)
+            lines.append(f"offloaded per micro-batch, by stage: {offloaded}")
+        if self.candidates:
+            from memfit.pipeline.auto import candidate_table
+
+            lines.append(
+                f"schedule='auto' compared {len(self.candidates)} configurations (predicted; "
+                "V stages per rank, M micro-batches; added: recomputation and offload stall "
+                "over compute; * chosen: the least step that fits):"
+            )
+            lines.append(candidate_table(self.candidates))
         return "\n".join(lines)
 
 
@@ -354,106 +402,3 @@ def stage_inputs(
             if stage.sends:
                 values.update(zip(stage.sends, out))
     return result
-
-
-def _choose_point(
-    frontier: Sequence[FrontierPoint], fits: Callable[[FrontierPoint], bool]
-) -> FrontierPoint | None:
-    fitting = [p for p in frontier if fits(p)]
-    if not fitting:
-        return None
-    return min(fitting, key=lambda p: (p.recompute_seconds, p.recompute_flops, p.peak_bytes))
-
-
-def plan_stage(
-    search: Search,
-    stage: StageGraph,
-    inputs: tuple[torch.Tensor, ...],
-    options: PipelineOptions,
-    *,
-    attention: str = "auto",
-) -> StagePlan:
-    """memfit's plan for one stage's graph: the least recomputation that fits the budget.
-
-    Raises ``BudgetError`` when none of memfit's plans for the stage fits the budget.
-    """
-    from memfit.execution.module import plan as memfit_plan
-
-    schedule, microbatches, budget = options.schedule, options.microbatches, options.budget
-    bandwidth = options.bandwidth
-    names = set(stage.state_names)
-    params, buffers, opt = state_bytes(search, names, options.optimizer_state)
-    last = stage.end == len(search.captured.nodes)
-    send = search.output_bytes if last else stage.send_bytes
-    receive = stage.receive_bytes if stage.index > 0 else 0
-    receive_grad = stage.receive_grad_bytes if stage.index > 0 else 0
-    flight = in_flight(schedule, stage.index, options.stages, microbatches)
-    graph_plan = memfit_plan(
-        stage.module, *inputs, policy=1.0, options=Options(attention=attention)
-    )
-    frontier = graph_plan.pareto()
-    fixed = params + buffers + opt + microbatches * (receive + (0 if last else send))
-
-    def peak_of(p: FrontierPoint) -> int:
-        return step_peak(
-            schedule,
-            stage.index,
-            options.stages,
-            microbatches,
-            each=p.kept_bytes + send,
-            transient=p.peak_bytes,
-            grads=params,
-            sent=send,
-            input_grad=receive_grad,
-        )
-
-    def fits(p: FrontierPoint) -> bool:
-        if budget is None:
-            return True
-        return fixed + peak_of(p) <= budget
-
-    point = _choose_point(frontier, fits)
-    if point is None:
-        least = min(fixed + peak_of(p) for p in frontier)
-        raise BudgetError(
-            f"stage {stage.index} ({stage.modules[0] if stage.modules else '?'} ..) does not fit "
-            f"{format_bytes(budget or 0)}: its least predicted peak with memfit's plan is "
-            f"{format_bytes(least)}",
-            budget_bytes=budget,
-            least_bytes=least,
-        )
-    # The frontier is a search; the plan ``checkpoint(model, budget)`` makes for that budget is
-    # what runs (it may keep less): predict with that one.
-    chosen = memfit_plan(
-        stage.module, *inputs, policy=point.peak_bytes, options=Options(attention=attention)
-    )
-    costs = search.costs
-    first_item = costs.boundaries.index(stage.start)
-    last_item = costs.boundaries.index(stage.end)
-    forward = sum(costs.forward_seconds[first_item:last_item])
-    ratio = chosen.recompute_flops / chosen.forward_flops if chosen.forward_flops else 0.0
-    transfer = 2 * send / bandwidth if bandwidth and not last else 0.0
-    return StagePlan(
-        index=stage.index,
-        stages=options.stages,
-        start=stage.start,
-        end=stage.end,
-        modules=tuple(stage.modules),
-        parameter_bytes=params,
-        buffer_bytes=buffers,
-        optimizer_bytes=opt,
-        receive_bytes=receive,
-        send_bytes=send,
-        receive_grad_bytes=receive_grad,
-        in_flight=flight,
-        microbatches=microbatches,
-        kept_bytes=chosen.kept_bytes,
-        transient_bytes=chosen.predicted_peak_bytes,
-        forward_seconds=forward,
-        recompute_seconds=ratio * forward,
-        transfer_seconds=transfer,
-        budget_bytes=point.peak_bytes,
-        is_last=last,
-        schedule=schedule,
-        rank=stage_ranks(schedule, options.ranks, options.stages_per_rank)[stage.index],
-    )

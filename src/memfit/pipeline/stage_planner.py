@@ -1,0 +1,296 @@
+"""memfit's planner on a pipeline's stages: each stage's frontier, and the points a rank keeps.
+
+Each stage's graph is planned by memfit's planner, which gives its Pareto frontier of peak
+against added time: recomputation and, with ``offload``, the time compute waits for the link
+(offloaded values leave the device while the micro-batch waits for its backward, which is how
+the activations of micro-batches in flight are offloaded). What a rank holds depends on all its
+stages together (the schedule runs their micro-batches interleaved), so a rank's stages choose
+their points together: the least added time, summed over the rank's stages, whose predicted rank
+peak (``stages.rank_step``, with the other micro-batches in flight as the schedule has them)
+fits the per-device budget.
+
+With one stage per rank (GPipe, 1F1B) that is exactly the cheapest point that fits. With
+several, every combination of the stages' points is tried while there are at most
+``EXHAUSTIVE`` (the rank peak is simulated on the schedule's order for each); beyond that the
+rank starts from every stage's cheapest point and, while over the budget, moves the stage whose
+next smaller point saves the most bytes of the rank's peak per second added (greedy: up to 1.8x
+the least added time on TinyGPT's DualPipeV rank, where every combination is tried). Without a
+budget every stage keeps everything.
+
+The chosen point is a search's; the plan ``memfit.checkpoint(stage, point's peak)`` makes is
+what runs (it may keep less), so each stage is planned again at that peak and its numbers are the
+prediction (``exact``; ``schedule="auto"`` compares candidates on the points' own numbers and
+plans only its choice again: a plan captures the stage anew, seconds each). Both plans are cached
+on the ``Search`` by span: ``auto`` plans the same span under many schedules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from memfit.execution.options import Options
+from memfit.pipeline.costs import Search, state_bytes
+from memfit.pipeline.partition import StageGraph
+from memfit.pipeline.placement import stage_ranks
+from memfit.pipeline.rank_model import StageSizes
+from memfit.pipeline.schedule import in_flight
+from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_step
+from memfit.planning.budget import BudgetError
+from memfit.planning.plan import FrontierPoint, Plan
+from memfit.units import format_bytes
+
+__all__ = ["EXHAUSTIVE", "StageFacts", "StageRefused", "plan_rank", "stage_facts"]
+
+#: a rank's stages try every combination of their frontier points up to this many
+EXHAUSTIVE = 512
+
+
+class StageRefused(Exception):
+    """A rank's stages do not fit the budget; ``stage`` is the one to cut differently (the
+    largest at its least), ``error`` says why."""
+
+    def __init__(self, stage: int, error: BudgetError) -> None:
+        super().__init__(str(error))
+        self.stage, self.error = stage, error
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What planning one stage reads: its graph and example inputs, the bytes it holds and
+    passes on, and memfit's frontier for its graph (one micro-batch)."""
+
+    graph: StageGraph
+    inputs: tuple[torch.Tensor, ...]
+    parameter_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+    send_bytes: int
+    receive_bytes: int
+    receive_grad_bytes: int
+    is_last: bool
+    microbatches: int
+    frontier: tuple[FrontierPoint, ...]
+    #: the stage's forward FLOPs (one micro-batch), against which recomputation is a share
+    forward_flops: int
+
+    @property
+    def held_bytes(self) -> int:
+        """State and the schedule's receive buffers (``StagePlan.held_bytes``)."""
+        buffers = self.microbatches * (
+            self.receive_bytes + (0 if self.is_last else self.send_bytes)
+        )
+        return self.parameter_bytes + self.buffer_bytes + self.optimizer_bytes + buffers
+
+    def sizes(self, point: FrontierPoint) -> StageSizes:
+        """The stage's part in its rank's step were it to keep ``point``."""
+        return StageSizes(
+            each=point.kept_bytes + self.send_bytes,
+            transient=point.peak_bytes,
+            grads=self.parameter_bytes,
+            sent=self.send_bytes,
+            input_grad=self.receive_grad_bytes,
+        )
+
+
+def _memfit_plan(
+    search: Search,
+    stage: StageGraph,
+    inputs: tuple[torch.Tensor, ...],
+    policy: float | int,
+    options: PipelineOptions,
+    attention: str,
+) -> Plan:
+    """memfit's plan of ``stage`` at ``policy``, cached on ``search`` by span."""
+    from memfit.execution.module import plan as memfit_plan
+
+    key = (stage.start, stage.end, policy, options.offload, attention)
+    if key not in search.stage_plans:
+        search.stage_plans[key] = memfit_plan(
+            stage.module,
+            *inputs,
+            policy=policy,
+            offload=options.offload,
+            options=Options(attention=attention, measure_outside=False),
+        )
+    return search.stage_plans[key]
+
+
+def stage_facts(
+    search: Search,
+    stage: StageGraph,
+    inputs: tuple[torch.Tensor, ...],
+    options: PipelineOptions,
+    *,
+    attention: str = "auto",
+) -> StageFacts:
+    """``stage``'s facts (``StageFacts``), its frontier planned by memfit (cached by span)."""
+    params, buffers, opt = state_bytes(search, set(stage.state_names), options.optimizer_state)
+    last = stage.end == len(search.captured.nodes)
+    planned = _memfit_plan(search, stage, inputs, 1.0, options, attention)
+    return StageFacts(
+        graph=stage,
+        inputs=inputs,
+        parameter_bytes=params,
+        buffer_bytes=buffers,
+        optimizer_bytes=opt,
+        send_bytes=search.output_bytes if last else stage.send_bytes,
+        receive_bytes=stage.receive_bytes if stage.index > 0 else 0,
+        receive_grad_bytes=stage.receive_grad_bytes if stage.index > 0 else 0,
+        is_last=last,
+        microbatches=options.microbatches,
+        frontier=tuple(planned.pareto()),
+        forward_flops=planned.forward_flops,
+    )
+
+
+def _cheapest(points: Sequence[FrontierPoint]) -> FrontierPoint:
+    return min(points, key=lambda p: (p.cost_seconds, p.recompute_flops, p.peak_bytes))
+
+
+def _choose(
+    facts: Sequence[StageFacts],
+    peak_of: Callable[[Sequence[FrontierPoint]], int],
+    budget: int | None,
+) -> tuple[list[FrontierPoint] | None, int]:
+    """The points the rank's stages keep (None when none fit) and the least peak seen."""
+    fastest = [_cheapest(f.frontier) for f in facts]
+    if budget is None:
+        return fastest, peak_of(fastest)
+    if math.prod(len(f.frontier) for f in facts) <= EXHAUSTIVE:
+        combos = {c: peak_of(c) for c in itertools.product(*(f.frontier for f in facts))}
+        fitting = [c for c, peak in combos.items() if peak <= budget]
+        if not fitting:
+            return None, min(combos.values())
+        best = min(fitting, key=lambda c: (sum(p.cost_seconds for p in c), combos[c]))
+        return list(best), combos[best]
+    # frontiers by increasing peak: a smaller point is one step to the left
+    at = [f.frontier.index(p) for f, p in zip(facts, fastest)]
+    points = list(fastest)
+    peak = least = peak_of(points)
+    while peak > budget:
+        moves = []
+        for k, f in enumerate(facts):
+            if at[k] == 0:
+                continue
+            trial = [*points[:k], f.frontier[at[k] - 1], *points[k + 1 :]]
+            added = max(trial[k].cost_seconds - points[k].cost_seconds, 1e-12)
+            trial_peak = peak_of(trial)
+            moves.append(((peak - trial_peak) / added, -added, k, trial, trial_peak))
+        if not moves:
+            return None, least
+        _, _, k, points, peak = max(moves, key=lambda m: (m[0], m[1]))
+        at[k] -= 1
+        least = min(least, peak)
+    return points, least
+
+
+def plan_rank(
+    search: Search,
+    facts: Sequence[StageFacts],
+    options: PipelineOptions,
+    *,
+    attention: str = "auto",
+    exact: bool = True,
+) -> dict[int, StagePlan]:
+    """Plans of one rank's stages (``facts``, all of them), chosen together; see the module
+    docstring (``exact``: each planned again at its point's peak, what runs; else the point's
+    own numbers). Raises ``StageRefused`` when they cannot fit the per-device budget."""
+    placed = stage_ranks(options.schedule, options.ranks, options.stages_per_rank)
+    rank = placed[facts[0].graph.index]
+    held = sum(f.held_bytes for f in facts)
+
+    def peak_of(points: Sequence[FrontierPoint]) -> int:
+        sizes = {f.graph.index: f.sizes(p) for f, p in zip(facts, points)}
+        return held + rank_step(
+            options.schedule,
+            options.ranks,
+            options.stages_per_rank,
+            options.microbatches,
+            rank,
+            sizes,
+        )
+
+    points, least = _choose(facts, peak_of, options.budget)
+    if points is None:
+        largest = max(facts, key=lambda f: f.held_bytes + min(p.peak_bytes for p in f.frontier))
+        where = ", ".join(
+            f"stage {f.graph.index} ({f.graph.modules[0] if f.graph.modules else '?'} ..)"
+            for f in facts
+        )
+        raise StageRefused(
+            largest.graph.index,
+            BudgetError(
+                f"rank {rank}'s {where} do not fit {format_bytes(options.budget or 0)}: its "
+                f"least predicted peak with memfit's plans is {format_bytes(least)}"
+                if len(facts) > 1
+                else f"{where} does not fit {format_bytes(options.budget or 0)}: its least "
+                f"predicted peak with memfit's plan is {format_bytes(least)}",
+                budget_bytes=options.budget,
+                least_bytes=least,
+            ),
+        )
+    return {
+        f.graph.index: _stage_plan(search, f, p, options, rank, attention, exact)
+        for f, p in zip(facts, points)
+    }
+
+
+def _stage_plan(
+    search: Search,
+    facts: StageFacts,
+    point: FrontierPoint,
+    options: PipelineOptions,
+    rank: int,
+    attention: str,
+    exact: bool,
+) -> StagePlan:
+    stage = facts.graph
+    if exact:
+        chosen = _memfit_plan(search, stage, facts.inputs, point.peak_bytes, options, attention)
+        kept, transient, offloaded = (
+            chosen.kept_bytes,
+            chosen.predicted_peak_bytes,
+            chosen.offloaded_bytes,
+        )
+        recompute, stall = chosen.recompute_flops, chosen.stall_seconds
+    else:
+        kept, transient, offloaded = point.kept_bytes, point.peak_bytes, point.offloaded_bytes
+        recompute, stall = point.recompute_flops, point.stall_seconds
+    costs = search.costs
+    first_item = costs.boundaries.index(stage.start)
+    last_item = costs.boundaries.index(stage.end)
+    forward = sum(costs.forward_seconds[first_item:last_item])
+    ratio = recompute / facts.forward_flops if facts.forward_flops else 0.0
+    bandwidth = options.bandwidth
+    last = facts.is_last
+    return StagePlan(
+        index=stage.index,
+        stages=options.stages,
+        start=stage.start,
+        end=stage.end,
+        modules=tuple(stage.modules),
+        parameter_bytes=facts.parameter_bytes,
+        buffer_bytes=facts.buffer_bytes,
+        optimizer_bytes=facts.optimizer_bytes,
+        receive_bytes=facts.receive_bytes,
+        send_bytes=facts.send_bytes,
+        receive_grad_bytes=facts.receive_grad_bytes,
+        in_flight=in_flight(options.schedule, stage.index, options.stages, options.microbatches),
+        microbatches=options.microbatches,
+        kept_bytes=kept,
+        transient_bytes=transient,
+        forward_seconds=forward,
+        recompute_seconds=ratio * forward,
+        transfer_seconds=2 * facts.send_bytes / bandwidth if bandwidth and not last else 0.0,
+        budget_bytes=point.peak_bytes,
+        is_last=last,
+        schedule=options.schedule,
+        rank=rank,
+        offloaded_bytes=offloaded,
+        stall_seconds=stall,
+    )
