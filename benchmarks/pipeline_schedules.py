@@ -1,20 +1,36 @@
-"""Step time and bubble of the schedules with several stages per rank, stages modelled by sleeping.
+"""Every pipeline schedule, and ``auto``, through ``memfit.pipeline.Pipeline`` on sleeping blocks.
 
-``pipeline_schedule.py`` checks GPipe's and 1F1B's step against ``(M - 1) max t + sum t``; this
-script does the same for the five schedules ``torch.distributed.pipelining`` runs with several
-stages per rank (interleaved 1F1B, looped BFS, interleaved zero bubble, ZBV, DualPipeV), against
-memfit's prediction, the step simulated on the order torch runs them in
-(``memfit.pipeline.timeline.simulate_step``). Each stage sleeps its forward ``f`` and backward
-``b`` (``pipeline_schedule.SleepStage``: no core held, so K ranks fit on two cores), two stages
-per rank placed as memfit places them (``memfit.pipeline.placement``), the zero-bubble ones with
-the backward in one piece at the input step as memfit runs them (an empty weight step). Beside
-the measured and predicted bubble: GPipe's ``(K - 1) / (M + K - 1)`` over whole ranks and
-Megatron's interleaved ``(K - 1) / (V M + K - 1)``.
+A 2-core machine cannot show a pipeline's speed-up with real compute (K processes share two
+cores), so each block of the model is a ``Linear`` (its input saved for the backward: known
+bytes) followed by ``memfit_bench::sleep``, a custom op that sleeps its block's time in the
+forward and twice that in the backward (memfit assumes backward = 2 x forward, ``costs.
+TRAINING_FACTOR``) and holds no core. memfit captures the op as one opaque node and profiles its
+sleep, so the pipeline is cut, planned, placed and run exactly as ``Pipeline`` does for a real
+model, on 4 ranks over gloo. The blocks are not equal in time (``BLOCK_UNITS``), so the balance
+matters.
 
-Per configuration: one warm-up step, then the median of ``--repeats`` steps, each started after
-a barrier and timed on every rank (a step's time is its slowest rank's). Writes
-``benchmarks/results/pipeline_schedules.{json,md}`` (``--quick``: 10 ms stages, M = 8 only,
-``_quick`` files).
+Per schedule (the seven of ``PipelineSchedule``) and for the configuration
+``memfit.pipeline.plan(..., schedule="auto")`` chooses, one fresh ``Pipeline`` in the same
+processes: each rank's predicted peak (``pipe.predicted_step_peak_bytes``) against the one
+``memfit.measure`` records over a step, and the step time and bubble predicted
+(``timeline.simulate_step`` on the stages' profiled times, with and without the runtime's
+measured per-action overhead and the link's latency: NOTE [What a step costs beyond its
+stages' times]) against the measured ones (median of ``--repeats`` steps after a warm-up, each
+after a barrier, the slowest rank's), beside the formulas: GPipe's ``(K - 1) / (M + K - 1)`` and
+the Zero Bubble paper's ZB-H1 ``(K - 1)(F + B - W)`` of idle per rank (B and W the backward's
+input and weight halves), which memfit's zero-bubble schedules do not reach: memfit runs the
+backward in one piece (NOTE [Zero-bubble schedules and memfit's one-piece backward] in
+``pipeline/runtime.py``), so their bubble is 1F1B's. The baseline is torchgpipe's: the same
+blocks in equal numbers per stage, eager, GPipe, no balancing.
+
+The overhead is measured on the same model with blocks that sleep nothing, one micro-batch under
+GPipe (one rank works at a time: each action's own cost, not four ranks' contention for two
+cores), timed before every configuration and pooled into one number as the machine's load
+drifts; the latency by a ping-pong between two ranks at the same moments. Both go into every
+row's prediction. With ``--budget-fraction`` a second pass plans every schedule under a
+per-device budget that fraction of the schedules' median largest rank peak: some are refused,
+some recompute. Writes
+``benchmarks/results/pipeline_schedules.{json,md}`` (``--quick``: shorter sleeps, ``_quick``).
 """
 
 from __future__ import annotations
@@ -27,164 +43,554 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    ScheduleDualPipeV,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from memfit.pipeline import launch
-from memfit.pipeline.placement import local_stages
-from memfit.pipeline.schedule import check_schedule, splits_backward
+import memfit
+from memfit.pipeline import Pipeline, launch
+from memfit.pipeline.schedule import SCHEDULES, check_schedule, default_stages_per_rank
 from memfit.pipeline.timeline import simulate_step
-from pipeline_schedule import SleepStage, write_record
+from pipeline_schedule import write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-#: memfit's name of each schedule, and the torch class that runs it
-SCHEDULES = {
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv_zero_bubble": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-PER_RANK = 2
+RANKS = 4
+MICROBATCHES = 8
+#: activations, not parameters, fill memory (as in issue 57's MLP): 32 KiB per micro-batch's
+#: activation at M = 8, 16 KiB of weights per block
+WIDTH = 64
+BATCH = 1024
+#: each block's forward in units of ``--unit`` ms: later blocks slower, as a deep net's head
+BLOCK_UNITS = [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
+@torch.library.custom_op("memfit_bench::sleep", mutates_args=())
+def sleep(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """``x`` again, ``seconds`` per ``BATCH // MICROBATCHES`` rows later (as compute grows with
+    the micro-batch, so that fewer, larger micro-batches are not free); no core held."""
+    if seconds > 0:
+        time.sleep(seconds * x.shape[0] / (BATCH // MICROBATCHES))
+    return x.clone()
+
+
+@sleep.register_fake
+def _(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.seconds = inputs[1]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return sleep(grad, 2 * ctx.seconds), None
+
+
+sleep.register_autograd(_backward, setup_context=_setup)
+
+
+class Block(nn.Module):
+    """A ``Linear`` then a sleep of ``seconds`` (twice that in the backward)."""
+
+    def __init__(self, width: int, seconds: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sleep(self.linear(x), self.seconds)
+
+
+def build(unit_s: float) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """The model (same parameters on every rank), a mini-batch and its target."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(WIDTH, u * unit_s) for u in BLOCK_UNITS))
+    return model, torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def _timed(step: Any, params: list[nn.Parameter], repeats: int) -> tuple[list[float], int]:
+    """A warm-up step, one step under ``memfit.measure`` (its peak), then ``repeats`` timed
+    steps, each after a barrier, gradients cleared before each (as the prediction assumes)."""
+
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+
+    clear()
+    step()
+    clear()
+    dist.barrier()
+    peak = memfit.measure(step).peak_bytes or 0
+    times = []
+    for _ in range(repeats):
+        clear()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times, peak
+
+
+def _pipeline(
+    unit_s: float, job: dict[str, Any], budget: int | None
+) -> tuple[Pipeline, torch.Tensor, torch.Tensor] | str:
+    """A fresh ``Pipeline`` of the model for ``job``, with its batch and target, or why it was
+    refused."""
+    torch.compiler.reset()  # a fresh capture per pipeline: Dynamo limits recompiles
+    model, x, target = build(unit_s)
+    try:
+        pipe = Pipeline(
+            model,
+            x,
+            loss_fn,
+            stages=RANKS,
+            microbatches=job["microbatches"],
+            schedule=job["schedule"],
+            stages_per_rank=job["stages_per_rank"],
+            budget=budget,
+            release_others=False,
+        )
+    except (ValueError, memfit.BudgetError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return pipe, x, target
+
+
+def _measured(built: tuple[Pipeline, torch.Tensor, torch.Tensor] | str, repeats: int) -> dict:
+    """This rank's prediction and measurements of a pipeline (``_timed``)."""
+    if isinstance(built, str):
+        return {"refused": built}
+    pipe, x, target = built
+    times, peak = _timed(lambda: pipe.step(x, target=target), list(pipe.parameters()), repeats)
+    return {
+        "plans": pipe.plans,
+        "predicted_peak": pipe.predicted_step_peak_bytes,
+        "held": sum(p.held_bytes for p in pipe.plans),
+        "measured_peak": peak,
+        "times": times,
+        "recompute_s": sum(p.recompute_seconds for p in pipe.plans),
+    }
+
+
+def _pipeline_job(
+    rank: int, unit_s: float, job: dict[str, Any], repeats: int, budget: int | None
+) -> dict[str, Any]:
+    return _measured(_pipeline(unit_s, job, budget), repeats)
+
+
+def _uniform_job(rank: int, unit_s: float, microbatches: int, repeats: int) -> dict[str, Any]:
+    """torchgpipe's split: equal numbers of blocks per stage, eager, GPipe."""
+    model, x, target = build(unit_s)
+    per = len(BLOCK_UNITS) // RANKS
+    stage_module = nn.Sequential(*list(model)[rank * per : (rank + 1) * per])
+    micro = torch.zeros(BATCH // microbatches, WIDTH)
+    stage = PipelineStage(
+        stage_module,
+        rank,
+        RANKS,
+        torch.device("cpu"),
+        input_args=(micro.clone().requires_grad_(rank > 0),),
+        output_args=(micro.clone().requires_grad_(),),
+    )
+    sched = ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+
+    def step() -> None:
+        if rank == 0:
+            sched.step(x, return_outputs=False)
+        elif rank == RANKS - 1:
+            sched.step(target=target, losses=[], return_outputs=False)
+        else:
+            sched.step(return_outputs=False)
+
+    times, peak = _timed(step, list(stage_module.parameters()), repeats)
+    return {"measured_peak": peak, "times": times}
+
+
+def _latency(rank: int, rounds: int = 40) -> list[float]:
+    """Half round trips of one micro-batch's activation between ranks 0 and 1 (after a few
+    unrecorded), on rank 0; nothing elsewhere."""
+    buf = torch.zeros(BATCH // MICROBATCHES, WIDTH)
+    halves = []
+    dist.barrier()
+    for _ in range(rounds):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        halves.append((time.perf_counter() - start) / 2)
+    return halves[5:] if rank == 0 else []
+
+
+def _auto_choice(unit_s: float, budget: int | None = None) -> dict[str, Any] | None:
+    """What ``memfit.pipeline.plan(..., schedule="auto")`` chooses, or why it chose nothing
+    (refused, or not there yet)."""
+    from memfit.pipeline import plan
+
+    model, x, _ = build(unit_s)
+    try:
+        chosen = plan(
+            model,
+            x,
+            loss_fn,
+            stages=RANKS,
+            microbatches=None,  # type: ignore[arg-type]
+            schedule="auto",
+            budget=budget,
+        )
+    except Exception as exc:  # a BudgetError, or an API older than "auto": say why
+        return {"unavailable": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    return {
+        "schedule": str(chosen.schedule),
+        "stages_per_rank": chosen.stages_per_rank,
+        "microbatches": chosen.microbatches,
+        "table": str(chosen),
+    }
+
+
+def _with_auto(jobs: list[dict[str, Any]], auto: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """``jobs``, and the configuration ``auto`` chose where it chose one."""
+    if auto is None or "schedule" not in auto:
+        return list(jobs)
+    return [*jobs, {**auto, "name": "auto"}]
+
+
+def _agreed_auto(rank: int, unit_s: float, budget: int | None) -> dict[str, Any] | None:
+    """Rank 0's ``auto`` choice on every rank (timings differ between ranks)."""
+    auto: list[Any] = [_auto_choice(unit_s, budget) if rank == 0 else None]
+    dist.broadcast_object_list(auto, src=0)
+    return auto[0]
 
 
 def _rank(
-    rank: int,
-    ranks: int,
-    forward_s: float,
-    backward_s: float,
-    jobs: list[tuple[str, int]],
-    repeats: int,
-) -> dict[str, list[float]]:
-    """Per (schedule, M): this rank's step times."""
-    total = ranks * PER_RANK
-    out: dict[str, list[float]] = {}
-    for schedule, m in jobs:
-        mine = local_stages(schedule, ranks, PER_RANK, rank)
-        stages = [
-            PipelineStage(
-                SleepStage(forward_s, backward_s),
-                s,
-                total,
-                torch.device("cpu"),
-                input_args=(torch.zeros(1, 8, requires_grad=True),),
-                output_args=(torch.zeros(1, 8, requires_grad=True),),
-                dw_builder=(lambda: lambda: None) if splits_backward(schedule) else None,
-            )
-            for s in mine
+    rank: int, unit_s: float, jobs: list[dict[str, Any]], repeats: int, fraction: float | None
+) -> dict[str, Any]:
+    # four ranks on two cores: torch's intra-op threads would spin against each other
+    # (a 64-wide Linear took 8 ms with two threads under load, 40 us with one)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    out["auto"] = _agreed_auto(rank, unit_s, None)
+    runs = _with_auto(jobs, out["auto"])
+    # One micro-batch through stages that take no time: one rank works at a time, so what is
+    # timed is each action's own cost, not four ranks' contention for two cores. Timed before
+    # every configuration (the machine's load drifts), all of it pooled into one overhead.
+    zero = _pipeline(0.0, {"schedule": "gpipe", "stages_per_rank": 1, "microbatches": 1}, None)
+    assert not isinstance(zero, str), zero
+    probes: list[list[float]] = []
+    trips: list[float] = []
+
+    def probed(run: Any) -> Any:
+        probes.append(_probe(zero))
+        trips.extend(_latency(rank))
+        return run()
+
+    out["uniform"] = probed(lambda: _uniform_job(rank, unit_s, MICROBATCHES, repeats))
+    out["jobs"] = {
+        job["name"]: probed(lambda job=job: _pipeline_job(rank, unit_s, job, repeats, None))
+        for job in runs
+    }
+    if fraction is not None:
+        peaks = [
+            [r["held"] + r["predicted_peak"]] if "plans" in r else [] for r in out["jobs"].values()
         ]
-        sched = SCHEDULES[schedule](stages, m, loss_fn=lambda out, target: out.sum())
-        x, target = torch.randn(m, 8), torch.zeros(m, 8)
-        first, last = 0 in mine, total - 1 in mine
-        times = []
-        for step in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            if first and last:
-                sched.step(x, target=target, losses=[])
-            elif first:
-                sched.step(x)
-            elif last:
-                sched.step(target=target, losses=[])
-            else:
-                sched.step()
-            if step:  # the first step sets up the schedule's buffers
-                times.append(time.perf_counter() - start)
-        out[f"{schedule} {m}"] = times
+        gathered: list[Any] = [None] * RANKS
+        dist.all_gather_object(gathered, peaks)
+        largest = [max(p for g in gathered for p in g[i]) for i in range(len(peaks)) if peaks[i]]
+        budget = int(fraction * statistics.median(largest))
+        out["budget"] = budget
+        out["auto_budgeted"] = _agreed_auto(rank, unit_s, budget)
+        out["budgeted"] = {
+            job["name"]: probed(lambda job=job: _pipeline_job(rank, unit_s, job, repeats, budget))
+            for job in _with_auto(jobs, out["auto_budgeted"])
+        }
+    out["zero"] = {"plans": zero[0].plans, "probes": probes}
+    out["latency_s"] = trips
     return out
 
 
-def run_ranks(
-    ranks: int, forward_ms: float, backward_ms: float, counts: list[int], repeats: int
-) -> list[dict[str, Any]]:
-    jobs = []
-    for schedule in SCHEDULES:
-        for m in counts:
-            try:
-                check_schedule(schedule, ranks, m, PER_RANK)
-            except ValueError:
-                continue
-            jobs.append((schedule, m))
-    per_rank = launch(
-        _rank,
-        ranks,
-        args=(ranks, forward_ms / 1e3, backward_ms / 1e3, jobs, repeats),
-        timeout=1800,
+def _probe(built: tuple[Pipeline, torch.Tensor, torch.Tensor], repeats: int = 5) -> list[float]:
+    """``repeats`` timed steps of the zero-time pipeline after a warm-up, each after a barrier."""
+    pipe, x, target = built
+    pipe.step(x, target=target)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x, target=target)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _solve_overhead(zero: list[dict[str, Any]], latency: float) -> tuple[float, list[float]]:
+    """The per-action overhead that makes the simulated step of one micro-batch through the
+    zero-time stages (GPipe: 2K actions one after another) the measured one: from the median of
+    every probe's steps, and from each probe's alone (the spread)."""
+    stages = sorted((p for r in zero for p in r["plans"]), key=lambda p: p.index)
+    forward = [p.forward_seconds for p in stages]
+    backward = [p.time_seconds - p.forward_seconds for p in stages]
+    bare, _ = simulate_step("gpipe", RANKS, 1, 1, forward, backward, latency=latency)
+    probes = [
+        [max(r["probes"][i][j] for r in zero) for j in range(len(zero[0]["probes"][i]))]
+        for i in range(len(zero[0]["probes"]))
+    ]
+
+    def solve(steps: list[float]) -> float:
+        return max(0.0, (statistics.median(steps) - bare) / (2 * RANKS))
+
+    return solve([t for p in probes for t in p]), [solve(p) for p in probes]
+
+
+def _row(
+    name: str, job: dict[str, Any], per_rank: list[dict[str, Any]], overhead: float, latency: float
+) -> dict[str, Any]:
+    schedule, v, m = job["schedule"], job["stages_per_rank"], job["microbatches"]
+    row: dict[str, Any] = {
+        "name": name,
+        "schedule": schedule,
+        "stages_per_rank": v,
+        "microbatches": m,
+    }
+    if any("refused" in r for r in per_rank):
+        row["refused"] = next(r["refused"] for r in per_rank if "refused" in r)
+        return row
+    stages = sorted((p for r in per_rank for p in r["plans"]), key=lambda p: p.index)
+    forward = [p.forward_seconds for p in stages]
+    backward = [p.time_seconds - p.forward_seconds for p in stages]
+    bare, _ = simulate_step(schedule, RANKS, v, m, forward, backward)
+    predicted, bubble = simulate_step(
+        schedule, RANKS, v, m, forward, backward, overhead=overhead, latency=latency
     )
-    total = ranks * PER_RANK
-    rows = []
-    for schedule, m in jobs:
-        key = f"{schedule} {m}"
-        steps = [max(r[key][i] for r in per_rank) for i in range(repeats)]
-        measured = statistics.median(steps)
-        forward, backward = [forward_ms / 1e3] * total, [backward_ms / 1e3] * total
-        predicted, bubble = simulate_step(schedule, ranks, PER_RANK, m, forward, backward)
-        busy = m * total * (forward_ms + backward_ms) / 1e3
-        rows.append(
-            {
-                "schedule": schedule,
-                "ranks": ranks,
-                "stages_per_rank": PER_RANK,
-                "microbatches": m,
-                "forward_ms": forward_ms,
-                "backward_ms": backward_ms,
-                "measured_s": measured,
-                "steps_s": steps,
-                "predicted_s": predicted,
-                "ratio": measured / predicted,
-                "bubble_measured": 1 - busy / (ranks * measured),
-                "bubble_predicted": bubble,
-                "bubble_gpipe_formula": (ranks - 1) / (m + ranks - 1),
-                "bubble_interleaved_formula": (ranks - 1) / (PER_RANK * m + ranks - 1),
-            }
-        )
-    return rows
+    steps = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
+    measured = statistics.median(steps)
+    busy = m * (sum(forward) + sum(backward))
+    rank_f = sum(forward) / RANKS
+    rank_b = sum(backward) / RANKS
+    # the Zero Bubble paper's idle per rank: 1F1B (K-1)(F+B+W), ZB-H1 (K-1)(F+B-W), B = W here
+    zb_idle = (RANKS - 1) * rank_f
+    row.update(
+        {
+            "first_modules": [p.first_module for p in stages],
+            "stage_seconds": [p.time_seconds for p in stages],
+            "predicted_peaks": [r["predicted_peak"] for r in per_rank],
+            "measured_peaks": [r["measured_peak"] for r in per_rank],
+            "held_bytes": [r["held"] for r in per_rank],
+            "recompute_s": sum(r["recompute_s"] for r in per_rank),
+            "measured_s": measured,
+            "steps_s": steps,
+            "predicted_bare_s": bare,
+            "predicted_s": predicted,
+            "ratio": measured / predicted,
+            "bubble_measured": max(0.0, 1 - busy / (RANKS * measured)),
+            "bubble_predicted": bubble,
+            "bubble_gpipe_formula": (RANKS - 1) / (m + RANKS - 1),
+            "bubble_zb_h1_formula": zb_idle / (zb_idle + m * (rank_f + rank_b)),
+        }
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 ms stages, M = 8")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="2 ms units, 2 repeats")
+    parser.add_argument("--unit", type=float, default=None, help="ms per block unit (default 5)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--budget-fraction", type=float, default=0.75)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    unit = 10.0 if args.quick else 20.0
-    counts = [8] if args.quick else [4, 8, 16]
-    started = time.perf_counter()
-    rows = []
-    for ranks in (2, 4):
-        rows += run_ranks(ranks, unit, 2 * unit, counts, args.repeats)
-    result = write_record("pipeline_schedules", rows, started, args.out, args.quick)
-    stem = "pipeline_schedules_quick" if args.quick else "pipeline_schedules"
-    lines = [
-        "# Schedules with two stages per rank, sleeping stages (torch.distributed.pipelining)",
-        "",
-        f"{result['date']}, torch {result['software']['torch']}, "
-        f"{result['machine'].get('cpu_model', '?')}; stages of {unit:g} ms forward and "
-        f"{2 * unit:g} ms backward; median of {args.repeats} steps.",
-        "",
-        "| schedule | K | M | measured s | predicted s | ratio | bubble measured | "
-        "bubble predicted | (K-1)/(M+K-1) | (K-1)/(VM+K-1) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['schedule']} | {r['ranks']} | {r['microbatches']} | {r['measured_s']:.3f} | "
-            f"{r['predicted_s']:.3f} | {r['ratio']:.3f} | {r['bubble_measured']:.1%} | "
-            f"{r['bubble_predicted']:.1%} | {r['bubble_gpipe_formula']:.1%} | "
-            f"{r['bubble_interleaved_formula']:.1%} |"
+    unit = args.unit if args.unit is not None else (2.0 if args.quick else 5.0)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    jobs = []
+    for schedule in SCHEDULES:
+        v = default_stages_per_rank(schedule)
+        check_schedule(schedule, RANKS, MICROBATCHES, v)
+        jobs.append(
+            {
+                "name": schedule,
+                "schedule": schedule,
+                "stages_per_rank": v,
+                "microbatches": MICROBATCHES,
+            }
         )
-    worst = max(abs(r["ratio"] - 1) for r in rows)
-    lines += ["", f"Largest deviation of measured from predicted step time: {worst:.1%}."]
+    started = time.perf_counter()
+    per_rank = launch(
+        _rank,
+        RANKS,
+        args=(unit / 1e3, jobs, repeats, args.budget_fraction),
+        timeout=3600,
+    )
+    latency = statistics.median(per_rank[0]["latency_s"])
+    overhead, overheads = _solve_overhead([r["zero"] for r in per_rank], latency)
+    auto = per_rank[0]["auto"]
+    runs = _with_auto(jobs, auto)
+    rows = [
+        _row(j["name"], j, [r["jobs"][j["name"]] for r in per_rank], overhead, latency)
+        for j in runs
+    ]
+    budget = per_rank[0].get("budget")
+    budgeted = (
+        [
+            _row(j["name"], j, [r["budgeted"][j["name"]] for r in per_rank], overhead, latency)
+            for j in _with_auto(jobs, per_rank[0].get("auto_budgeted"))
+        ]
+        if budget is not None
+        else []
+    )
+    uniform = [r["uniform"] for r in per_rank]
+    uniform_steps = [max(r["times"][i] for r in uniform) for i in range(repeats)]
+    units = [u * unit / 1e3 for u in BLOCK_UNITS]
+    per = len(units) // RANKS
+    stage_f = [sum(units[r * per : (r + 1) * per]) for r in range(RANKS)]
+    uniform_predicted, _ = simulate_step(
+        "gpipe",
+        RANKS,
+        1,
+        MICROBATCHES,
+        stage_f,
+        [2 * f for f in stage_f],
+        overhead=overhead,
+        latency=latency,
+    )
+    uniform_row = {
+        "name": "uniform split (torchgpipe)",
+        "schedule": "gpipe",
+        "measured_s": statistics.median(uniform_steps),
+        "steps_s": uniform_steps,
+        "predicted_s": uniform_predicted,
+        "measured_peaks": [r["measured_peak"] for r in uniform],
+        "bubble_measured": max(
+            0.0, 1 - MICROBATCHES * 3 * sum(units) / (RANKS * statistics.median(uniform_steps))
+        ),
+    }
+    record_rows = {
+        "unit_ms": unit,
+        "block_units": BLOCK_UNITS,
+        "ranks": RANKS,
+        "latency_s": latency,
+        "overhead_s": overhead,
+        "overheads_s": overheads,
+        "auto": auto,
+        "auto_budgeted": per_rank[0].get("auto_budgeted"),
+        "budget_bytes": budget,
+        "budget_fraction": args.budget_fraction,
+        "rows": rows,
+        "budgeted": budgeted,
+        "uniform": uniform_row,
+    }
+    result = write_record("pipeline_schedules", [record_rows], started, args.out, args.quick)
+    lines = _markdown(result, record_rows, repeats)
+    stem = "pipeline_schedules_quick" if args.quick else "pipeline_schedules"
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))  # noqa: T201
     return 0
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f}"
+
+
+def _table(rows: list[dict[str, Any]], budgeted: bool) -> list[str]:
+    head = (
+        "| schedule | V | M | step measured s | predicted s | ratio | bubble measured | "
+        "predicted | (K-1)/(M+K-1) | ZB-H1 | rank peaks measured / predicted KiB | worst peak |"
+    )
+    if budgeted:
+        head += " recompute |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "refused" in r:
+            lines.append(
+                f"| {r['name']} | {r['stages_per_rank']} | {r['microbatches']} | "
+                f"refused: {r['refused'][:110]} |"
+            )
+            continue
+        peaks = ", ".join(
+            f"{_kib(m)}/{_kib(p)}" for m, p in zip(r["measured_peaks"], r["predicted_peaks"])
+        )
+        worst = max(abs(m / p - 1) for m, p in zip(r["measured_peaks"], r["predicted_peaks"]) if p)
+        name = r["name"] if r["name"] != "auto" else f"auto: {r['schedule']}"
+        line = (
+            f"| {name} | {r['stages_per_rank']} | {r['microbatches']} | {r['measured_s']:.3f} | "
+            f"{r['predicted_s']:.3f} | {r['ratio']:.3f} | {r['bubble_measured']:.1%} | "
+            f"{r['bubble_predicted']:.1%} | {r['bubble_gpipe_formula']:.1%} | "
+            f"{r['bubble_zb_h1_formula']:.1%} | {peaks} | {worst:.1%} |"
+        )
+        if budgeted:
+            line += f" {r['recompute_s'] * 1e3:.1f} ms |"
+        lines.append(line)
+    return lines
+
+
+def _markdown(result: dict[str, Any], rec: dict[str, Any], repeats: int) -> list[str]:
+    units = "/".join(str(u) for u in rec["block_units"])
+    lines = [
+        "# Every schedule through memfit.pipeline.Pipeline, sleeping blocks (4 ranks, gloo)",
+        "",
+        f"{result['date']}, torch {result['software']['torch']}, "
+        f"{result['machine'].get('cpu_model', '?')}; {len(rec['block_units'])} blocks "
+        f"(Linear {WIDTH} wide, then a sleep of {units} x {rec['unit_ms']:g} ms forward, twice "
+        f"that backward), batch {BATCH}; median of {repeats} steps, the slowest rank's. "
+        f"Measured per action: overhead {rec['overhead_s'] * 1e3:.2f} ms (one micro-batch through "
+        f"zero-time stages, timed before each configuration: "
+        f"{min(rec['overheads_s']) * 1e3:.2f}-{max(rec['overheads_s']) * 1e3:.2f} ms each), "
+        f"latency {rec['latency_s'] * 1e3:.3f} ms (ping-pong between two ranks, also before each "
+        "configuration); both are in 'predicted'.",
+        "",
+        "Rank peaks are above what is live before a step (`Pipeline.predicted_step_peak_bytes` "
+        "against `memfit.measure`). ZB-H1 is the Zero Bubble paper's idle per rank, "
+        "(K-1)(F+B-W) with the backward's input and weight halves B = W: memfit runs the "
+        "backward in one piece, so its zero-bubble schedules get 1F1B-like bubbles, not that.",
+        "",
+        *_table(rec["rows"], False),
+    ]
+    worst = max(abs(r["ratio"] - 1) for r in rec["rows"] if "ratio" in r)
+    bare = max(
+        abs(r["measured_s"] / r["predicted_bare_s"] - 1) for r in rec["rows"] if "ratio" in r
+    )
+    lines += [
+        "",
+        f"Largest deviation of measured from predicted step: {worst:.1%} "
+        f"({bare:.1%} from the stages' times alone, without overhead and latency).",
+    ]
+    if rec["auto"] is not None:
+        if "table" in rec["auto"]:
+            lines += ["", '`schedule="auto"` compared:', "", "```", rec["auto"]["table"], "```"]
+        else:
+            lines += ["", f'`schedule="auto"`: not run ({rec["auto"]["unavailable"]}).']
+    u = rec["uniform"]
+    gpipe = next(r for r in rec["rows"] if r["name"] == "gpipe")
+    lines += [
+        "",
+        "Against torchgpipe's uniform split (4 blocks per stage, eager, GPipe, no balancing):",
+        "",
+        "| split | step measured s | predicted s | bubble measured | rank peaks measured KiB |",
+        "|---|---:|---:|---:|---|",
+        f"| uniform | {u['measured_s']:.3f} | {u['predicted_s']:.3f} | "
+        f"{u['bubble_measured']:.1%} | "
+        f"{', '.join(_kib(p) for p in u['measured_peaks'])} |",
+        f"| memfit (stages from {', '.join(gpipe['first_modules'])}) | {gpipe['measured_s']:.3f} | "
+        f"{gpipe['predicted_s']:.3f} | {gpipe['bubble_measured']:.1%} | "
+        f"{', '.join(_kib(p) for p in gpipe['measured_peaks'])} |",
+    ]
+    if rec["budget_bytes"] is not None:
+        lines += [
+            "",
+            f"Under a per-device budget of {_kib(rec['budget_bytes'])} KiB "
+            f"({rec['budget_fraction']:.0%} of the schedules' median largest rank peak without "
+            "one; the budget holds state and buffers too, the table's peaks are above them):",
+            "",
+            *_table(rec["budgeted"], True),
+        ]
+        auto = rec.get("auto_budgeted")
+        if auto is not None and "table" in auto:
+            lines += ["", '`schedule="auto"` under it compared:', "", "```", auto["table"], "```"]
+        elif auto is not None:
+            lines += ["", f'`schedule="auto"` under it: {auto["unavailable"]}.']
+    return lines
 
 
 if __name__ == "__main__":
