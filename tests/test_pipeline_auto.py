@@ -62,7 +62,6 @@ def test_auto_under_a_budget_fits_it_or_names_the_least_reachable_peak() -> None
     fits = [c for c in tight.candidates if c.fits]
     assert fits and all((c.peak_bytes or 0) <= budget for c in fits)
     assert all((c.peak_bytes or 0) > budget for c in tight.candidates if not c.fits)
-    assert tight.step_seconds >= min(c.step_seconds or 0 for c in free.candidates)
     with pytest.raises(memfit.BudgetError, match="least reachable per-device peak") as info:
         plan(model, x, loss_fn, stages=2, microbatches=4, schedule="auto", budget=1000)
     least = info.value.least_bytes
