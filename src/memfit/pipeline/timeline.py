@@ -15,14 +15,19 @@ Measured on stages that sleep their time (``benchmarks/pipeline_schedules.py``),
 the stage times leave out lengthen the step, and the simulation counts each as a mechanism:
 * ``overhead``: every forward and backward costs the schedule runtime's own work beside the
   stage's compute (torch's bookkeeping per action, posting and waiting its sends and receives,
-  the stage's wrapper). It is measured once, on the same pipeline with stages that take no time,
-  and is the same for every schedule.
+  the stage's wrapper). It is measured on the same pipeline with stages that take no time, one
+  micro-batch (one rank works at a time), and is the same for every schedule: 1.4-2.7 ms on the
+  2-core CPU over gloo, so a schedule with more stages per rank or more micro-batches pays it
+  more often.
 * ``latency``: a value another rank made reaches this one that much after it is done (over gloo
-  on one host, a message's round trip through the transport).
+  on one host, a message's round trip through the transport: 0.12 ms).
 * DualPipeV's overlapped pairs: torch runs the pair's forward and backward one after the other
   and posts the pair's sends only when both are done (``_add_send_recv`` puts them after the
   pair), so the forward's output leaves a backward's time late. This one needs no input.
-Weight-gradient steps are empty in memfit and cost no overhead.
+Weight-gradient steps are empty in memfit and cost no overhead. With all three, the seven
+schedules and ``auto``'s choice measured within 6.1% of the simulation (26% without them). Not
+modelled: ranks that share fewer cores than they are (4 ranks on 2 cores) contend for them when
+actions are short, which put 2 ms stages up to 38% above.
 """
 
 from __future__ import annotations
