@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -120,3 +122,17 @@ def test_micro_batches_are_equal_chunks_of_every_input() -> None:
     assert torch.equal(first[0], a[:2]) and torch.equal(first[1], b[:2]) and first[2] == 7
     with pytest.raises(ValueError, match="different batch sizes"):
         microbatch((a, torch.randn(6, 2)), 2)
+
+
+def test_the_loss_measured_on_the_last_stage_joins_its_micro_batch_peak() -> None:
+    """The loss runs first in a micro-batch's backward, beside what the micro-batch keeps and
+    its outputs: where that is more than the stage's own transient, it is the peak."""
+    model, x, target, loss_fn = build("mlp")
+    planned = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="1f1b")
+    last = planned.stages[-1]
+    assert last.loss_bytes == 0 and last.micro_peak_bytes == last.transient_bytes
+    big = dataclasses.replace(last, loss_bytes=10 * last.transient_bytes)
+    assert big.micro_peak_bytes == big.kept_bytes + big.send_bytes + big.loss_bytes
+    assert big.step_peak_bytes - last.step_peak_bytes == big.micro_peak_bytes - last.transient_bytes
+    small = dataclasses.replace(last, loss_bytes=1)
+    assert small.step_peak_bytes == last.step_peak_bytes

@@ -212,6 +212,7 @@ def test_measured_peak_of_each_rank_is_its_prediction_under_1f1b_and_gpipe() -> 
         for stage, measured, predicted in ranks:
             assert measured == pytest.approx(stage.step_peak_bytes, rel=0.03), (schedule, stage)
             assert predicted == stage.step_peak_bytes
+            assert (stage.loss_bytes > 0) == stage.is_last  # measured at the first step
 
 
 def test_a_killed_rank_ends_the_job_with_an_error_naming_it() -> None:

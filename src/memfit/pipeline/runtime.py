@@ -248,6 +248,8 @@ class Pipeline:
                 )
             )
         self._last_stage = options.stages - 1
+        self._outputs = list(output_node.all_input_nodes)
+        self._loss_measured = False
         torch_schedule = _TORCH_SCHEDULES[options.schedule]
         self._schedule = torch_schedule(
             self._stages[0] if is_single(options.schedule) else self._stages,
@@ -379,6 +381,31 @@ class Pipeline:
             loss = loss.clone()
         return loss
 
+    def _measure_loss(self, target: Any) -> None:
+        """The last stage's ``loss_bytes``: the loss's forward and backward on one micro-batch
+        (outputs shaped as the stage's, the target's first chunk as the schedule splits it),
+        measured once, at the first step, the first time the target is known."""
+        from memfit.measurement import measure
+
+        outputs = tuple(_example(v) for v in self._outputs)
+        chunk = target.tensor_split(self.microbatches)[0] if torch.is_tensor(target) else target
+
+        def loss_step() -> None:
+            loss = self._loss_of(outputs, None if self._no_target else chunk)
+            grads = [o for o in outputs if o.requires_grad]
+            if loss.requires_grad and grads:
+                torch.autograd.grad(loss, grads)
+
+        with torch.no_grad():
+            for o in outputs:  # values for the loss to read (an empty tensor may hold NaNs),
+                o.fill_(1)  # drawn from no generator: the rank's random stream stays as it is
+        peak = measure(loss_step, device=self._device).peak_bytes or 0
+        at = self.local_stages.index(self._last_stage)
+        self.plans[at] = dataclasses.replace(self.plans[at], loss_bytes=peak)
+        if at == 0:
+            self.plan = self.plans[0]
+        self._loss_measured = True
+
     def _loss_of(self, flat: tuple[Any, ...], target: Any) -> torch.Tensor:
         return self._loss_fn(self._captured.rebuild_output(flat), target)
 
@@ -415,6 +442,8 @@ class Pipeline:
         self._no_target = target is None
         if last and target is None:  # the schedule splits a target: give it one to split
             target = torch.zeros(self.microbatches)
+        if last and not self._loss_measured:
+            self._measure_loss(target)
         args = tuple(inputs[i] for i in self._tensor_inputs(inputs)) if first else ()
         for stream in self._streams:
             stream.start()

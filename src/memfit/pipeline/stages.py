@@ -129,6 +129,9 @@ class StagePlan:
     #: what the plan offloads per micro-batch, and the seconds its compute waits for the link
     offloaded_bytes: int = 0
     stall_seconds: float = 0.0
+    #: the last stage: the peak of the loss's forward and backward on one micro-batch (measured
+    #: by ``Pipeline`` at its first step, which has the target; 0 until then, and in ``plan``)
+    loss_bytes: int = 0
 
     @property
     def first_module(self) -> str:
@@ -182,11 +185,20 @@ class StagePlan:
             self.stages,
             self.microbatches,
             each=self.kept_bytes + self.send_bytes,
-            transient=self.transient_bytes,
+            transient=self.micro_peak_bytes,
             grads=self.parameter_bytes,
             sent=self.send_bytes,
             input_grad=self.receive_grad_bytes,
         )
+
+    @property
+    def micro_peak_bytes(self) -> int:
+        """One micro-batch's forward and backward: memfit's prediction for the stage's graph,
+        or, on the last stage, what the micro-batch keeps with its outputs and the loss's own
+        forward and backward on them (the loss runs first in the backward), if that is more."""
+        if not self.loss_bytes:
+            return self.transient_bytes
+        return max(self.transient_bytes, self.kept_bytes + self.send_bytes + self.loss_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -204,7 +216,7 @@ class StagePlan:
         """This stage's part in its rank's step, for ``rank_model.rank_step_peak``."""
         return StageSizes(
             each=self.kept_bytes + self.send_bytes,
-            transient=self.transient_bytes,
+            transient=self.micro_peak_bytes,
             grads=self.parameter_bytes,
             sent=self.send_bytes,
             input_grad=self.receive_grad_bytes,
