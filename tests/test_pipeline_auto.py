@@ -75,3 +75,13 @@ def test_auto_arguments_are_checked_before_anything_runs() -> None:
         plan(model, x, loss_fn, stages=2, microbatches=0, schedule="auto")
     with pytest.raises(ValueError, match="stages_per_rank must be a positive integer"):
         plan(model, x, loss_fn, stages=2, schedule="auto", stages_per_rank=0)
+
+
+@pytest.mark.slow
+def test_a_costly_action_makes_auto_choose_the_fewest() -> None:
+    """With each forward and backward costing the runtime a second, the step is its actions:
+    one stage per rank and the fewest micro-batches."""
+    model, x, target, loss_fn = build("mlp")
+    chosen = plan(model, x, loss_fn, stages=2, schedule="auto", overhead=1.0)
+    assert chosen.stages_per_rank == 1
+    assert chosen.microbatches == min(microbatch_counts(x.shape[0], 2))

@@ -136,3 +136,20 @@ def test_the_loss_measured_on_the_last_stage_joins_its_micro_batch_peak() -> Non
     assert big.step_peak_bytes - last.step_peak_bytes == big.micro_peak_bytes - last.transient_bytes
     small = dataclasses.replace(last, loss_bytes=1)
     assert small.step_peak_bytes == last.step_peak_bytes
+
+
+def test_the_runtimes_overhead_and_the_links_latency_join_the_predicted_step() -> None:
+    model, x, target, loss_fn = build("mlp")
+    bare = plan(model, x, loss_fn, stages=2, microbatches=4)
+    slow = plan(model, x, loss_fn, stages=2, microbatches=4, overhead=0.01, latency=0.002)
+    times = [s.time_seconds + 0.02 for s in slow.stages]
+    assert slow.step_seconds == pytest.approx(3 * max(times) + sum(times) + 2 * 0.002)
+    assert slow.bubble > bare.bubble  # the overhead is idle time
+    v_bare = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b")
+    v_slow = plan(
+        model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b", overhead=0.01
+    )
+    # every rank runs M x V forwards and backwards, each 10 ms longer
+    assert v_slow.step_seconds >= v_bare.step_seconds + 2 * 4 * 2 * 0.01 - 1e-9
+    with pytest.raises(ValueError, match="overhead is seconds >= 0"):
+        plan(model, x, loss_fn, stages=2, microbatches=4, overhead=-1.0)

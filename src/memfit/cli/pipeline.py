@@ -71,6 +71,19 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
     )
     p.add_argument("--budget", help="bytes per device, e.g. 2GiB (default: none)")
     p.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=0.0,
+        help="ms each forward and backward costs the schedule's runtime beyond the stage, in "
+        "the predicted step (about 2 over gloo on a 2-core CPU; default 0)",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="ms a value takes between ranks, in the predicted step (default 0)",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="let memfit offload what micro-batches keep while they wait for their backward",
@@ -181,6 +194,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
             budget=args.budget,
             optimizer_state=args.optimizer_state,
             offload=args.offload,
+            overhead=args.overhead_ms / 1e3,
+            latency=args.latency_ms / 1e3,
         )
     except ValueError as err:  # BudgetError is one: a budget no split fits, before any process
         raise CliError(str(err)) from err

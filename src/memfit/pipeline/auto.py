@@ -140,7 +140,8 @@ def choose(
 ) -> PipelinePlan:
     """The plan of the configuration with the least predicted step that fits; its
     ``candidates`` are every configuration compared. ``options`` gives the budget, optimizer
-    state, bandwidth and offload (its schedule, stages and micro-batches are replaced).
+    state, bandwidth, offload, overhead and latency (its schedule, stages and micro-batches are
+    replaced).
 
     Raises ``BudgetError`` with the least reachable per-device peak when none fits.
     """
@@ -193,16 +194,7 @@ def choose(
     marked = tuple(
         dataclasses.replace(_candidate(chosen), chosen=True) if c is best else c for c in candidates
     )
-    return PipelinePlan(
-        stages=chosen.stages,
-        schedule=chosen.schedule,
-        microbatches=chosen.microbatches,
-        cuts=chosen.cuts,
-        budget_bytes=chosen.budget_bytes,
-        candidate_cuts=chosen.candidate_cuts,
-        stages_per_rank=chosen.stages_per_rank,
-        candidates=marked,
-    )
+    return dataclasses.replace(chosen, candidates=marked)
 
 
 def _options(

@@ -72,6 +72,8 @@ def pipeline_options(
     bandwidth: float | None,
     stages_per_rank: int | None = None,
     offload: bool = False,
+    overhead: float = 0.0,
+    latency: float = 0.0,
 ) -> PipelineOptions:
     """The arguments of ``plan`` and ``Pipeline``, checked: ``ValueError`` for any that no
     pipeline can honour, before anything runs. ``stages`` is K, the ranks (devices); the
@@ -100,6 +102,9 @@ def pipeline_options(
         check_schedule(chosen, stages, microbatches or 1, per_rank)
     if not math.isfinite(optimizer_state) or optimizer_state < 0:
         raise ValueError("optimizer_state must be >= 0 bytes per parameter byte")
+    for name, seconds in (("overhead", overhead), ("latency", latency)):
+        if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"{name} is seconds >= 0, got {seconds!r}")
     per_device = _budget_per_device(budget)
     if auto:
         per_rank, microbatches = 1, microbatches or 1
@@ -113,6 +118,8 @@ def pipeline_options(
         bandwidth=bandwidth,
         stages_per_rank=per_rank,
         offload=offload,
+        overhead=float(overhead),
+        latency=float(latency),
     )
 
 
@@ -142,6 +149,8 @@ def plan(
     max_items: int = 128,
     stages_per_rank: int | None = None,
     offload: bool = False,
+    overhead: float = 0.0,
+    latency: float = 0.0,
 ) -> PipelinePlan:
     """Plan ``model`` as a pipeline over ``stages`` devices and ``microbatches`` micro-batches.
 
@@ -155,10 +164,13 @@ def plan(
     keeps the fastest predicted that fits; ``str(plan)`` ends with the table of candidates.
     ``budget`` is bytes per device (``"2GiB"``), met by each rank's stages together;
     ``offload=True`` lets memfit's planner offload what a micro-batch keeps while it waits for
-    its backward. Raises ``memfit.BudgetError`` naming the least budget when no split fits, and
-    ``ValueError`` for arguments no pipeline can honour, before anything runs. ``loss_fn`` is
-    not needed to plan (the loss runs after the last stage); it is accepted so ``plan`` and
-    ``Pipeline`` take the same arguments. Changes nothing in the model.
+    its backward. ``overhead`` (seconds each forward and backward costs the schedule's runtime
+    beyond the stage, about 2 ms over gloo on a 2-core CPU) and ``latency`` (seconds between
+    ranks) join the predicted step, which ``"auto"`` compares. Raises ``memfit.BudgetError``
+    naming the least budget when no split fits, and ``ValueError`` for arguments no pipeline can
+    honour, before anything runs. ``loss_fn`` is not needed to plan (the loss runs after the
+    last stage); it is accepted so ``plan`` and ``Pipeline`` take the same arguments. Changes
+    nothing in the model.
     """
     del loss_fn
     options = pipeline_options(
@@ -170,6 +182,8 @@ def plan(
         bandwidth=bandwidth,
         stages_per_rank=stages_per_rank,
         offload=offload,
+        overhead=overhead,
+        latency=latency,
     )
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if is_auto(schedule):
@@ -202,4 +216,6 @@ def plan_from_search(
         budget_bytes=options.budget,
         candidate_cuts=search.costs.count - 1,
         stages_per_rank=options.stages_per_rank,
+        overhead=options.overhead,
+        latency=options.latency,
     )

@@ -127,6 +127,8 @@ class Pipeline:
         release_others: bool = True,
         stages_per_rank: int | None = None,
         offload: bool = False,
+        overhead: float = 0.0,
+        latency: float = 0.0,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -149,6 +151,8 @@ class Pipeline:
                 max_items=max_items,
                 stages_per_rank=stages_per_rank,
                 offload=offload,
+                overhead=overhead,
+                latency=latency,
             )
         assert microbatches is not None
         options = pipeline_options(
@@ -160,6 +164,8 @@ class Pipeline:
             bandwidth=bandwidth,
             stages_per_rank=stages_per_rank,
             offload=offload,
+            overhead=overhead,
+            latency=latency,
         )
         world = dist.get_world_size(group)
         if world != stages:

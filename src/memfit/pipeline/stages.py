@@ -43,7 +43,6 @@ from memfit.pipeline.partition import CapturedForward, StageGraph
 from memfit.pipeline.rank_model import StageSizes, rank_step_peak
 from memfit.pipeline.schedule import (
     PipelineSchedule,
-    bubble,
     equal_stages_bubble,
     is_single,
     step_peak,
@@ -87,6 +86,11 @@ class PipelineOptions:
     #: whether memfit's planner may offload what a micro-batch keeps while it waits for its
     #: backward (``memfit.checkpoint(..., offload=True)`` on every stage)
     offload: bool = False
+    #: seconds every forward and backward costs the schedule's runtime beyond its stage's time,
+    #: and seconds a value takes from one rank to the next (NOTE [What a step costs beyond its
+    #: stages' times]); 0: the step of the stages' times alone
+    overhead: float = 0.0
+    latency: float = 0.0
 
     @property
     def ranks(self) -> int:
@@ -284,23 +288,32 @@ class PipelinePlan:
     stages_per_rank: int = 1
     #: under ``schedule="auto"``, every configuration compared, the chosen one among them
     candidates: tuple[Candidate, ...] = ()
+    #: ``PipelineOptions.overhead`` and ``latency``, in the predicted step
+    overhead: float = 0.0
+    latency: float = 0.0
 
     @property
     def step_seconds(self) -> float:
         """Predicted step: ``(M - 1) * slowest stage + sum of stages`` under GPipe and 1F1B,
-        simulated on torch's order under the others (``timeline.simulate_step``)."""
+        each stage's time with the runtime's ``overhead`` on its forward and backward, and a
+        micro-batch's ``latency`` at each cut, there and back; simulated on torch's order under
+        the others (``timeline.simulate_step``)."""
         if self._simulated is not None:
             return self._simulated[0]
-        times = [s.time_seconds for s in self.stages]
-        return pipeline_step_time(times, [1] * len(times), microbatches=self.microbatches)
+        times = [s.time_seconds + 2 * self.overhead for s in self.stages]
+        hops = 2 * (len(times) - 1) * self.latency
+        return pipeline_step_time(times, [1] * len(times), microbatches=self.microbatches) + hops
 
     @property
     def bubble(self) -> float:
-        """Idle share of the devices' time: ``1 - M * mean stage time / step``; for equal stages
-        under GPipe and 1F1B ``(K - 1) / (M + K - 1)``."""
+        """Idle share of the devices' time: ``1 - M * mean stage time / step`` (the runtime's
+        overhead counts as idle); for equal stages under GPipe and 1F1B, without overhead and
+        latency, ``(K - 1) / (M + K - 1)``."""
         if self._simulated is not None:
             return self._simulated[1]
-        return bubble([s.time_seconds for s in self.stages], self.microbatches)
+        step = self.step_seconds
+        busy = self.microbatches * sum(s.time_seconds for s in self.stages)
+        return max(0.0, 1.0 - busy / (len(self.stages) * step)) if step > 0 else 0.0
 
     @property
     def _simulated(self) -> tuple[float, float] | None:
@@ -313,6 +326,8 @@ class PipelinePlan:
             self.microbatches,
             [s.forward_seconds for s in self.stages],
             [s.time_seconds - s.forward_seconds for s in self.stages],
+            overhead=self.overhead,
+            latency=self.latency,
         )
 
     @property
