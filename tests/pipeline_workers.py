@@ -135,7 +135,7 @@ def summed(rank: int) -> dict[str, torch.Tensor]:
     """An all-reduce across ranks: the launch's process group works; tensors come back."""
     value = torch.full((3,), float(rank + 1))
     torch.distributed.all_reduce(value)
-    return {"rank": torch.tensor(rank), "sum": value}
+    return {"rank": torch.tensor(rank), "sum": value, "threads": torch.get_num_threads()}
 
 
 def raises_on_rank_one(rank: int) -> None:

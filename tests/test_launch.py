@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,6 +14,8 @@ from pipeline_workers import raises_on_rank_one, sleeps, summed
 
 def test_results_come_back_in_rank_order_with_their_tensors() -> None:
     results = launch(summed, 2, timeout=60)
+    # the ranks share the cores, as torchrun's workers do
+    assert all(r["threads"] == max(1, (os.cpu_count() or 1) // 2) for r in results)
     assert [int(r["rank"]) for r in results] == [0, 1]
     for r in results:
         assert torch.equal(r["sum"], torch.full((3,), 3.0))
