@@ -1,7 +1,8 @@
 """memfit.pipeline: pipelines under every torch schedule, stages balanced for time and memory.
 
 ``plan`` cuts a model's captured forward into stages over K ranks (exact search for the predicted
-step, every stage within the per-device budget, each stage planned by memfit's planner);
+step, every rank within the per-device budget, its stages planned together by memfit's planner;
+``schedule="auto"`` compares every schedule, stages per rank and micro-batch count);
 ``Pipeline`` runs this rank's stages with ``torch.distributed.pipelining``; ``launch`` runs a
 function in K local processes and ends them all, naming the rank, when one fails;
 ``PipelineSchedule`` names the schedules both take, as torch names them (``"gpipe"``, ``"1f1b"``,
