@@ -27,7 +27,10 @@ The overhead is measured on the same model with blocks that sleep nothing, one m
 GPipe (one rank works at a time: each action's own cost, not four ranks' contention for two
 cores), timed before every configuration and pooled into one number as the machine's load
 drifts; the latency by a ping-pong between two ranks at the same moments. Both go into every
-row's prediction. A second pass plans every schedule, and ``auto``, under a per-device budget
+row's prediction. Once before ``auto`` chooses, the same probe and ping-pong give the overhead
+and latency passed to ``plan(..., overhead=, latency=)``, as a user would measure them first:
+``auto`` weighs what each action costs, and its plan's ``step_seconds`` is set against the step
+measured. A second pass plans every schedule, and ``auto``, under a per-device budget
 of ``--budget-fraction`` (0.75) of the schedules' median largest rank peak: some are refused,
 some recompute. Writes ``benchmarks/results/pipeline_schedules.{json,md}`` (``--quick``: two
 steps each, no budget pass unless ``--budget-fraction`` is given, ``_quick`` files).
@@ -232,9 +235,12 @@ def _latency(rank: int, rounds: int = 40) -> list[float]:
     return halves[5:] if rank == 0 else []
 
 
-def _auto_choice(unit_s: float, budget: int | None = None) -> dict[str, Any] | None:
-    """What ``memfit.pipeline.plan(..., schedule="auto")`` chooses, or why it chose nothing
-    (refused, or not there yet)."""
+def _auto_choice(
+    unit_s: float, budget: int | None, overhead: float, latency: float
+) -> dict[str, Any] | None:
+    """What ``memfit.pipeline.plan(..., schedule="auto")`` chooses, weighing the per-action
+    ``overhead`` and the ``latency`` measured before it (``_measured_costs``), with its own
+    predicted step; or why it chose nothing (refused, or not there yet)."""
     from memfit.pipeline import plan
 
     model, x, _ = build(unit_s)
@@ -247,6 +253,8 @@ def _auto_choice(unit_s: float, budget: int | None = None) -> dict[str, Any] | N
             microbatches=None,  # type: ignore[arg-type]
             schedule="auto",
             budget=budget,
+            overhead=overhead,
+            latency=latency,
         )
     except Exception as exc:  # a BudgetError, or an API older than "auto": say why
         return {"unavailable": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
@@ -254,6 +262,10 @@ def _auto_choice(unit_s: float, budget: int | None = None) -> dict[str, Any] | N
         "schedule": str(chosen.schedule),
         "stages_per_rank": chosen.stages_per_rank,
         "microbatches": chosen.microbatches,
+        "plan_step_s": chosen.step_seconds,
+        "plan_bubble": chosen.bubble,
+        "overhead_s": overhead,
+        "latency_s": latency,
         "table": str(chosen),
     }
 
@@ -265,11 +277,30 @@ def _with_auto(jobs: list[dict[str, Any]], auto: dict[str, Any] | None) -> list[
     return [*jobs, {**auto, "name": "auto"}]
 
 
-def _agreed_auto(rank: int, unit_s: float, budget: int | None) -> dict[str, Any] | None:
-    """Rank 0's ``auto`` choice on every rank (timings differ between ranks)."""
-    auto: list[Any] = [_auto_choice(unit_s, budget) if rank == 0 else None]
+def _agreed_auto(
+    rank: int, unit_s: float, budget: int | None, costs: tuple[float, float]
+) -> dict[str, Any] | None:
+    """Rank 0's ``auto`` choice on every rank (timings differ between ranks); ``costs``: the
+    overhead and latency ``auto`` weighs."""
+    auto: list[Any] = [_auto_choice(unit_s, budget, *costs) if rank == 0 else None]
     dist.broadcast_object_list(auto, src=0)
     return auto[0]
+
+
+def _measured_costs(
+    rank: int, zero: tuple[Pipeline, torch.Tensor, torch.Tensor]
+) -> tuple[float, float]:
+    """The per-action overhead and the latency, measured before ``auto`` chooses (as a user
+    would before calling ``plan``): 15 steps of the zero-time pipeline and a ping-pong, solved
+    as for the table (``_solve_overhead``) from every rank's stages and steps; the same on
+    every rank."""
+    probe = _probe(zero, repeats=15)
+    trips = _latency(rank)
+    gathered: list[Any] = [None] * RANKS
+    dist.all_gather_object(gathered, {"plans": zero[0].plans, "probes": [probe], "trips": trips})
+    latency = statistics.median(gathered[0]["trips"])
+    overhead, _ = _solve_overhead(gathered, latency)
+    return overhead, latency
 
 
 def _rank(
@@ -279,13 +310,16 @@ def _rank(
     # (a 64-wide Linear took 8 ms with two threads under load, 40 us with one)
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    out["auto"] = _agreed_auto(rank, unit_s, None)
-    runs = _with_auto(jobs, out["auto"])
     # One micro-batch through stages that take no time: one rank works at a time, so what is
-    # timed is each action's own cost, not four ranks' contention for two cores. Timed before
-    # every configuration (the machine's load drifts), all of it pooled into one overhead.
+    # timed is each action's own cost, not four ranks' contention for two cores. Timed once
+    # before auto chooses (what it weighs), then before every configuration (the machine's load
+    # drifts), the latter pooled into the table's overhead.
     zero = _pipeline(0.0, {"schedule": "gpipe", "stages_per_rank": 1, "microbatches": 1}, None)
     assert not isinstance(zero, str), zero
+    costs = _measured_costs(rank, zero)
+    out["auto_costs"] = costs
+    out["auto"] = _agreed_auto(rank, unit_s, None, costs)
+    runs = _with_auto(jobs, out["auto"])
     probes: list[list[float]] = []
     trips: list[float] = []
 
@@ -308,7 +342,7 @@ def _rank(
         largest = [max(p for g in gathered for p in g[i]) for i in range(len(peaks)) if peaks[i]]
         budget = int(fraction * statistics.median(largest))
         out["budget"] = budget
-        out["auto_budgeted"] = _agreed_auto(rank, unit_s, budget)
+        out["auto_budgeted"] = _agreed_auto(rank, unit_s, budget, costs)
         out["budgeted"] = {
             job["name"]: probed(lambda job=job: _pipeline_job(rank, unit_s, job, repeats, budget))
             for job in _with_auto(jobs, out["auto_budgeted"])
@@ -481,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         "latency_s": latency,
         "overhead_s": overhead,
         "overheads_s": overheads,
+        "auto_overhead_s": per_rank[0]["auto_costs"][0],
+        "auto_latency_s": per_rank[0]["auto_costs"][1],
         "auto": auto,
         "auto_budgeted": per_rank[0].get("auto_budgeted"),
         "budget_bytes": budget,
@@ -546,7 +582,9 @@ def _markdown(result: dict[str, Any], rec: dict[str, Any], repeats: int) -> list
         f"zero-time stages, timed before each configuration: "
         f"{min(rec['overheads_s']) * 1e3:.2f}-{max(rec['overheads_s']) * 1e3:.2f} ms each), "
         f"latency {rec['latency_s'] * 1e3:.3f} ms (ping-pong between two ranks, also before each "
-        "configuration); both are in 'predicted'.",
+        "configuration); both are in 'predicted'. Measured once before `auto` chose (15 steps "
+        f"of the same, a ping-pong) and passed to `plan(..., overhead=, latency=)`: overhead "
+        f"{rec['auto_overhead_s'] * 1e3:.2f} ms, latency {rec['auto_latency_s'] * 1e3:.3f} ms.",
         "",
         "Rank peaks are above what is live before a step (`Pipeline.predicted_step_peak_bytes` "
         "against `memfit.measure`). ZB-H1 is the Zero Bubble paper's idle per rank, "
@@ -564,6 +602,7 @@ def _markdown(result: dict[str, Any], rec: dict[str, Any], repeats: int) -> list
         f"Largest deviation of measured from predicted step: {worst:.1%} "
         f"({bare:.1%} from the stages' times alone, without overhead and latency).",
     ]
+    lines += _auto_summary(rec)
     if rec["auto"] is not None:
         if "table" in rec["auto"]:
             lines += ["", '`schedule="auto"` compared:', "", "```", rec["auto"]["table"], "```"]
@@ -598,6 +637,39 @@ def _markdown(result: dict[str, Any], rec: dict[str, Any], repeats: int) -> list
             lines += ["", '`schedule="auto"` under it compared:', "", "```", auto["table"], "```"]
         elif auto is not None:
             lines += ["", f'`schedule="auto"` under it: {auto["unavailable"]}.']
+    return lines
+
+
+def _auto_summary(rec: dict[str, Any]) -> list[str]:
+    """``auto``'s choices: the step its plan predicts (``PipelinePlan.step_seconds``, with the
+    overhead and latency measured before it) against the measured one, beside the fastest
+    measured configuration of the same pass."""
+    passes = [("none", rec["auto"], rec["rows"])]
+    if rec["budget_bytes"] is not None:
+        passes.append((f"{_kib(rec['budget_bytes'])} KiB", rec["auto_budgeted"], rec["budgeted"]))
+    lines = [
+        "",
+        "`auto`'s choice: its plan's step (`PipelinePlan.step_seconds`, with the overhead and "
+        "latency measured before it) against the measured step, and the fastest measured "
+        "configuration under the same budget:",
+        "",
+        "| budget | auto chose | V | M | plan's step s | measured s | ratio | fastest measured |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for budget, auto, rows in passes:
+        run = next((r for r in rows if r["name"] == "auto" and "measured_s" in r), None)
+        if auto is None or "plan_step_s" not in auto or run is None:
+            why = (auto or {}).get("unavailable", "not run")
+            lines.append(f"| {budget} | {why} |")
+            continue
+        best = min((r for r in rows if "measured_s" in r), key=lambda r: r["measured_s"])
+        name = best["name"] if best["name"] != "auto" else "auto's choice"
+        lines.append(
+            f"| {budget} | {auto['schedule']} | {auto['stages_per_rank']} | "
+            f"{auto['microbatches']} | {auto['plan_step_s']:.3f} | {run['measured_s']:.3f} | "
+            f"{run['measured_s'] / auto['plan_step_s']:.3f} | {name} (V = "
+            f"{best['stages_per_rank']}, M = {best['microbatches']}), {best['measured_s']:.3f} s |"
+        )
     return lines
 
 
