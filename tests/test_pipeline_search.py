@@ -59,10 +59,9 @@ def test_too_many_refusals_end_the_search(monkeypatch: pytest.MonkeyPatch) -> No
         plan(model, x, loss_fn, stages=2, microbatches=4, budget=10**12)
 
 
-def test_one_process_plans_its_stage_and_refuses_what_another_shares(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``Pipeline``'s use, in one process: plan stage 1 only; "another rank" refuses stage 0."""
+def _skip_search() -> tuple[Any, Any, Any]:
+    """The skip model under GPipe over 2 ranks, 4 micro-batches, a budget anything fits:
+    the options, a micro-batch and the captured search."""
     model, x, target, loss_fn = build("skip")
     options = pipeline_options(
         stages=2,
@@ -73,7 +72,14 @@ def test_one_process_plans_its_stage_and_refuses_what_another_shares(
         bandwidth=None,
     )
     micro = microbatch((x,), 4)
-    search = prepare_search(model, micro, 128)
+    return options, micro, prepare_search(model, micro, 128)
+
+
+def test_one_process_plans_its_stage_and_refuses_what_another_shares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Pipeline``'s use, in one process: plan stage 1 only; "another rank" refuses stage 0."""
+    options, micro, search = _skip_search()
     shared: list[dict[int, memfit.BudgetError]] = []
     first_zero: list[tuple[int, int]] = []
 
@@ -100,17 +106,7 @@ def test_one_process_plans_its_stage_and_refuses_what_another_shares(
 def test_a_choice_that_ignores_refusals_ends_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``choose`` that proposes a refused split again (cuts forced by hand) gets an error,
     not a search that never ends."""
-    model, x, target, loss_fn = build("skip")
-    options = pipeline_options(
-        stages=2,
-        microbatches=4,
-        schedule="gpipe",
-        budget=10**12,
-        optimizer_state=0.0,
-        bandwidth=None,
-    )
-    micro = microbatch((x,), 4)
-    search = prepare_search(model, micro, 128)
+    options, micro, search = _skip_search()
     cut = search.costs.boundaries[1]
 
     def planner(search: Any, facts: Any, options: Any, **kwargs: Any) -> Any:

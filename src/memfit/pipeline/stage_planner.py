@@ -37,14 +37,20 @@ from memfit.execution.options import Options
 from memfit.pipeline.costs import Search, state_bytes
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import stage_ranks
-from memfit.pipeline.rank_model import StageSizes
 from memfit.pipeline.schedule import in_flight
-from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_step
+from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_peak
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import FrontierPoint, Plan
 from memfit.units import format_bytes
 
-__all__ = ["EXHAUSTIVE", "StageFacts", "StageRefused", "plan_rank", "stage_facts"]
+__all__ = [
+    "EXHAUSTIVE",
+    "StageFacts",
+    "StageRefused",
+    "plan_rank",
+    "predicted_rank_peak",
+    "stage_facts",
+]
 
 #: a rank's stages try every combination of their frontier points up to this many
 EXHAUSTIVE = 512
@@ -73,28 +79,9 @@ class StageFacts:
     receive_bytes: int
     receive_grad_bytes: int
     is_last: bool
-    microbatches: int
     frontier: tuple[FrontierPoint, ...]
     #: the stage's forward FLOPs (one micro-batch), against which recomputation is a share
     forward_flops: int
-
-    @property
-    def held_bytes(self) -> int:
-        """State and the schedule's receive buffers (``StagePlan.held_bytes``)."""
-        buffers = self.microbatches * (
-            self.receive_bytes + (0 if self.is_last else self.send_bytes)
-        )
-        return self.parameter_bytes + self.buffer_bytes + self.optimizer_bytes + buffers
-
-    def sizes(self, point: FrontierPoint) -> StageSizes:
-        """The stage's part in its rank's step were it to keep ``point``."""
-        return StageSizes(
-            each=point.kept_bytes + self.send_bytes,
-            transient=point.peak_bytes,
-            grads=self.parameter_bytes,
-            sent=self.send_bytes,
-            input_grad=self.receive_grad_bytes,
-        )
 
 
 def _memfit_plan(
@@ -142,7 +129,6 @@ def stage_facts(
         receive_bytes=stage.receive_bytes if stage.index > 0 else 0,
         receive_grad_bytes=stage.receive_grad_bytes if stage.index > 0 else 0,
         is_last=last,
-        microbatches=options.microbatches,
         frontier=tuple(planned.pareto()),
         forward_flops=planned.forward_flops,
     )
@@ -189,6 +175,28 @@ def _choose(
     return points, least
 
 
+def _rank_of(facts: Sequence[StageFacts], options: PipelineOptions) -> int:
+    return stage_ranks(options.schedule, options.ranks, options.stages_per_rank)[
+        facts[0].graph.index
+    ]
+
+
+def predicted_rank_peak(
+    search: Search,
+    facts: Sequence[StageFacts],
+    points: Sequence[FrontierPoint],
+    options: PipelineOptions,
+) -> int:
+    """The peak of the rank holding ``facts`` (all its stages) were each to keep its point of
+    ``points``: the ``StagePlan`` each point makes, and that rank's ``stages.rank_peak``, so the
+    search and the plans it returns are one model."""
+    rank = _rank_of(facts, options)
+    plans = [
+        _stage_plan(search, f, p, options, rank, "auto", exact=False) for f, p in zip(facts, points)
+    ]
+    return rank_peak(plans, options.ranks)
+
+
 def plan_rank(
     search: Search,
     facts: Sequence[StageFacts],
@@ -200,24 +208,18 @@ def plan_rank(
     """Plans of one rank's stages (``facts``, all of them), chosen together; see the module
     docstring (``exact``: each planned again at its point's peak, what runs; else the point's
     own numbers). Raises ``StageRefused`` when they cannot fit the per-device budget."""
-    placed = stage_ranks(options.schedule, options.ranks, options.stages_per_rank)
-    rank = placed[facts[0].graph.index]
-    held = sum(f.held_bytes for f in facts)
+    rank = _rank_of(facts, options)
 
     def peak_of(points: Sequence[FrontierPoint]) -> int:
-        sizes = {f.graph.index: f.sizes(p) for f, p in zip(facts, points)}
-        return held + rank_step(
-            options.schedule,
-            options.ranks,
-            options.stages_per_rank,
-            options.microbatches,
-            rank,
-            sizes,
-        )
+        return predicted_rank_peak(search, facts, points, options)
 
     points, least = _choose(facts, peak_of, options.budget)
     if points is None:
-        largest = max(facts, key=lambda f: f.held_bytes + min(p.peak_bytes for p in f.frontier))
+        def at_least(f: StageFacts) -> int:  # what the stage holds with its smallest point
+            p = min(f.frontier, key=lambda q: q.peak_bytes)
+            return _stage_plan(search, f, p, options, rank, attention, exact=False).peak_bytes
+
+        largest = max(facts, key=at_least)
         where = ", ".join(
             f"stage {f.graph.index} ({f.graph.modules[0] if f.graph.modules else '?'} ..)"
             for f in facts
