@@ -138,6 +138,7 @@ def test_the_loss_measured_on_the_last_stage_joins_its_micro_batch_peak() -> Non
     assert small.step_peak_bytes == last.step_peak_bytes
 
 
+@pytest.mark.slow
 def test_the_runtimes_overhead_and_the_links_latency_join_the_predicted_step() -> None:
     model, x, target, loss_fn = build("mlp")
     bare = plan(model, x, loss_fn, stages=2, microbatches=4)

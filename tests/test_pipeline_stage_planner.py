@@ -71,6 +71,7 @@ def _with(options, **changes):
     return dataclasses.replace(options, **changes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exhaustive", [True, False], ids=["every-combination", "greedy"])
 def test_a_rank_of_two_stages_fits_the_budget_together(
     monkeypatch: pytest.MonkeyPatch, exhaustive: bool
