@@ -215,6 +215,7 @@ def plan_rank(
 
     points, least = _choose(facts, peak_of, options.budget)
     if points is None:
+
         def at_least(f: StageFacts) -> int:  # what the stage holds with its smallest point
             p = min(f.frontier, key=lambda q: q.peak_bytes)
             return _stage_plan(search, f, p, options, rank, attention, exact=False).peak_bytes
