@@ -222,7 +222,7 @@ class Pipeline:
             for g, p in zip(self.graphs, self.plans)
         ]
         #: the first of this rank's stages (its only one under GPipe and 1F1B)
-        self.plan, self.graph, self.module = self.plans[0], self.graphs[0], self.modules[0]
+        self.graph, self.module = self.graphs[0], self.modules[0]
         device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
         self._device = device
         self._streams = (
@@ -293,6 +293,11 @@ class Pipeline:
             raise ValueError(first)
         self.candidates = second
         return first
+
+    @property
+    def plan(self) -> StagePlan:
+        """The first of this rank's stages' plans (its only one under GPipe and 1F1B)."""
+        return self.plans[0]
 
     @property
     def predicted_step_peak_bytes(self) -> int:
@@ -408,8 +413,6 @@ class Pipeline:
         peak = measure(loss_step, device=self._device).peak_bytes or 0
         at = self.local_stages.index(self._last_stage)
         self.plans[at] = dataclasses.replace(self.plans[at], loss_bytes=peak)
-        if at == 0:
-            self.plan = self.plans[0]
         self._loss_measured = True
 
     def _loss_of(self, flat: tuple[Any, ...], target: Any) -> torch.Tensor:

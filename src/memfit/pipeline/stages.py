@@ -30,6 +30,7 @@ outgoing cut forward and its gradient back. ``stage_planner`` makes the plans.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -188,11 +189,7 @@ class StagePlan:
             self.index,
             self.stages,
             self.microbatches,
-            each=self.kept_bytes + self.send_bytes,
-            transient=self.micro_peak_bytes,
-            grads=self.parameter_bytes,
-            sent=self.send_bytes,
-            input_grad=self.receive_grad_bytes,
+            **dataclasses.asdict(self.sizes),
         )
 
     @property
@@ -241,17 +238,7 @@ def rank_step(
     (``rank_model``)."""
     if is_single(schedule):
         ((stage, part),) = sizes.items()
-        return step_peak(
-            schedule,
-            stage,
-            ranks,
-            microbatches,
-            each=part.each,
-            transient=part.transient,
-            grads=part.grads,
-            sent=part.sent,
-            input_grad=part.input_grad,
-        )
+        return step_peak(schedule, stage, ranks, microbatches, **dataclasses.asdict(part))
     return rank_step_peak(schedule, ranks, stages_per_rank, microbatches, rank, sizes)
 
 
