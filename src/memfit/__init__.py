@@ -9,6 +9,7 @@ Private torch APIs are reached only through ``memfit._compat``.
 
 from memfit import nn
 from memfit.capture.mark import mark
+from memfit.execution.largest_batch import BatchProbe, LargestBatch, largest_batch
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError
 from memfit.execution.options import Attention, Executor, OffloadTarget, Options
@@ -30,6 +31,9 @@ __all__ = [
     "step",
     "Step",
     "plan",
+    "largest_batch",
+    "LargestBatch",
+    "BatchProbe",
     "nn",
     "BudgetError",
     "Budget",

@@ -28,7 +28,9 @@ import torch
 import memfit
 from memfit._compat import tree_flatten, tree_map
 from memfit.cli.errors import CliError
-from memfit.cli.steps import Workload, resident_bytes
+from memfit.cli.steps import Workload
+from memfit.execution.largest_batch import bisect_largest
+from memfit.measurement.resident import resident_bytes
 from memfit.planning.policy import Policy
 
 __all__ = [
@@ -140,56 +142,28 @@ def search_max_batch(
 ) -> SearchResult:
     """Largest multiple of ``step`` (up to ``limit``) for which ``probe(batch).fits``.
 
-    Doubling from ``start`` (rounded to a multiple of ``step``), then bisection; see above.
+    Doubling from ``start`` (rounded to a multiple of ``step``), then bisection
+    (``memfit.execution.largest_batch.bisect_largest``); see above.
     """
-    if step < 1 or limit < step:
-        raise ValueError(f"need 1 <= step <= limit, got step={step}, limit={limit}")
     probes: dict[int, Probe] = {}
 
-    def fits(k: int) -> bool:  # k counts steps: batch = k * step
-        if k not in probes:
-            probes[k] = probe(k * step)
-            if on_probe is not None:
-                on_probe(probes[k])
-        return probes[k].fits
+    def fits(batch: int) -> bool:
+        probes[batch] = probe(batch)
+        if on_probe is not None:
+            on_probe(probes[batch])
+        return probes[batch].fits
 
-    k_max = limit // step
-    k = min(max(1, round(start / step)), k_max)
-    capped = False
-    if fits(k):
-        lo, hi = k, None
-        while hi is None:
-            if lo == k_max:
-                capped = True
-                break
-            nxt = min(2 * lo, k_max)
-            if fits(nxt):
-                lo = nxt
-            else:
-                hi = nxt
-    else:
-        lo, hi = 0, k
-        while hi > 1:
-            nxt = hi // 2
-            if fits(nxt):
-                lo = nxt
-                break
-            hi = nxt
-    if hi is not None and lo > 0:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-    ordered = tuple(probes[key] for key in probes)
+    try:
+        found, first_not, capped = bisect_largest(fits, start=start, multiple_of=step, limit=limit)
+    except ValueError:
+        raise ValueError(f"need 1 <= step <= limit, got step={step}, limit={limit}") from None
     return SearchResult(
         label=label,
         budget_bytes=budget_bytes,
         step=step,
-        max_batch=lo * step,
-        total_bytes=probes[lo].total_bytes if lo else None,
-        first_not_fitting=hi * step if hi is not None else None,
+        max_batch=found,
+        total_bytes=probes[found].total_bytes if found else None,
+        first_not_fitting=first_not,
         capped=capped,
-        probes=ordered,
+        probes=tuple(probes.values()),
     )

@@ -35,6 +35,7 @@ import memfit
 from memfit._compat import tree_flatten
 from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
+from memfit.measurement.resident import resident_bytes
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
@@ -115,28 +116,6 @@ class Workload:
             return float(loss.detach())
 
         return run
-
-
-def _storages(tensors: Any) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            out[s.data_ptr()] = s.nbytes()
-    return out
-
-
-def resident_bytes(
-    model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
-) -> tuple[int, int]:
-    """``(parameters and buffers, input tensors)`` bytes, each storage counted once.
-
-    These are live before a step starts, so ``memfit.measure``'s peak (which is *above* what was
-    live at entry) does not include them.
-    """
-    weights = _storages([*model.parameters(), *model.buffers()])
-    inputs = _storages(tree_flatten((tuple(args), dict(kwargs or {})))[0])
-    return sum(weights.values()), sum(n for p, n in inputs.items() if p not in weights)
 
 
 @dataclass

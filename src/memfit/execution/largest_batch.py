@@ -1,0 +1,427 @@
+"""``memfit.largest_batch``: the largest batch whose whole training step fits a memory budget.
+
+The question a user comes with is "in the memory I have, how large a batch can I train, and what
+does each sample cost?". It is answered with real steps, measured, not with a formula:
+
+* **What the budget covers**: every tensor of one training step on the device: the parameters and
+  buffers and the batch (live before the step), plus the peak ``memfit.measure`` records above
+  that during forward, loss and backward (activations, gradients, scratch, offload buffers).
+  Optimizer state is not included (an optimizer's ``step()`` runs after the backward has freed
+  the activations; add its state to the weights yourself if it lives on the device).
+* **The step**: the model and the loss run as one ``memfit.step``, so the loss (a language
+  model's logits and their cross-entropy) is inside the captured graph: planned, predicted and
+  under the budget like every other value.
+* **The policy**: any memfit policy, or ``"auto"``: at each batch, the budget left once the weights
+  and the batch are counted becomes a byte budget with ``offload=True``, so the planner chooses per
+  value between keeping, recomputing and offloading (host memory on CUDA, disk on CPU) the least
+  time that fits. ``"memory"`` finds the largest batch at any cost in recomputation; ``"auto"`` the
+  same or larger, and at each batch the fastest plan that fits.
+* **The search** (``bisect_largest``): from ``start``, the batch doubles while it fits (halves while
+  it does not), then is bisected until the largest batch that fit and the smallest that did not are
+  one ``multiple_of`` apart: both were measured. A probe that runs out of device memory (CUDA) or
+  for which no plan fits the budget counts as not fitting. Memory is assumed to grow with the
+  batch.
+* **Time per sample**: once found, the answer is captured again and timed over ``timing_steps``
+  steps (median), without the memory profiler, which slows CPU steps.
+
+Each probe resets Dynamo (``torch.compiler.reset()``): every batch size is a new capture of the
+same step function, and Dynamo stops compiling a function after a few shapes. Run the search
+before training, not between compiled steps of your own.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.execution.options import Executor, Options, PolicyLike
+from memfit.execution.step import Step, step
+from memfit.measurement import measure
+from memfit.measurement.resident import resident_bytes
+from memfit.planning.budget import BudgetError, parse_budget
+from memfit.planning.plan import Plan
+
+__all__ = ["BatchProbe", "LargestBatch", "bisect_largest", "largest_batch"]
+
+#: The policy that lets the planner recompute and offload per value, the least time that fits.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class BatchProbe:
+    """One measured step at one batch size."""
+
+    batch: int
+    fits: bool
+    #: weights and buffers + the batch + the step's measured peak; None when it did not run
+    total_bytes: int | None
+    #: the step's peak above what was live before it (``memfit.measure``); None when it did not run
+    peak_bytes: int | None
+    #: why it did not run (no plan fits, out of memory); None when it ran
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LargestBatch:
+    """What ``memfit.largest_batch`` found: ``batch`` fits, ``batch + multiple_of`` was measured
+    not to (unless ``capped``)."""
+
+    #: the largest batch that fits (0: not even ``multiple_of`` rows do)
+    batch: int
+    budget_bytes: int
+    policy: str
+    #: the plan that ran at ``batch`` (None when nothing fits)
+    plan: Plan | None
+    #: the step's measured peak above what was live before it, at ``batch``
+    peak_bytes: int | None
+    #: weights and buffers + batch + peak, at ``batch``: what the budget bounds
+    total_bytes: int | None
+    #: median seconds of one step at ``batch`` divided by ``batch`` (None when nothing fits)
+    seconds_per_sample: float | None
+    #: the smallest batch measured not to fit (None when ``capped``)
+    first_not_fitting: int | None
+    #: the search stopped at ``limit`` while still fitting
+    capped: bool
+    probes: tuple[BatchProbe, ...]
+
+    def __str__(self) -> str:
+        if self.batch == 0:
+            least = min(
+                (p for p in self.probes if p.total_bytes), key=lambda p: p.batch, default=None
+            )
+            seen = f"; batch {least.batch} needed {least.total_bytes:,} bytes" if least else ""
+            return f"no batch fits {self.budget_bytes:,} bytes under policy {self.policy!r}{seen}"
+        per_sample = (
+            f", {self.seconds_per_sample * 1e3:.3g} ms per sample"
+            if self.seconds_per_sample is not None
+            else ""
+        )
+        nxt = "the search limit" if self.capped else f"{self.first_not_fitting} does not"
+        return (
+            f"largest batch {self.batch} within {self.budget_bytes:,} bytes under policy "
+            f"{self.policy!r} ({self.total_bytes:,} bytes measured{per_sample}; {nxt})"
+        )
+
+
+def bisect_largest(
+    fits: Callable[[int], bool], *, start: int, multiple_of: int = 1, limit: int = 65536
+) -> tuple[int, int | None, bool]:
+    """``(largest, first_not_fitting, capped)``: the largest multiple of ``multiple_of`` up to
+    ``limit`` for which ``fits`` holds, assuming it holds below some size and not above.
+
+    From ``start`` (rounded to a multiple), doubling while ``fits``, halving while not, then
+    bisection. ``largest`` is 0 when not even ``multiple_of`` fits; ``first_not_fitting`` is None
+    when the search reached ``limit`` still fitting (``capped``). Each size is asked once.
+    """
+    if multiple_of < 1 or limit < multiple_of:
+        raise ValueError(
+            f"need 1 <= multiple_of <= limit, got multiple_of={multiple_of}, limit={limit}"
+        )
+    asked: dict[int, bool] = {}
+
+    def ok(k: int) -> bool:  # k counts multiples: batch = k * multiple_of
+        if k not in asked:
+            asked[k] = fits(k * multiple_of)
+        return asked[k]
+
+    k_max = limit // multiple_of
+    k = min(max(1, round(start / multiple_of)), k_max)
+    lo: int
+    hi: int | None
+    capped = False
+    if ok(k):
+        lo, hi = k, None
+        while hi is None:
+            if lo == k_max:
+                capped = True
+                break
+            nxt = min(2 * lo, k_max)
+            if ok(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        lo, hi = 0, k
+        while hi > 1:
+            nxt = hi // 2
+            if ok(nxt):
+                lo = nxt
+                break
+            hi = nxt
+    if hi is not None and lo > 0:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+    return lo * multiple_of, (hi * multiple_of if hi is not None else None), capped
+
+
+def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch as a call's arguments: a tuple is positional, a mapping is keywords."""
+    if isinstance(batch, tuple):
+        return batch, {}
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    return (batch,), {}
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The model's own loss: a scalar output, or a scalar ``loss`` (HF models given labels)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    raise ValueError(
+        f"memfit.largest_batch: the model returned {type(output).__name__}, not a scalar loss "
+        "or an output with a scalar .loss; pass loss=fn(output, target) (make_batch then returns "
+        "(inputs, target)) or step=fn(*batch) returning the loss"
+    )
+
+
+def _step_function(
+    model: nn.Module,
+    loss: Callable[[Any, Any], torch.Tensor] | None,
+    step_fn: Callable[..., torch.Tensor] | None,
+) -> Callable[..., torch.Tensor]:
+    """One function from a batch to the loss: what ``memfit.step`` captures and plans."""
+    if step_fn is not None:
+        return step_fn
+    if loss is not None:
+
+        def model_and_loss(inputs: Any, target: Any) -> torch.Tensor:
+            args, kwargs = _call_args(inputs)
+            return loss(model(*args, **kwargs), target)
+
+        return model_and_loss
+
+    def model_with_its_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _loss_of(model(*args, **kwargs))
+
+    return model_with_its_loss
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+@dataclass
+class _Search:
+    """What every probe of one search shares."""
+
+    model: nn.Module
+    make_batch: Callable[[int], Any]
+    function: Callable[..., torch.Tensor]
+    budget: int
+    policy: PolicyLike
+    offload: bool
+    executor: Executor | str
+    options: Options | None
+    uses_target: bool  # loss= given: a batch is (inputs, target)
+
+    def batch_args(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+        """The call's arguments for ``n`` rows, and the bytes of the batch's tensors."""
+        batch = self.make_batch(n)
+        if self.uses_target:
+            if not (isinstance(batch, tuple) and len(batch) == 2):
+                raise TypeError(
+                    f"memfit.largest_batch: with loss=, make_batch(n) returns (inputs, target); "
+                    f"make_batch({n}) returned {type(batch).__name__}"
+                )
+            args: tuple[Any, ...] = batch
+            kwargs: dict[str, Any] = {}
+        else:
+            args, kwargs = _call_args(batch)
+        _, batch_bytes = resident_bytes(self.model, args, kwargs)
+        return args, kwargs, batch_bytes
+
+    def stepper(self, room: int) -> Step:
+        if self.policy == AUTO:
+            return step(
+                self.function,
+                policy=room,
+                offload=True,
+                executor=self.executor,
+                options=self.options,
+            )
+        return step(
+            self.function,
+            policy=self.policy,
+            offload=self.offload,
+            executor=self.executor,
+            options=self.options,
+        )
+
+    def run(self, n: int) -> tuple[BatchProbe, Step | None, Any]:
+        """Capture, plan and run one step at ``n`` rows, then measure a second one."""
+        weights, _ = resident_bytes(self.model)
+        args, kwargs, batch_bytes = self.batch_args(n)
+        room = self.budget - weights - batch_bytes
+        if room <= 0:
+            why = f"weights and batch alone take {weights + batch_bytes:,} bytes"
+            return BatchProbe(n, False, None, None, why), None, None
+        torch.compiler.reset()
+        stepper = self.stepper(room)
+        device = _device_of(self.model)
+        try:
+            self.model.zero_grad(set_to_none=True)
+            stepper(*args, **kwargs).backward()
+            self.model.zero_grad(set_to_none=True)
+            m = measure(lambda: stepper(*args, **kwargs).backward(), device=device)
+        except torch.OutOfMemoryError as err:
+            first = str(err).splitlines()[0] if str(err) else "out of memory"
+            return BatchProbe(n, False, None, None, f"out of memory: {first}"), None, None
+        except BudgetError as err:
+            return (
+                BatchProbe(
+                    n,
+                    False,
+                    None,
+                    None,
+                    f"no plan fits: {err.least_bytes:,} bytes at least, {room:,} left",
+                ),
+                None,
+                None,
+            )
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        total = weights + batch_bytes + int(m.peak_bytes or 0)
+        return BatchProbe(n, total <= self.budget, total, m.peak_bytes), stepper, (args, kwargs)
+
+
+def _seconds_per_step(stepper: Step, model: nn.Module, call: Any, steps: int) -> float:
+    args, kwargs = call
+    device = _device_of(model)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        stepper(*args, **kwargs).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def largest_batch(
+    model: nn.Module,
+    make_batch: Callable[[int], Any],
+    budget: int | str,
+    *,
+    loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[..., torch.Tensor] | None = None,
+    policy: PolicyLike = AUTO,
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
+    start: int = 1,
+    multiple_of: int = 1,
+    limit: int = 65536,
+    timing_steps: int = 3,
+    on_probe: Callable[[BatchProbe], None] | None = None,
+) -> LargestBatch:
+    """The largest batch whose training step, weights and batch included, fits ``budget`` bytes.
+
+    ``make_batch(n)`` returns a batch of ``n`` rows, in one of three forms:
+
+    * with ``step_fn=fn``: ``fn``'s arguments (a tuple, a mapping of keywords, or one value);
+      ``fn(*batch)`` returns the loss, as a function given to ``memfit.step``;
+    * with ``loss=fn``: ``(inputs, target)``, the model called on ``inputs`` (a tuple, a mapping,
+      or one tensor) and ``fn(output, target)`` the loss;
+    * with neither: the model's inputs, and the model returns its own loss (a scalar, or an output
+      with a scalar ``.loss``: HF models given labels).
+
+    ``policy`` is any memfit policy, or ``"auto"`` (the default): the budget left after the weights
+    and the batch, as a byte budget with ``offload=True`` (the least time that fits). The model's
+    ``.grad`` is set to None before each step, as ``optimizer.zero_grad()`` leaves it, and after
+    the search. Returns a ``LargestBatch``: the batch, its plan, its measured peak and time per
+    sample, and every probe. Raises ``ValueError`` when the weights alone exceed the budget.
+    """
+    parsed = parse_budget(budget)
+    if parsed.bytes is None:
+        raise ValueError(
+            f"memfit.largest_batch: the budget is device memory in bytes (an int or a size such "
+            f"as '16GiB'), got the fraction {budget!r}"
+        )
+    budget_bytes = parsed.bytes
+    if loss is not None and step_fn is not None:
+        raise TypeError("memfit.largest_batch: give loss= or step_fn=, not both")
+    if timing_steps < 1:
+        raise ValueError(f"memfit.largest_batch: timing_steps must be >= 1, got {timing_steps}")
+    weights, _ = resident_bytes(model)
+    if weights >= budget_bytes:
+        raise ValueError(
+            f"memfit.largest_batch: the model's parameters and buffers take {weights:,} bytes, "
+            f"over the budget of {budget_bytes:,}: no batch can fit; raise the budget or shrink "
+            "the model (a smaller dtype, or memfit.pipeline over several devices)"
+        )
+    search = _Search(
+        model,
+        make_batch,
+        _step_function(model, loss, step_fn),
+        budget_bytes,
+        policy,
+        offload,
+        executor,
+        options,
+        uses_target=loss is not None,
+    )
+    probes: dict[int, BatchProbe] = {}
+
+    def fits(n: int) -> bool:
+        probes[n], _, _ = search.run(n)
+        if on_probe is not None:
+            on_probe(probes[n])
+        return probes[n].fits
+
+    found, first_not, capped = bisect_largest(
+        fits, start=start, multiple_of=multiple_of, limit=limit
+    )
+    label = policy if isinstance(policy, str) else str(policy)
+    if found == 0:
+        return LargestBatch(
+            0,
+            budget_bytes,
+            label,
+            None,
+            None,
+            None,
+            None,
+            first_not,
+            capped,
+            tuple(probes.values()),
+        )
+    # The answer again, captured afresh (later probes reset Dynamo), measured and timed.
+    final, stepper, call = search.run(found)
+    assert stepper is not None
+    seconds = _seconds_per_step(stepper, model, call, timing_steps)
+    plan = stepper.plan
+    return LargestBatch(
+        found,
+        budget_bytes,
+        label,
+        plan,
+        final.peak_bytes,
+        final.total_bytes,
+        seconds / found,
+        first_not,
+        capped,
+        tuple(probes.values()),
+    )
