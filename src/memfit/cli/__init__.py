@@ -89,6 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version, or argparse's own usage errors
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     debug = getattr(args, "debug", False)
+    # Kineto (torch's profiler library) prints a "USDT ... profiler_start/stop" line at every
+    # profiler session; the commands measure memory with one session per step, so those lines
+    # buried the tables. It reads the level when the first session starts; a user's own setting
+    # wins. Only the command line sets it: a library must not change a user's process.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         return int(args.run(args, _console()))
     except CliError as err:
