@@ -7,7 +7,7 @@ import warnings
 import torch
 
 import memfit
-from memfit.execution.call_messages import break_action, swap_did_nothing
+from memfit.execution.call_messages import break_action, swap_saved_little
 from memfit.planning.policy import Policy
 
 
@@ -41,5 +41,15 @@ def test_a_model_broken_in_its_own_python_is_told_its_graphs_run_as_a_chain() ->
 
 
 def test_swap_names_the_model_and_what_to_do_instead() -> None:
-    said = swap_did_nothing("Net")
-    assert "Net" in said and "offload=True" in said
+    said = swap_saved_little("Net", 0, 1000)
+    assert said is not None and "Net" in said and "offloaded nothing" in said
+    assert "offload=True" in said
+
+
+def test_swap_that_saves_little_says_how_little_and_one_that_saves_enough_says_nothing() -> None:
+    # the MobileNet-like net on CPU: 1 MiB offloaded of the 313 MiB kept
+    said = swap_saved_little("Net", 2**20, 312 * 2**20)
+    assert said is not None and "offloaded only 1.00 MiB of the 313.00 MiB" in said, said
+    assert swap_saved_little("Net", 50, 50) is None
+    assert swap_saved_little("Net", 10, 90) is None  # exactly SWAP_LITTLE
+    assert swap_saved_little("Net", 9, 91) is not None

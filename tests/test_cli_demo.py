@@ -21,12 +21,19 @@ def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) 
     proc = run_memfit("demo", "--quick", "--out", str(out), cwd=cwd)
     assert proc.returncode == 0, explain(proc)
 
+    # What a new user sees is memfit's result, not memfit's warnings about its own example (a loss
+    # it cannot see, a swap that offloads nothing) nor the profiler's notes.
+    shown = proc.stdout + proc.stderr
+    assert "Warning" not in shown and "USDT" not in shown, shown
+
+    # swap hides copies behind compute, which only CUDA's copy engines do: shown there only
+    expected = {"none", "speed", "memory", "budget 80%"}
     rows = {}
     for line in proc.stdout.splitlines():
         cells = [c.strip() for c in re.split(r"[│┃]", line) if c.strip()]
-        if cells and cells[0] in ("none", "speed", "memory", "budget 80%", "swap"):
+        if cells and cells[0] in (*expected, "swap"):
             rows[cells[0]] = cells
-    assert set(rows) == {"none", "speed", "memory", "budget 80%", "swap"}, proc.stdout
+    assert set(rows) == expected, proc.stdout
     for cells in rows.values():
         assert cells[1].endswith(("MiB", "KiB")), cells  # measured peak
         assert cells[2].endswith("x") and cells[5].endswith("x"), cells  # ratios to none
@@ -34,7 +41,6 @@ def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) 
     peak = {policy: float(cells[1].split()[0]) for policy, cells in rows.items()}
     assert peak["memory"] < peak["none"], peak
     assert peak["budget 80%"] <= 0.8 * peak["none"] + 0.1, peak  # the budget holds, measured
-    assert peak["swap"] <= peak["none"], peak  # offload never peaks above keeping everything
 
     png = out / "demo.png"
     assert png.is_file(), proc.stdout

@@ -93,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # profiler session; the commands measure memory with one session per step, so those lines
     # buried the tables. It reads the level when the first session starts; a user's own setting
     # wins. Only the command line sets it: a library must not change a user's process.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if not os.environ.get("KINETO_LOG_LEVEL"):
+        os.environ["KINETO_LOG_LEVEL"] = "6"
     try:
         return int(args.run(args, _console()))
     except CliError as err:

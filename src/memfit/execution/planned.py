@@ -47,7 +47,7 @@ from memfit.execution.call_messages import (
     INDUCTOR_BUDGET_WARNING,
     break_action,
     loss_outside_unseen,
-    swap_did_nothing,
+    swap_saved_little,
     unplanned,
 )
 from memfit.execution.chain import StepChain, chains, recording
@@ -466,9 +466,10 @@ class PlannedCall:
         GRU LM with its cross-entropy outside the module peaked at 1.44x its ``budget=`` from
         the second step on, with no warning, because on CPU memfit measures what the caller
         holds between forward and backward only inside ``memfit.measure``."""
-        if self.policy.swaps and not plan.offloaded_bytes and not self._warned_swap:
+        said = swap_saved_little(self.name, plan.offloaded_bytes, plan.kept_bytes)
+        if self.policy.swaps and said is not None and not self._warned_swap:
             self._warned_swap = True
-            warn_user(swap_did_nothing(self.name))
+            warn_user(said)
         if (
             self.policy.budget is not None
             and self.measure_outside
