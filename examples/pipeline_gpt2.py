@@ -8,7 +8,7 @@ one process's plain PyTorch step on the whole mini-batch. Dropout is off so the 
 random numbers (a pipeline draws dropout masks per rank; see the README). Also a factory for
 ``memfit pipeline``::
 
-    memfit pipeline examples/pipeline_gpt2.py:make --stages 3 --microbatches 4
+    memfit pipeline examples/pipeline_gpt2.py:make --ranks 3 --microbatches 4
 """
 
 from __future__ import annotations
