@@ -8,10 +8,11 @@ deeper until it no longer fits ``--budget`` bytes per device:
   (``memfit.measure``, exact tensor accounting on CPU);
 * ``memfit``: one device, ``memfit.checkpoint(model, budget - state)``: fits when the
   planner finds a plan (its prediction, then checked by measuring the step);
-* ``pipeline K=2``, ``K=4``: ``memfit.pipeline.plan(..., stages=K, microbatches=4,
-  budget=budget, optimizer_state=2)`` finds a split (every stage's predicted peak within the
-  budget); at the deepest such model the pipeline is run in K local processes (gloo) and each
-  stage's measured step peak plus its state and buffers is checked against the budget.
+* ``pipeline K=2``, ``K=4``: ``memfit.pipeline.plan(..., ranks=K,
+  options=PipelineOptions(microbatches=4, budget=budget, optimizer_state=2))`` finds a split
+  (every stage's predicted peak within the budget); at the deepest such model the pipeline is
+  run in K local processes (gloo) and each stage's measured step peak plus its state and buffers
+  is checked against the budget.
 
 The deepest fitting depth is found by doubling and bisection. Writes
 ``benchmarks/results/pipeline_depth.{json,md}`` (``--quick``: a smaller budget and ``_quick``
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 import memfit
 from memfit.bench.environment import load_average, machine_info, software_info
-from memfit.pipeline import Pipeline, launch
+from memfit.pipeline import Pipeline, PipelineOptions, launch
 from memfit.pipeline import plan as pipeline_plan
 from memfit.units import format_bytes
 
@@ -111,17 +112,17 @@ def memfit_fits(depth: int, budget: int) -> tuple[bool, dict[str, Any]]:
     }
 
 
-def pipeline_fits(depth: int, budget: int, stages: int) -> tuple[bool, dict[str, Any]]:
+def pipeline_fits(depth: int, budget: int, ranks: int) -> tuple[bool, dict[str, Any]]:
     model, x, t = make(depth)
     try:
         planned = pipeline_plan(
             model,
             x,
             loss_fn,
-            stages=stages,
-            microbatches=MICROBATCHES,
-            budget=budget,
-            optimizer_state=ADAM_STATE,
+            ranks=ranks,
+            options=PipelineOptions(
+                microbatches=MICROBATCHES, budget=budget, optimizer_state=ADAM_STATE
+            ),
         )
     except (memfit.BudgetError, ValueError) as err:
         return False, {"reason": str(err).splitlines()[0]}
@@ -131,16 +132,16 @@ def pipeline_fits(depth: int, budget: int, stages: int) -> tuple[bool, dict[str,
     }
 
 
-def _rank(rank: int, depth: int, budget: int, stages: int) -> dict[str, Any]:
+def _rank(rank: int, depth: int, budget: int, ranks: int) -> dict[str, Any]:
     model, x, t = make(depth)
     pipe = Pipeline(
         model,
         x,
         loss_fn,
-        stages=stages,
-        microbatches=MICROBATCHES,
-        budget=budget,
-        optimizer_state=ADAM_STATE,
+        ranks=ranks,
+        options=PipelineOptions(
+            microbatches=MICROBATCHES, budget=budget, optimizer_state=ADAM_STATE
+        ),
     )
     pipe.step(x, target=t)
     for p in pipe.parameters():

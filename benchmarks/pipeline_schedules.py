@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import memfit
-from memfit.pipeline import Pipeline, launch
+from memfit.pipeline import Pipeline, PipelineOptions, launch
 from memfit.pipeline.schedule import SCHEDULES, check_schedule, default_stages_per_rank
 from memfit.pipeline.timeline import simulate_step
 from pipeline_schedule import write_record
@@ -155,11 +155,13 @@ def _pipeline(
             model,
             x,
             loss_fn,
-            stages=RANKS,
-            microbatches=job["microbatches"],
-            schedule=job["schedule"],
-            stages_per_rank=job["stages_per_rank"],
-            budget=budget,
+            ranks=RANKS,
+            options=PipelineOptions(
+                microbatches=job["microbatches"],
+                schedule=job["schedule"],
+                stages_per_rank=job["stages_per_rank"],
+                budget=budget,
+            ),
             release_others=False,
         )
     except (ValueError, memfit.BudgetError) as exc:
@@ -249,12 +251,13 @@ def _auto_choice(
             model,
             x,
             loss_fn,
-            stages=RANKS,
-            microbatches=None,  # type: ignore[arg-type]
-            schedule="auto",
-            budget=budget,
-            overhead=overhead,
-            latency=latency,
+            ranks=RANKS,
+            options=PipelineOptions(
+                schedule="auto",  # microbatches left out: auto chooses
+                budget=budget,
+                overhead=overhead,
+                latency=latency,
+            ),
         )
     except Exception as exc:  # a BudgetError, or an API older than "auto": say why
         return {"unavailable": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}

@@ -8,7 +8,7 @@ one process's plain PyTorch step on the whole mini-batch. Dropout is off so the 
 random numbers (a pipeline draws dropout masks per rank; see the README). Also a factory for
 ``memfit pipeline``::
 
-    memfit pipeline examples/pipeline_gpt2.py:make --stages 3 --microbatches 4
+    memfit pipeline examples/pipeline_gpt2.py:make --ranks 3 --microbatches 4
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memfit.pipeline import Pipeline, launch
+from memfit.pipeline import Pipeline, PipelineOptions, launch
 
 VOCAB = 100
 
@@ -49,7 +49,9 @@ def loss_fn(output: object, target: torch.Tensor) -> torch.Tensor:
 def rank_step(rank: int) -> tuple[float, dict[str, torch.Tensor]]:
     model, tokens = make()
     target = tokens.roll(-1, dims=1)
-    pipe = Pipeline(model, tokens, loss_fn, stages=3, microbatches=4, schedule="1f1b")
+    pipe = Pipeline(
+        model, tokens, loss_fn, ranks=3, options=PipelineOptions(microbatches=4, schedule="1f1b")
+    )
     stage = pipe.plan
     print(  # noqa: T201 - what each rank runs, as planned
         f"rank {rank}: {stage.first_module} .. {stage.last_module}, predicted peak "

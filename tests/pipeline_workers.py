@@ -14,7 +14,7 @@ import torch
 import memfit
 import memfit.pipeline.runtime
 import memfit.pipeline.search
-from memfit.pipeline import Pipeline, StagePlan
+from memfit.pipeline import Pipeline, PipelineOptions, StagePlan
 from pipeline_models import build
 
 #: each rank's generator is seeded with this plus its rank before the first step
@@ -22,7 +22,7 @@ SEED = 100
 
 
 def _fresh(
-    name: str, stages: int, microbatches: int, schedule: str, budget: int | None
+    name: str, ranks: int, microbatches: int, schedule: str, budget: int | None
 ) -> tuple[Pipeline, torch.Tensor, torch.Tensor]:
     """A pipeline of a fresh model ``name`` (Dynamo reset: its recompile limit is per process),
     with its batch and target; ``"auto"`` chooses among two stages per rank."""
@@ -32,11 +32,13 @@ def _fresh(
         model,
         x,
         loss_fn,
-        stages=stages,
-        microbatches=microbatches,
-        schedule=schedule,
-        budget=budget,
-        stages_per_rank=2 if schedule == "auto" else None,
+        ranks=ranks,
+        options=PipelineOptions(
+            microbatches=microbatches,
+            schedule=schedule,
+            budget=budget,
+            stages_per_rank=2 if schedule == "auto" else None,
+        ),
     )
     return pipe, x, target
 
@@ -44,7 +46,7 @@ def _fresh(
 def train(
     rank: int,
     name: str,
-    stages: int,
+    ranks: int,
     microbatches: int,
     schedules: tuple[str, ...] = ("gpipe", "1f1b"),
     budget: int | None = None,
@@ -52,7 +54,7 @@ def train(
     """Per schedule, on a fresh model: plan, one step; report cuts, loss, gradients, buffers."""
     out = {}
     for schedule in schedules:
-        pipe, x, target = _fresh(name, stages, microbatches, schedule, budget)
+        pipe, x, target = _fresh(name, ranks, microbatches, schedule, budget)
         torch.manual_seed(SEED + rank)
         loss = pipe.step(x, target=target).item()
         out[schedule] = {
@@ -92,14 +94,14 @@ def forced_cuts(cuts: tuple[int, ...] | None) -> Iterator[None]:
 
 
 def measured_peaks(
-    rank: int, name: str, stages: int, microbatches: int, jobs: tuple[Job, ...]
+    rank: int, name: str, ranks: int, microbatches: int, jobs: tuple[Job, ...]
 ) -> list[tuple[StagePlan, int, int]]:
     """Per job, on a fresh model: this rank's (first) stage plan, the measured peak of a step
     (after a first step that compiles) and the rank's predicted one."""
     out = []
     for schedule, cuts, budget in jobs:
         with forced_cuts(cuts):
-            pipe, x, target = _fresh(name, stages, microbatches, schedule, budget)
+            pipe, x, target = _fresh(name, ranks, microbatches, schedule, budget)
         pipe.step(x, target=target)
         for p in pipe.parameters():
             p.grad = None
@@ -122,10 +124,10 @@ def trains_and_measures(
     }
 
 
-def dies(rank: int, name: str, stages: int) -> None:
+def dies(rank: int, name: str, ranks: int) -> None:
     """Rank 1 is killed (as by the OOM killer) when the others are in the middle of a step."""
     model, x, target, loss_fn = build(name)
-    pipe = Pipeline(model, x, loss_fn, stages=stages, microbatches=4)
+    pipe = Pipeline(model, x, loss_fn, ranks=ranks, options=PipelineOptions(microbatches=4))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     pipe.step(x, target=target)

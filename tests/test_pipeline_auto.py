@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import memfit
-from memfit.pipeline import PipelineSchedule, plan
+from memfit.pipeline import PipelineOptions, PipelineSchedule, plan
 from memfit.pipeline.auto import configurations, microbatch_counts
 from memfit.pipeline.schedule import check_schedule
 from pipeline_models import build
@@ -35,7 +35,9 @@ def test_configurations_are_those_torch_runs() -> None:
 @pytest.mark.slow
 def test_auto_keeps_the_least_predicted_step_and_prints_the_candidates() -> None:
     model, x, target, loss_fn = build("mlp")
-    chosen = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="auto")
+    chosen = plan(
+        model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4, schedule="auto")
+    )
     fitting = [c for c in chosen.candidates if c.fits]
     assert len(fitting) == len(chosen.candidates) >= 7  # no budget: every one fits
     (best,) = (c for c in chosen.candidates if c.chosen)
@@ -54,16 +56,30 @@ def test_auto_keeps_the_least_predicted_step_and_prints_the_candidates() -> None
 @pytest.mark.slow
 def test_auto_under_a_budget_fits_it_or_names_the_least_reachable_peak() -> None:
     model, x, target, loss_fn = build("wide")
-    free = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="auto")
+    free = plan(
+        model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4, schedule="auto")
+    )
     peaks = sorted(c.peak_bytes or 0 for c in free.candidates)
     budget = peaks[len(peaks) // 2]  # half the configurations kept everything above it
-    tight = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="auto", budget=budget)
+    tight = plan(
+        model,
+        x,
+        loss_fn,
+        ranks=2,
+        options=PipelineOptions(microbatches=4, schedule="auto", budget=budget),
+    )
     assert tight.peak_bytes <= budget and max(tight.rank_peaks) <= budget
     fits = [c for c in tight.candidates if c.fits]
     assert fits and all((c.peak_bytes or 0) <= budget for c in fits)
     assert all((c.peak_bytes or 0) > budget for c in tight.candidates if not c.fits)
     with pytest.raises(memfit.BudgetError, match="least reachable per-device peak") as info:
-        plan(model, x, loss_fn, stages=2, microbatches=4, schedule="auto", budget=1000)
+        plan(
+            model,
+            x,
+            loss_fn,
+            ranks=2,
+            options=PipelineOptions(microbatches=4, schedule="auto", budget=1000),
+        )
     least = info.value.least_bytes
     assert least is not None and least > 1000
     assert "refused" in str(info.value)
@@ -72,9 +88,11 @@ def test_auto_under_a_budget_fits_it_or_names_the_least_reachable_peak() -> None
 def test_auto_arguments_are_checked_before_anything_runs() -> None:
     model, x, target, loss_fn = build("mlp")
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
-        plan(model, x, loss_fn, stages=2, microbatches=0, schedule="auto")
+        plan(model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=0, schedule="auto"))
     with pytest.raises(ValueError, match="stages_per_rank must be a positive integer"):
-        plan(model, x, loss_fn, stages=2, schedule="auto", stages_per_rank=0)
+        plan(
+            model, x, loss_fn, ranks=2, options=PipelineOptions(schedule="auto", stages_per_rank=0)
+        )
 
 
 @pytest.mark.slow
@@ -82,6 +100,8 @@ def test_a_costly_action_makes_auto_choose_the_fewest() -> None:
     """With each forward and backward costing the runtime a second, the step is its actions:
     one stage per rank and the fewest micro-batches."""
     model, x, target, loss_fn = build("mlp")
-    chosen = plan(model, x, loss_fn, stages=2, schedule="auto", overhead=1.0)
+    chosen = plan(
+        model, x, loss_fn, ranks=2, options=PipelineOptions(schedule="auto", overhead=1.0)
+    )
     assert chosen.stages_per_rank == 1
     assert chosen.microbatches == min(microbatch_counts(x.shape[0], 2))

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from memfit.pipeline import RankError, launch, plan
+from memfit.pipeline import PipelineOptions, RankError, launch, plan
+from memfit.pipeline.options import microbatch
 from memfit.pipeline.partition import capture_forward, split_stages
 from memfit.pipeline.placement import stage_ranks
-from memfit.pipeline.plan import microbatch
 from memfit.pipeline.stages import rank_step_peak_bytes
 from pipeline_models import build
 from pipeline_workers import SEED, dies, forced_cuts, measured_peaks, train, trains_and_measures
@@ -130,10 +130,20 @@ def test_every_schedule_with_two_stages_per_rank_equals_one_process() -> None:
     """
     model, x, target, loss_fn = build("wide")
     with forced_cuts(BUDGET_CUTS):
-        free = plan(model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b")
+        free = plan(
+            model,
+            x,
+            loss_fn,
+            ranks=2,
+            options=PipelineOptions(microbatches=4, schedule="interleaved_1f1b"),
+        )
         budget = int(0.9 * free.peak_bytes)
         tight = plan(
-            model, x, loss_fn, stages=2, microbatches=4, schedule="interleaved_1f1b", budget=budget
+            model,
+            x,
+            loss_fn,
+            ranks=2,
+            options=PipelineOptions(microbatches=4, schedule="interleaved_1f1b", budget=budget),
         )
     torch.compiler.reset()
     assert max(tight.rank_peaks) <= budget
@@ -183,7 +193,7 @@ def test_measured_peak_of_each_stage_is_within_ten_percent_of_the_prediction() -
     jobs = []
     for cut in GPT_CUTS:
         with forced_cuts((cut,)):
-            free = plan(model, x, loss_fn, stages=2, microbatches=4)
+            free = plan(model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4))
         torch.compiler.reset()
         jobs += [("gpipe", (cut,), int(0.8 * free.peak_bytes)), ("gpipe", (cut,), None)]
     results = launch(measured_peaks, 2, args=("gpt", 2, 4, tuple(jobs)), timeout=300)

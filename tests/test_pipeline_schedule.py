@@ -50,32 +50,32 @@ def test_an_unknown_schedule_is_refused_naming_the_choices(bad: object) -> None:
 
 def test_1f1b_needs_as_many_micro_batches_as_stages() -> None:
     with pytest.raises(ValueError, match=r"1F1B needs .* \(2 < 4\)"):
-        check_schedule("1f1b", stages=4, microbatches=2)
-    check_schedule(PipelineSchedule.ONE_F_ONE_B, stages=4, microbatches=4)
-    check_schedule("gpipe", stages=4, microbatches=1)
+        check_schedule("1f1b", ranks=4, microbatches=2)
+    check_schedule(PipelineSchedule.ONE_F_ONE_B, ranks=4, microbatches=4)
+    check_schedule("gpipe", ranks=4, microbatches=1)
 
 
 def test_each_schedule_checks_torchs_rules_before_anything_runs() -> None:
-    check_schedule("interleaved_1f1b", stages=4, microbatches=8, stages_per_rank=2)
-    check_schedule("interleaved_1f1b", stages=4, microbatches=3, stages_per_rank=3)
-    check_schedule("interleaved_1f1b", stages=4, microbatches=10, stages_per_rank=2)
+    check_schedule("interleaved_1f1b", ranks=4, microbatches=8, stages_per_rank=2)
+    check_schedule("interleaved_1f1b", ranks=4, microbatches=3, stages_per_rank=3)
+    check_schedule("interleaved_1f1b", ranks=4, microbatches=10, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"multiple of its rounds, max\(1, M // K\) = 3"):
-        check_schedule("interleaved_1f1b", stages=2, microbatches=7, stages_per_rank=2)
+        check_schedule("interleaved_1f1b", ranks=2, microbatches=7, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"multiple of its rounds"):
-        check_schedule("interleaved_zero_bubble", stages=2, microbatches=5, stages_per_rank=2)
-    check_schedule("looped_bfs", stages=4, microbatches=5, stages_per_rank=2)
-    check_schedule("zbv_zero_bubble", stages=2, microbatches=3, stages_per_rank=2)
+        check_schedule("interleaved_zero_bubble", ranks=2, microbatches=5, stages_per_rank=2)
+    check_schedule("looped_bfs", ranks=4, microbatches=5, stages_per_rank=2)
+    check_schedule("zbv_zero_bubble", ranks=2, microbatches=3, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"zbv_zero_bubble on 2 ranks needs at least 3"):
-        check_schedule("zbv_zero_bubble", stages=2, microbatches=2, stages_per_rank=2)
-    check_schedule("dualpipev", stages=2, microbatches=4, stages_per_rank=2)
+        check_schedule("zbv_zero_bubble", ranks=2, microbatches=2, stages_per_rank=2)
+    check_schedule("dualpipev", ranks=2, microbatches=4, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"dualpipev on 2 ranks needs at least 4"):
-        check_schedule("dualpipev", stages=2, microbatches=3, stages_per_rank=2)
+        check_schedule("dualpipev", ranks=2, microbatches=3, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"exactly two stages per rank"):
-        check_schedule("dualpipev", stages=2, microbatches=8, stages_per_rank=3)
+        check_schedule("dualpipev", ranks=2, microbatches=8, stages_per_rank=3)
     with pytest.raises(ValueError, match=r"1f1b runs one stage per rank"):
-        check_schedule("1f1b", stages=2, microbatches=8, stages_per_rank=2)
+        check_schedule("1f1b", ranks=2, microbatches=8, stages_per_rank=2)
     with pytest.raises(ValueError, match=r"stages_per_rank must be a positive integer"):
-        check_schedule("looped_bfs", stages=2, microbatches=8, stages_per_rank=0)
+        check_schedule("looped_bfs", ranks=2, microbatches=8, stages_per_rank=0)
 
 
 def test_schedules_with_several_stages_per_rank_default_to_two() -> None:

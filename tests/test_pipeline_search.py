@@ -9,9 +9,9 @@ import pytest
 
 import memfit
 import memfit.pipeline.search as search_module
-from memfit.pipeline import plan
+from memfit.pipeline import PipelineOptions, plan
 from memfit.pipeline.costs import prepare_search
-from memfit.pipeline.plan import microbatch, pipeline_options
+from memfit.pipeline.options import configure, microbatch
 from memfit.pipeline.search import search_stages
 from memfit.pipeline.stage_planner import StageRefused
 from pipeline_models import build
@@ -38,9 +38,13 @@ def _refusing_first(monkeypatch: pytest.MonkeyPatch, stage: int) -> list[tuple[i
 
 def test_a_span_the_planner_refuses_is_cut_around(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x, target, loss_fn = build("skip")
-    budget = 100 * plan(model, x, loss_fn, stages=2, microbatches=4).peak_bytes
+    budget = (
+        100 * plan(model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4)).peak_bytes
+    )
     asked = _refusing_first(monkeypatch, stage=0)
-    planned = plan(model, x, loss_fn, stages=2, microbatches=4, budget=budget)
+    planned = plan(
+        model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4, budget=budget)
+    )
     refused = asked[0]
     assert refused[0] == 0 and len(asked) == 3  # refused, then both stages of a new split
     assert (0, planned.stages[0].start, planned.stages[0].end) != refused
@@ -56,21 +60,14 @@ def test_too_many_refusals_end_the_search(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(search_module, "plan_rank", planner)
     with pytest.raises(memfit.BudgetError, match="refused by the test|planner could not fit"):
-        plan(model, x, loss_fn, stages=2, microbatches=4, budget=10**12)
+        plan(model, x, loss_fn, ranks=2, options=PipelineOptions(microbatches=4, budget=10**12))
 
 
 def _skip_search() -> tuple[Any, Any, Any]:
     """The skip model under GPipe over 2 ranks, 4 micro-batches, a budget anything fits:
     the options, a micro-batch and the captured search."""
     model, x, target, loss_fn = build("skip")
-    options = pipeline_options(
-        stages=2,
-        microbatches=4,
-        schedule="gpipe",
-        budget=10**12,
-        optimizer_state=0.0,
-        bandwidth=None,
-    )
+    options = configure(2, PipelineOptions(microbatches=4, schedule="gpipe", budget=10**12))
     micro = microbatch((x,), 4)
     return options, micro, prepare_search(model, micro, 128)
 

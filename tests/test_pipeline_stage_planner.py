@@ -10,9 +10,10 @@ import itertools
 import pytest
 
 import memfit.pipeline.stage_planner as stage_planner
+from memfit.pipeline import PipelineOptions
 from memfit.pipeline.costs import prepare_search
+from memfit.pipeline.options import configure, microbatch
 from memfit.pipeline.partition import split_stages
-from memfit.pipeline.plan import microbatch, pipeline_options
 from memfit.pipeline.search import choose_cuts
 from memfit.pipeline.stage_planner import (
     StageRefused,
@@ -29,14 +30,7 @@ def _rank_zero(schedule: str, name: str = "gpt") -> tuple:
     """A model over 2 ranks, 4 micro-batches, cut for time: rank 0's stage facts, the options
     (no budget) and the search."""
     model, x, target, loss_fn = build(name)
-    options = pipeline_options(
-        stages=2,
-        microbatches=4,
-        schedule=schedule,
-        budget=None,
-        optimizer_state=0.0,
-        bandwidth=None,
-    )
+    options = configure(2, PipelineOptions(microbatches=4, schedule=schedule, budget=None))
     micro = microbatch((x,), 4)
     search = prepare_search(model, micro, 128)
     graphs = split_stages(search.captured, choose_cuts(search, options))

@@ -36,7 +36,7 @@ EXAMPLES = """\
 examples:
   memfit demo                                   # what memfit does, on a ResNet, in ~20 s
   memfit profile model.py:make --budget 2GiB    # your model: memory by layer, largest batch
-  memfit pipeline model.py:make --stages 4 --microbatches 8   # cut into pipeline stages
+  memfit pipeline model.py:make --ranks 4 --microbatches 8   # cut into pipeline stages
   memfit bench depth-sweep --quick              # the depth benchmark, small
 
 Run `memfit COMMAND --help` for each command's options and examples.

@@ -1,11 +1,13 @@
 """memfit.pipeline: pipelines under every torch schedule, stages balanced for time and memory.
 
-``plan`` cuts a model's captured forward into stages over K ranks (exact search for the predicted
-step, every rank within the per-device budget, its stages planned together by memfit's planner;
-``schedule="auto"`` compares every schedule, stages per rank and micro-batch count);
-``Pipeline`` runs this rank's stages with ``torch.distributed.pipelining``; ``launch`` runs a
+``plan(model, example_inputs, ranks=K, options=PipelineOptions(...))`` cuts a model's captured
+forward into stages over K ranks (exact search for the predicted step, every rank within the
+per-device budget, its stages planned together by memfit's planner; ``schedule="auto"``
+compares every schedule, stages per rank and micro-batch count); ``Pipeline`` takes the same
+arguments and runs this rank's stages with ``torch.distributed.pipelining``; ``launch`` runs a
 function in K local processes and ends them all, naming the rank, when one fails;
-``PipelineSchedule`` names the schedules both take, as torch names them (``"gpipe"``, ``"1f1b"``,
+``PipelineOptions`` holds every knob of both, each documented where it is declared;
+``PipelineSchedule`` names the schedules, as torch names them (``"gpipe"``, ``"1f1b"``,
 and, with several stages per rank, ``"interleaved_1f1b"``, ``"looped_bfs"``,
 ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"``, ``"dualpipev"``). ``balance``,
 ``balance_pipeline`` and ``balance_intervals`` are the pure searches underneath.
@@ -19,6 +21,7 @@ from memfit.pipeline.intervals import CapacityError as CapacityError
 from memfit.pipeline.intervals import balance_intervals as balance_intervals
 from memfit.pipeline.launch import RankError as RankError
 from memfit.pipeline.launch import launch as launch
+from memfit.pipeline.options import PipelineOptions as PipelineOptions
 from memfit.pipeline.plan import plan as plan
 from memfit.pipeline.runtime import Pipeline as Pipeline
 from memfit.pipeline.schedule import PipelineSchedule as PipelineSchedule
@@ -28,6 +31,7 @@ from memfit.pipeline.stages import StagePlan as StagePlan
 __all__ = [
     "CapacityError",
     "Pipeline",
+    "PipelineOptions",
     "PipelinePlan",
     "PipelineSchedule",
     "RankError",

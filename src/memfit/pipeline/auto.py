@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
 
+from memfit.pipeline.candidates import Candidate, candidate_table
 from memfit.pipeline.costs import Search, prepare_search
+from memfit.pipeline.options import Configuration, PipelineOptions, configure, microbatch
 from memfit.pipeline.partition import PipelineCaptureError
 from memfit.pipeline.schedule import (
     PipelineSchedule,
@@ -40,42 +41,12 @@ from memfit.pipeline.schedule import (
     is_single,
     is_v_shaped,
 )
-from memfit.pipeline.stages import PipelineOptions, PipelinePlan
+from memfit.pipeline.search import plan_from_search
+from memfit.pipeline.stages import PipelinePlan
 from memfit.planning.budget import BudgetError
 from memfit.units import format_bytes
 
-__all__ = ["Candidate", "candidate_table", "choose", "configurations", "microbatch_counts"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration ``auto`` compared, and what memfit predicts for it."""
-
-    schedule: PipelineSchedule
-    stages_per_rank: int
-    microbatches: int
-    #: the predicted step and bubble, or None when no split fits the budget
-    step_seconds: float | None
-    bubble: float | None
-    #: the largest rank's predicted peak; when refused, the least memfit reached
-    peak_bytes: int | None
-    #: recomputation and offload stall as a share of the stages' compute
-    added_share: float = 0.0
-    #: bytes offloaded per step, over all stages
-    offloaded_bytes: int = 0
-    #: why it was refused ("" when it fits)
-    refused: str = ""
-    chosen: bool = False
-
-    @property
-    def fits(self) -> bool:
-        return self.step_seconds is not None
-
-    def key(self) -> tuple[float, int, int, int]:
-        """Order of preference among those that fit: least step, least peak, fewest stages
-        per rank, torch's order of schedules."""
-        order = list(PipelineSchedule).index(self.schedule)
-        return (self.step_seconds or 0.0, self.peak_bytes or 0, self.stages_per_rank, order)
+__all__ = ["choose", "configurations", "microbatch_counts"]
 
 
 def microbatch_counts(batch: int, ranks: int) -> list[int]:
@@ -129,30 +100,23 @@ def _candidate(plan: PipelinePlan) -> Candidate:
 
 
 def choose(
-    model: nn.Module,
-    inputs: tuple[Any, ...],
-    options: PipelineOptions,
-    *,
-    ranks: int,
-    microbatches: int | None,
-    stages_per_rank: int | None,
-    max_items: int,
+    model: nn.Module, inputs: tuple[Any, ...], ranks: int, options: PipelineOptions
 ) -> PipelinePlan:
-    """The plan of the configuration with the least predicted step that fits; its
-    ``candidates`` are every configuration compared. ``options`` gives the budget, optimizer
-    state, bandwidth, offload, overhead and latency (its schedule, stages and micro-batches are
-    replaced).
+    """The plan of the configuration with the least predicted step that fits over ``ranks``
+    ranks; its ``candidates`` are every configuration compared. ``options`` gives the budget,
+    optimizer state, bandwidth, offload, overhead and latency, and, when set, the only
+    micro-batch count and stages per rank to compare (its schedule is ``"auto"``).
 
     Raises ``BudgetError`` with the least reachable per-device peak when none fits.
     """
-    from memfit.pipeline.plan import microbatch, plan_from_search
-
+    base = configure(ranks, options)
+    microbatches, max_items = options.microbatches, options.max_items
     batch = _batch(inputs)
     counts = [microbatches] if microbatches is not None else microbatch_counts(batch, ranks)
     searches: dict[int, tuple[Search, tuple[Any, ...]] | PipelineCaptureError] = {}
     fitting: list[tuple[Candidate, PipelinePlan]] = []
     candidates: list[Candidate] = []
-    for schedule, v, m in configurations(ranks, counts, stages_per_rank):
+    for schedule, v, m in configurations(ranks, counts, options.stages_per_rank):
         if m not in searches:
             micro = microbatch(inputs, m)
             try:
@@ -165,7 +129,7 @@ def choose(
             candidates.append(Candidate(schedule, v, m, None, None, None, refused=reason))
             continue
         search, micro = found
-        these = _options(options, ranks, schedule, v, m)
+        these = _configured(base, schedule, v, m)
         try:
             planned = plan_from_search(search, micro, these, exact=False)
         except BudgetError as err:
@@ -182,7 +146,7 @@ def choose(
         errors = [e for e in searches.values() if isinstance(e, PipelineCaptureError)]
         if len(errors) == len(searches):
             raise errors[0]
-        raise _nothing_fits(candidates, options.budget, ranks)
+        raise _nothing_fits(candidates, base.budget, ranks)
     best, _ = min(fitting, key=lambda cp: cp[0].key())
     # compared on the frontier points' own numbers; what runs is each stage planned again at
     # its point's peak (``stage_planner``), which may keep less: the chosen row shows that
@@ -190,23 +154,17 @@ def choose(
     assert not isinstance(found, PipelineCaptureError)
     search, micro = found
     settings = (best.schedule, best.stages_per_rank, best.microbatches)
-    chosen = plan_from_search(search, micro, _options(options, ranks, *settings))
+    chosen = plan_from_search(search, micro, _configured(base, *settings))
     marked = tuple(
         dataclasses.replace(_candidate(chosen), chosen=True) if c is best else c for c in candidates
     )
     return dataclasses.replace(chosen, candidates=marked)
 
 
-def _options(
-    options: PipelineOptions, ranks: int, schedule: PipelineSchedule, per_rank: int, m: int
-) -> PipelineOptions:
-    return dataclasses.replace(
-        options,
-        stages=ranks * per_rank,
-        microbatches=m,
-        schedule=schedule,
-        stages_per_rank=per_rank,
-    )
+def _configured(
+    base: Configuration, schedule: PipelineSchedule, per_rank: int, m: int
+) -> Configuration:
+    return dataclasses.replace(base, microbatches=m, schedule=schedule, stages_per_rank=per_rank)
 
 
 def _first_line(err: Exception) -> str:
@@ -215,8 +173,6 @@ def _first_line(err: Exception) -> str:
 
 
 def _batch(inputs: tuple[Any, ...]) -> int:
-    from memfit.pipeline.plan import microbatch
-
     microbatch(inputs, 1)  # the same checks: a tensor input, one batch size
     return next(t.shape[0] for t in inputs if hasattr(t, "shape") and len(t.shape) > 0)
 
@@ -237,24 +193,3 @@ def _nothing_fits(candidates: list[Candidate], budget: int | None, ranks: int) -
         budget_bytes=budget,
         least_bytes=least.peak_bytes,
     )
-
-
-def candidate_table(candidates: tuple[Candidate, ...] | list[Candidate]) -> str:
-    """The configurations compared, one line each, the chosen one marked ``*``."""
-    lines = [
-        f"  {'schedule':<24} {'V':>2} {'M':>3} {'step':>10} {'bubble':>7} {'peak':>10} "
-        f"{'added':>6} {'offloaded':>10}"
-    ]
-    for c in candidates:
-        mark = "*" if c.chosen else " "
-        head = f"{mark} {c.schedule.value:<24} {c.stages_per_rank:>2} {c.microbatches:>3}"
-        if not c.fits:
-            least = f"least {format_bytes(c.peak_bytes)}" if c.peak_bytes is not None else ""
-            lines.append(f"{head} {'refused':>10} {c.refused}{': ' if least else ''}{least}")
-            continue
-        lines.append(
-            f"{head} {(c.step_seconds or 0) * 1e3:>8.2f}ms {c.bubble or 0:>7.1%} "
-            f"{format_bytes(c.peak_bytes or 0):>10} {c.added_share:>6.1%} "
-            f"{format_bytes(c.offloaded_bytes):>10}"
-        )
-    return "\n".join(lines)

@@ -144,7 +144,22 @@ def balance_pipeline(
     start = _earliest_cuts(prefix, left, stages, lower)
     if not any(cuts):
         return start
+    return _least_step(prefix, cuts, left, right, stages, microbatches, lower, start)
 
+
+def _least_step(
+    prefix: list[float],
+    cuts: list[float],
+    left: list[int],
+    right: list[int],
+    stages: int,
+    microbatches: int,
+    lower: float,
+    start: list[int],
+) -> list[int]:
+    """``balance_pipeline``'s search with cut costs: from ``start`` (:func:`balance`'s
+    partition, whose slowest stage is ``lower``), walk the steps of the least cut cost as the
+    bound on the slowest stage grows, keeping the least step time."""
     least = _least_cuts(prefix, cuts, left, stages, math.inf)
     assert least is not None  # the memory check above found a partition
     least_cut = least[0]
@@ -172,29 +187,13 @@ def balance_pipeline(
         return solved[i]
 
     def level(lo: int, hi: int, good: Callable[[float], bool]) -> int:
-        """The first index in ``lo:hi`` whose least cut cost is ``good`` (else hi).
-
-        Galloping, then bisection: the next step is usually a few bounds away.
-        """
+        """The first index in ``lo:hi`` whose least cut cost is ``good`` (else hi)."""
 
         def below(i: int) -> bool:
             found = least_at(i)
             return found is not None and good(found[0])
 
-        stride = 1
-        while lo < hi:
-            probe = min(lo + stride - 1, hi - 1)
-            if below(probe):
-                hi = probe
-                break
-            lo, stride = probe + 1, 2 * stride
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if below(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return _first_true(lo, hi, below)
 
     # The least cut cost under a bound only falls as the bound grows, in steps; the best time
     # with a given least cut cost is at the step's first bound (every partition attaining it
@@ -219,6 +218,28 @@ def balance_pipeline(
             end = bisect_right(bounds, (best_time + tol - floor) / (microbatches - 1))
         i = level(i + 1, end, partial(_below, found[0] - tol))
     return best_sizes
+
+
+def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int:
+    """The first index in ``lo:hi`` where the monotone ``test`` holds (else ``hi``).
+
+    Galloping, then bisection: in ``balance_pipeline`` the next step is usually a few bounds
+    away.
+    """
+    stride = 1
+    while lo < hi:
+        probe = min(lo + stride - 1, hi - 1)
+        if test(probe):
+            hi = probe
+            break
+        lo, stride = probe + 1, 2 * stride
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if test(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def stage_sums(values: Sequence[float], sizes: Sequence[int]) -> list[float]:

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -34,9 +34,7 @@ from memfit.pipeline.partition import (
     item_boundaries,
     tensor_bytes,
 )
-
-if TYPE_CHECKING:
-    from memfit.planning.plan import Plan
+from memfit.planning.plan import Plan
 
 __all__ = [
     "TRAINING_FACTOR",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,16 +50,26 @@ from torch.distributed.pipelining import (
 )
 from torch.utils.checkpoint import checkpoint as recompute
 
+from memfit.execution.module import checkpoint
 from memfit.execution.options import Options
 from memfit.execution.state import preserved
-from memfit.pipeline.auto import Candidate
+from memfit.measurement import measure
+from memfit.pipeline.candidates import Candidate
 from memfit.pipeline.costs import Search, measure_items, prepare_search
+from memfit.pipeline.options import (
+    Configuration,
+    PipelineOptions,
+    configure,
+    deprecated_keywords,
+    is_auto,
+    microbatch,
+)
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import local_stages, stage_ranks
-from memfit.pipeline.plan import is_auto, microbatch, pipeline_options, plan
+from memfit.pipeline.plan import plan
 from memfit.pipeline.schedule import PipelineSchedule, is_single, splits_backward
-from memfit.pipeline.search import Span, choose_cuts, search_stages
-from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_step_peak_bytes
+from memfit.pipeline.search import Span, StagesFound, choose_cuts, search_stages
+from memfit.pipeline.stages import StagePlan, rank_step_peak_bytes
 from memfit.pipeline.streams import OwnStream, set_rng_state
 from memfit.planning.budget import BudgetError
 
@@ -98,16 +109,20 @@ def _example(node: Any) -> torch.Tensor:
 
 
 class Pipeline:
-    """This rank's stage of ``model`` in a ``stages``-stage pipeline; see the module docstring.
+    """This rank's stages of ``model`` in a pipeline over ``ranks`` ranks; see the module
+    docstring.
 
-    Call after ``torch.distributed.init_process_group`` in every rank (``stages`` ranks in the
-    group), with the same model (same initial parameters) and example mini-batch everywhere.
+    Call after ``torch.distributed.init_process_group`` in every rank (``ranks`` ranks in the
+    group), with the same model (same initial parameters), example mini-batch and
+    ``PipelineOptions`` everywhere (the options ``plan`` took: the same search runs).
     ``pipe.step(*inputs, target=target)`` runs one training step's forward and backward over
-    ``microbatches`` micro-batches and returns the mean loss (on every rank); rank 0's inputs and
-    the last rank's target are used, the others may pass anything. ``named_parameters()`` are
-    this rank's parameters under their names in ``model``: build the optimizer on them.
-    Parameters of other stages are released on this rank (their storage is freed) unless
-    ``release_others=False``, so each device holds only its stage.
+    ``options.microbatches`` micro-batches and returns the mean loss (on every rank); rank 0's
+    inputs and the last rank's target are used, the others may pass anything.
+    ``named_parameters()`` are this rank's parameters under their names in ``model``: build the
+    optimizer on them. Parameters of other stages are released on this rank (their storage is
+    freed) unless ``release_others=False``, so each device holds only its stages. The keywords
+    of memfit 0.1 (``stages=K``, ``microbatches=``, ...) are accepted until the next release,
+    with a ``DeprecationWarning`` giving the new spelling.
     """
 
     def __init__(
@@ -116,167 +131,148 @@ class Pipeline:
         example_inputs: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
-        stages: int,
-        microbatches: int | None = None,
-        schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
-        budget: int | str | None = None,
-        optimizer_state: float = 0.0,
-        bandwidth: float | None = None,
-        max_items: int = 128,
+        ranks: int | None = None,
+        options: PipelineOptions | None = None,
         group: dist.ProcessGroup | None = None,
         release_others: bool = True,
-        stages_per_rank: int | None = None,
-        offload: bool = False,
-        overhead: float = 0.0,
-        latency: float = 0.0,
+        **deprecated: Any,
     ) -> None:
+        ranks, options = deprecated_keywords("Pipeline", ranks, options, deprecated)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "memfit.pipeline.Pipeline runs one stage per process: call "
+                "memfit.pipeline.Pipeline runs one rank per process: call "
                 "torch.distributed.init_process_group first (memfit.pipeline.launch does it for "
                 "local runs)"
             )
+        self._group = group
         #: under ``schedule="auto"``, every configuration rank 0 compared (else empty)
         self.candidates: tuple[Candidate, ...] = ()
-        if is_auto(schedule):
-            schedule, stages_per_rank, microbatches = self._choose(
-                model,
-                example_inputs,
-                group,
-                stages=stages,
-                microbatches=microbatches,
-                budget=budget,
-                optimizer_state=optimizer_state,
-                bandwidth=bandwidth,
-                max_items=max_items,
-                stages_per_rank=stages_per_rank,
-                offload=offload,
-                overhead=overhead,
-                latency=latency,
-            )
-        assert microbatches is not None
-        options = pipeline_options(
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            budget=budget,
-            optimizer_state=optimizer_state,
-            bandwidth=bandwidth,
-            stages_per_rank=stages_per_rank,
-            offload=offload,
-            overhead=overhead,
-            latency=latency,
-        )
+        if is_auto(options.schedule):
+            options = self._choose(model, example_inputs, ranks, options)
+        config = configure(ranks, options)
         world = dist.get_world_size(group)
-        if world != stages:
-            raise ValueError(f"{stages} stages need {stages} ranks; the process group has {world}")
-        self.rank = dist.get_rank(group)
-        self.stages = stages
+        if world != ranks:
+            raise ValueError(
+                f"a pipeline over {ranks} ranks needs a process group of {ranks}; the process "
+                f"group has {world}: pass ranks={world} or a group of {ranks}"
+            )
+        #: this rank, K (the ranks), and the options it runs (``"auto"``'s choices in them)
+        self.rank, self.ranks, self.options = dist.get_rank(group), ranks, options
         #: the rank of every stage, and the stages this rank holds (increasing)
-        self._placed = stage_ranks(options.schedule, stages, options.stages_per_rank)
-        self.local_stages = local_stages(
-            options.schedule, stages, options.stages_per_rank, self.rank
-        )
-        self.microbatches = microbatches
-        self.schedule_name = options.schedule
-        self._group = group
+        self._placed = stage_ranks(config.schedule, ranks, config.stages_per_rank)
+        self.local_stages = local_stages(config.schedule, ranks, config.stages_per_rank, self.rank)
+        self.microbatches = config.microbatches
+        self.schedule_name = config.schedule
         self._loss_fn = loss_fn
         self._no_target = False
+        self._loss_measured = False
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        micro = microbatch(inputs, microbatches)
+        search, found = self._find_stages(model, inputs, config, options.max_items)
+        self._captured = search.captured
+        #: this rank's stages' plans, graphs and modules, in ``local_stages`` order
+        self.plans: list[StagePlan] = [found.plans[s] for s in self.local_stages]
+        self.graphs: list[StageGraph] = [found.graphs[s] for s in self.local_stages]
+        self._examples = [found.examples[s] for s in self.local_stages]
+        self.modules = self._checkpointed(config.offload)
+        #: the first of this rank's stages (its only one under GPipe and 1F1B)
+        self.graph, self.module = self.graphs[0], self.modules[0]
+        self._device = next(
+            (t.device for t in search.captured.tensors.values()), torch.device("cpu")
+        )
+        self._streams = (
+            [OwnStream(m, self._device) for m in self.modules] if len(self.modules) > 1 else []
+        )
+        output_node = next(iter(search.captured.graph.graph.find_nodes(op="output")))
+        self._outputs = list(output_node.all_input_nodes)
+        self._last_stage = config.stages - 1
+        self._stages = self._pipeline_stages(config, found.examples[0])
+        self._schedule = _TORCH_SCHEDULES[config.schedule](
+            self._stages[0] if is_single(config.schedule) else self._stages,
+            config.microbatches,
+            loss_fn=self._loss,
+            scale_grads=True,
+        )
+        self._input_positions = [search.captured.inputs.index(v) for v in found.graphs[0].receives]
+        self._tied = self._tie(found.graphs)
+        if release_others:
+            self._release(model, {n for g in self.graphs for n in g.state_names})
+
+    def _find_stages(
+        self, model: nn.Module, inputs: tuple[Any, ...], config: Configuration, max_items: int
+    ) -> tuple[Search, StagesFound]:
+        """Capture and profile the model, and run the cut search (``search.search_stages``):
+        rank 0 chooses the cuts, each rank plans its own stages, and every rank refuses the
+        spans any rank's planner could not fit."""
+        micro = microbatch(inputs, config.microbatches)
         # Every rank captures and measures bytes; only rank 0's times count, taken while the
         # other ranks wait (on 2 cores, ranks profiling at once time each other's contention).
         search = prepare_search(model, micro, max_items, repeats=1)
-        dist.barrier(group=group)
+        dist.barrier(group=self._group)
         if self.rank == 0:
             search.costs = measure_items(
                 search.captured, search.captured.placeholder_values, search.costs.boundaries
             )
-        self._captured = search.captured
-        # see search.search_stages: rank 0 chooses the cuts, each rank plans its own stages,
-        # and every rank refuses the spans any rank's planner could not fit
         found = search_stages(
             search,
             micro,
-            options,
+            config,
             planned_here=self.local_stages,
-            choose=lambda refused: self._agree_on_cuts(search, options, refused),
-            share=lambda failed: self._share_refusals(failed, options.budget),
+            choose=lambda refused: self._agree_on_cuts(search, config, refused),
+            share=lambda failed: self._share_refusals(failed, config.budget),
         )
-        graphs, examples = found.graphs, found.examples
-        #: this rank's stages' plans, graphs and modules, in ``local_stages`` order
-        self.plans: list[StagePlan] = [found.plans[s] for s in self.local_stages]
-        self.graphs: list[StageGraph] = [graphs[s] for s in self.local_stages]
-        self._examples = [examples[s] for s in self.local_stages]
-        from memfit.execution.module import checkpoint
+        return search, found
 
-        # What a stage holds between its forwards and backwards (other micro-batches) is in the
-        # pipeline's own memory model: the stage must not measure and replan for it.
-        self.modules: list[nn.Module] = [
+    def _checkpointed(self, offload: bool) -> list[nn.Module]:
+        """This rank's stage graphs under ``memfit.checkpoint`` at their plans' budgets.
+
+        What a stage holds between its forwards and backwards (other micro-batches) is in the
+        pipeline's own memory model: the stage must not measure and replan for it."""
+        return [
             checkpoint(
                 g.module,
                 p.budget_bytes,
-                offload=options.offload,
+                offload=offload,
                 options=Options(measure_outside=False),
             )
             for g, p in zip(self.graphs, self.plans)
         ]
-        #: the first of this rank's stages (its only one under GPipe and 1F1B)
-        self.graph, self.module = self.graphs[0], self.modules[0]
-        device = next((t.device for t in search.captured.tensors.values()), torch.device("cpu"))
-        self._device = device
-        self._streams = (
-            [OwnStream(m, device) for m in self.modules] if len(self.modules) > 1 else []
-        )
-        runs = self._streams or self.modules
-        output_node = next(iter(search.captured.graph.graph.find_nodes(op="output")))
-        split = splits_backward(options.schedule)
-        self._stages = []
-        for s, graph, run in zip(self.local_stages, self.graphs, runs):
+
+    def _pipeline_stages(
+        self, config: Configuration, first_inputs: tuple[torch.Tensor, ...]
+    ) -> list[PipelineStage]:
+        """A ``PipelineStage`` for each of this rank's stages, its inputs and outputs shaped as
+        one micro-batch's (``first_inputs``: the first stage's example inputs)."""
+        split = splits_backward(config.schedule)
+        stages = []
+        for s, graph, run in zip(self.local_stages, self.graphs, self._streams or self.modules):
             if s == 0:
-                input_args = tuple(examples[0])
+                input_args = tuple(first_inputs)
             else:
                 input_args = tuple(_example(v) for v in graph.receives)
-            if s == options.stages - 1:
-                output_args = tuple(_example(v) for v in output_node.all_input_nodes)
-            else:
-                output_args = tuple(_example(v) for v in graph.sends)
-            self._stages.append(
+            sends = self._outputs if s == self._last_stage else graph.sends
+            stages.append(
                 PipelineStage(
                     run,
                     s,
-                    options.stages,
-                    device,
+                    config.stages,
+                    self._device,
                     input_args=input_args,
-                    output_args=output_args,
-                    group=group,
+                    output_args=tuple(_example(v) for v in sends),
+                    group=self._group,
                     dw_builder=_nothing_left if split else None,
                 )
             )
-        self._last_stage = options.stages - 1
-        self._outputs = list(output_node.all_input_nodes)
-        self._loss_measured = False
-        torch_schedule = _TORCH_SCHEDULES[options.schedule]
-        self._schedule = torch_schedule(
-            self._stages[0] if is_single(options.schedule) else self._stages,
-            microbatches,
-            loss_fn=self._loss,
-            scale_grads=True,
-        )
-        self._input_positions = [search.captured.inputs.index(v) for v in graphs[0].receives]
-        self._tied = self._tie(graphs)
-        if release_others:
-            self._release(model, {n for g in self.graphs for n in g.state_names})
+        return stages
 
     def _choose(
-        self, model: nn.Module, example_inputs: Any, group: dist.ProcessGroup | None, **kwargs: Any
-    ) -> tuple[PipelineSchedule, int, int]:
+        self, model: nn.Module, example_inputs: Any, ranks: int, options: PipelineOptions
+    ) -> PipelineOptions:
         """``schedule="auto"``: rank 0 plans every configuration (``auto``) while the others
         wait, and every rank gets its choice, or its error, so all fail alike."""
         payload: list[Any] = [None]
-        if dist.get_rank(group) == 0:
+        if dist.get_rank(self._group) == 0:
             try:
-                chosen = plan(model, example_inputs, schedule="auto", **kwargs)
+                chosen = plan(model, example_inputs, ranks=ranks, options=options)
                 payload[0] = (
                     "ok",
                     (chosen.schedule, chosen.stages_per_rank, chosen.microbatches),
@@ -284,15 +280,28 @@ class Pipeline:
                 )
             except (BudgetError, ValueError) as exc:
                 payload[0] = (type(exc).__name__, str(exc), getattr(exc, "least_bytes", None))
-        root = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(payload, src=root, group=group)
+        dist.broadcast_object_list(payload, src=self._global_rank(0), group=self._group)
         kind, first, second = payload[0]
         if kind == "BudgetError":
             raise BudgetError(first, budget_bytes=None, least_bytes=second)
         if kind != "ok":
             raise ValueError(first)
         self.candidates = second
-        return first
+        schedule, per_rank, microbatches = first
+        return dataclasses.replace(
+            options, schedule=schedule, stages_per_rank=per_rank, microbatches=microbatches
+        )
+
+    @property
+    def stages(self) -> int:
+        """Deprecated: ``ranks`` (this attribute counted ranks, not stages)."""
+        warnings.warn(
+            "Pipeline.stages is deprecated and will be removed in the next release: it counts "
+            "ranks, read Pipeline.ranks",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.ranks
 
     @property
     def plan(self) -> StagePlan:
@@ -302,7 +311,7 @@ class Pipeline:
     @property
     def predicted_step_peak_bytes(self) -> int:
         """This rank's predicted peak above what is live before a step (all its stages')."""
-        return rank_step_peak_bytes(self.plans, self.stages)
+        return rank_step_peak_bytes(self.plans, self.ranks)
 
     def _global_rank(self, group_rank: int) -> int:
         if self._group is None:
@@ -310,13 +319,13 @@ class Pipeline:
         return dist.get_global_rank(self._group, group_rank)
 
     def _agree_on_cuts(
-        self, search: Search, options: PipelineOptions, refused: frozenset[Span]
+        self, search: Search, config: Configuration, refused: frozenset[Span]
     ) -> list[int]:
         """Rank 0 searches; every rank gets its cuts, or its error, so all fail alike."""
         payload: list[Any] = [None]
         if self.rank == 0:
             try:
-                cuts = choose_cuts(search, options, refused)
+                cuts = choose_cuts(search, config, refused)
                 payload[0] = ("ok", cuts, search.costs.forward_seconds)
             except (BudgetError, ValueError) as exc:
                 smallest = getattr(exc, "least_bytes", None)
@@ -327,7 +336,7 @@ class Pipeline:
             search.costs = dataclasses.replace(search.costs, forward_seconds=list(rest[1]))
             return list(rest[0])
         if kind == "BudgetError":
-            raise BudgetError(rest[0], budget_bytes=options.budget, least_bytes=rest[1])
+            raise BudgetError(rest[0], budget_bytes=config.budget, least_bytes=rest[1])
         raise ValueError(rest[0])
 
     def _share_refusals(
@@ -335,7 +344,7 @@ class Pipeline:
     ) -> dict[int, BudgetError]:
         """Every rank's refusals of its stages, on every rank, so all search again alike."""
         mine = {s: (str(e), e.least_bytes) for s, e in failed.items()}
-        gathered: list[Any] = [None] * self.stages
+        gathered: list[Any] = [None] * self.ranks
         dist.all_gather_object(gathered, mine, group=self._group)
         return {
             s: BudgetError(f[0], budget_bytes=budget, least_bytes=f[1])
@@ -396,8 +405,6 @@ class Pipeline:
         """The last stage's ``loss_bytes``: the loss's forward and backward on one micro-batch
         (outputs shaped as the stage's, the target's first chunk as the schedule splits it),
         measured once, at the first step, the first time the target is known."""
-        from memfit.measurement import measure
-
         outputs = tuple(_example(v) for v in self._outputs)
         chunk = target.tensor_split(self.microbatches)[0] if torch.is_tensor(target) else target
 

@@ -118,13 +118,12 @@ def default_stages_per_rank(schedule: PipelineSchedule | str) -> int:
 
 
 def check_schedule(
-    schedule: PipelineSchedule | str, stages: int, microbatches: int, stages_per_rank: int = 1
+    schedule: PipelineSchedule | str, ranks: int, microbatches: int, stages_per_rank: int = 1
 ) -> None:
     """Raise ``ValueError`` when ``schedule`` cannot run ``stages_per_rank`` stages on each of
-    K = ``stages`` ranks with ``microbatches`` micro-batches (torch 2.13's rules, checked before
+    K = ``ranks`` ranks with ``microbatches`` micro-batches (torch 2.13's rules, checked before
     anything runs)."""
     chosen = as_schedule(schedule)
-    ranks = stages
     v = stages_per_rank
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"stages_per_rank must be a positive integer, got {v!r}")

@@ -29,11 +29,12 @@ import torch
 
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.intervals import CapacityError, balance_intervals
+from memfit.pipeline.options import Configuration
 from memfit.pipeline.partition import StageGraph, split_stages
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import step_peak
 from memfit.pipeline.stage_planner import StageRefused, plan_rank, stage_facts
-from memfit.pipeline.stages import PipelineOptions, StagePlan, stage_inputs
+from memfit.pipeline.stages import PipelinePlan, StagePlan, stage_inputs
 from memfit.planning.budget import BudgetError
 from memfit.units import format_bytes
 
@@ -42,6 +43,7 @@ __all__ = [
     "Span",
     "StagesFound",
     "choose_cuts",
+    "plan_from_search",
     "refuse",
     "search_stages",
 ]
@@ -51,15 +53,15 @@ Span = tuple[int, int, int]
 
 
 def choose_cuts(
-    search: Search, options: PipelineOptions, refused: frozenset[Span] = frozenset()
+    search: Search, config: Configuration, refused: frozenset[Span] = frozenset()
 ) -> list[int]:
     """Node positions of the ``stages - 1`` cuts minimising the predicted step (exact).
 
     ``refused``: spans memfit's planner could not fit in the budget although the search's model
     said they would; the search avoids them.
     """
-    stages, microbatches, schedule = options.stages, options.microbatches, options.schedule
-    budget, bandwidth = options.budget, options.bandwidth
+    stages, microbatches, schedule = config.stages, config.microbatches, config.schedule
+    budget, bandwidth = config.budget, config.bandwidth
     costs = search.costs
     n = costs.count
     if stages > n:
@@ -85,24 +87,9 @@ def choose_cuts(
         transfer = 2 * sent(j) / bandwidth if bandwidth and j < n else 0.0
         return TRAINING_FACTOR * (fwd[j] - fwd[i]) + transfer
 
-    # state held by a stage over items [i, j): a union of names, summed once per interval
-    held: dict[tuple[int, int], int] = {}
-    grads: dict[tuple[int, int], int] = {}
-    for i in range(n):
-        names: set[str] = set()
-        total = params_total = 0
-        for j in range(i + 1, n + 1):
-            new = costs.state[j - 1] - names
-            if new:
-                params, buffers, opt = state_bytes(search, new, options.optimizer_state)
-                total += params + buffers + opt
-                params_total += params
-                names |= new
-            held[i, j] = total
-            grads[i, j] = params_total
-
+    held, grads = _held_state(search, config.optimizer_state)
     over = float(budget or 0) + 1.0
-    share = options.stages_per_rank  # each of a rank's stages within budget / V
+    share = config.stages_per_rank  # each of a rank's stages within budget / V
     if share > 1 and not refused:
         # V x a stage's bound is far above what a rank's stages hold together (they do not all
         # peak at once): propose the fastest split first and let the planner judge the ranks
@@ -140,25 +127,57 @@ def choose_cuts(
             capacity=budget,
         )
     except CapacityError as exc:
-        if refused:
-            raise BudgetError(
-                f"no split into {stages} stages fits {format_bytes(budget or 0)} per device: "
-                f"memfit's planner could not fit {len(refused)} stage spans the search proposed, "
-                "and no other split fits the search's own estimate",
-                budget_bytes=budget,
-            ) from None
-        raise BudgetError(
-            f"no split into {stages} stages fits {format_bytes(budget or 0)} per device, even "
-            f"with every activation recomputed inside the stages; the smallest per-device "
-            f"budget that fits is about {format_bytes(int(exc.least_capacity))}",
-            budget_bytes=budget,
-            least_bytes=int(math.ceil(exc.least_capacity)),
-        ) from None
+        raise _no_split_fits(stages, budget, len(refused), exc.least_capacity) from None
     cuts, pos = [], 0
     for size in sizes[:-1]:
         pos += size
         cuts.append(bounds[pos])
     return cuts
+
+
+def _held_state(
+    search: Search, optimizer_state: float
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """What a stage over items ``[i, j)`` holds between steps (parameters, buffers, optimizer
+    state) and its parameters' gradients, by ``(i, j)``: a union of names, summed once per
+    interval (a parameter two items read is held once)."""
+    costs = search.costs
+    held: dict[tuple[int, int], int] = {}
+    grads: dict[tuple[int, int], int] = {}
+    for i in range(costs.count):
+        names: set[str] = set()
+        total = params_total = 0
+        for j in range(i + 1, costs.count + 1):
+            new = costs.state[j - 1] - names
+            if new:
+                params, buffers, opt = state_bytes(search, new, optimizer_state)
+                total += params + buffers + opt
+                params_total += params
+                names |= new
+            held[i, j] = total
+            grads[i, j] = params_total
+    return held, grads
+
+
+def _no_split_fits(
+    stages: int, budget: int | None, refused: int, least_capacity: float
+) -> BudgetError:
+    """The error of a cut search with no split within ``budget``: the least budget the search's
+    own estimate fits, unless memfit's planner refused spans (then that estimate is too low)."""
+    if refused:
+        return BudgetError(
+            f"no split into {stages} stages fits {format_bytes(budget or 0)} per device: "
+            f"memfit's planner could not fit {refused} stage spans the search proposed, "
+            "and no other split fits the search's own estimate",
+            budget_bytes=budget,
+        )
+    return BudgetError(
+        f"no split into {stages} stages fits {format_bytes(budget or 0)} per device, even "
+        f"with every activation recomputed inside the stages; the smallest per-device "
+        f"budget that fits is about {format_bytes(int(least_capacity))}",
+        budget_bytes=budget,
+        least_bytes=int(math.ceil(least_capacity)),
+    )
 
 
 #: how many stage spans memfit's planner may refuse before the search gives up
@@ -196,7 +215,7 @@ class StagesFound:
 def search_stages(
     search: Search,
     micro: tuple[Any, ...],
-    options: PipelineOptions,
+    config: Configuration,
     *,
     planned_here: Sequence[int] | None = None,
     choose: Callable[[frozenset[Span]], list[int]] | None = None,
@@ -221,13 +240,13 @@ def search_stages(
     while True:
         try:
             if choose is None:
-                cuts = choose_cuts(search, options, frozenset(refused))
+                cuts = choose_cuts(search, config, frozenset(refused))
             else:
                 cuts = choose(frozenset(refused))
             if tuple(cuts) in tried:  # a ``choose`` that ignores refusals would loop forever
                 raise BudgetError(
                     f"the split {list(cuts)} was proposed again after memfit's planner refused it",
-                    budget_bytes=options.budget,
+                    budget_bytes=config.budget,
                 )
         except BudgetError as err:
             if err.least_bytes is not None or not reached:
@@ -243,16 +262,16 @@ def search_stages(
         examples = stage_inputs(graphs, micro, search.captured)
         plans: dict[int, StagePlan] = {}
         failed: dict[int, BudgetError] = {}
-        placed = stage_ranks(options.schedule, options.ranks, options.stages_per_rank)
+        placed = stage_ranks(config.schedule, config.ranks, config.stages_per_rank)
         here = range(len(graphs)) if planned_here is None else planned_here
         for rank in sorted({placed[s] for s in here}):
             facts = [
-                stage_facts(search, graphs[s], examples[s], options)
+                stage_facts(search, graphs[s], examples[s], config)
                 for s in here
                 if placed[s] == rank
             ]
             try:
-                plans.update(plan_rank(search, facts, options, exact=exact))
+                plans.update(plan_rank(search, facts, config, exact=exact))
             except StageRefused as refusal:
                 failed[refusal.stage] = refusal.error
                 break  # the split changes: the later ranks' plans would not be used
@@ -263,4 +282,24 @@ def search_stages(
         for s in sorted(failed):
             least = failed[s].least_bytes
             reached += [least] if least is not None else []
-            refuse(refused, graphs[s], failed[s], options.stages)
+            refuse(refused, graphs[s], failed[s], config.stages)
+
+
+def plan_from_search(
+    search: Search, micro: tuple[Any, ...], config: Configuration, *, exact: bool = True
+) -> PipelinePlan:
+    """The plan of ``config``'s pipeline over a captured and profiled model (``search``, on
+    the micro-batch ``micro``; ``exact``: see ``stage_planner``): what ``plan`` returns, and
+    what ``auto`` makes of each configuration it compares."""
+    found = search_stages(search, micro, config, exact=exact)
+    return PipelinePlan(
+        stages=tuple(found.plans[s] for s in range(len(found.graphs))),
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        cuts=tuple(found.cuts),
+        budget_bytes=config.budget,
+        candidate_cuts=search.costs.count - 1,
+        stages_per_rank=config.stages_per_rank,
+        overhead=config.overhead,
+        latency=config.latency,
+    )

@@ -33,12 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.execution.module import plan as memfit_plan
 from memfit.execution.options import Options
 from memfit.pipeline.costs import Search, state_bytes
+from memfit.pipeline.options import Configuration
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import in_flight
-from memfit.pipeline.stages import PipelineOptions, StagePlan, rank_peak
+from memfit.pipeline.stages import StagePlan, rank_peak
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import FrontierPoint, Plan
 from memfit.units import format_bytes
@@ -89,19 +91,17 @@ def _memfit_plan(
     stage: StageGraph,
     inputs: tuple[torch.Tensor, ...],
     policy: float | int,
-    options: PipelineOptions,
+    config: Configuration,
     attention: str,
 ) -> Plan:
     """memfit's plan of ``stage`` at ``policy``, cached on ``search`` by span."""
-    from memfit.execution.module import plan as memfit_plan
-
-    key = (stage.start, stage.end, policy, options.offload, attention)
+    key = (stage.start, stage.end, policy, config.offload, attention)
     if key not in search.stage_plans:
         search.stage_plans[key] = memfit_plan(
             stage.module,
             *inputs,
             policy=policy,
-            offload=options.offload,
+            offload=config.offload,
             options=Options(attention=attention, measure_outside=False),
         )
     return search.stage_plans[key]
@@ -111,14 +111,14 @@ def stage_facts(
     search: Search,
     stage: StageGraph,
     inputs: tuple[torch.Tensor, ...],
-    options: PipelineOptions,
+    config: Configuration,
     *,
     attention: str = "auto",
 ) -> StageFacts:
     """``stage``'s facts (``StageFacts``), its frontier planned by memfit (cached by span)."""
-    params, buffers, opt = state_bytes(search, set(stage.state_names), options.optimizer_state)
+    params, buffers, opt = state_bytes(search, set(stage.state_names), config.optimizer_state)
     last = stage.end == len(search.captured.nodes)
-    planned = _memfit_plan(search, stage, inputs, 1.0, options, attention)
+    planned = _memfit_plan(search, stage, inputs, 1.0, config, attention)
     return StageFacts(
         graph=stage,
         inputs=inputs,
@@ -175,32 +175,30 @@ def _choose(
     return points, least
 
 
-def _rank_of(facts: Sequence[StageFacts], options: PipelineOptions) -> int:
-    return stage_ranks(options.schedule, options.ranks, options.stages_per_rank)[
-        facts[0].graph.index
-    ]
+def _rank_of(facts: Sequence[StageFacts], config: Configuration) -> int:
+    return stage_ranks(config.schedule, config.ranks, config.stages_per_rank)[facts[0].graph.index]
 
 
 def predicted_rank_peak(
     search: Search,
     facts: Sequence[StageFacts],
     points: Sequence[FrontierPoint],
-    options: PipelineOptions,
+    config: Configuration,
 ) -> int:
     """The peak of the rank holding ``facts`` (all its stages) were each to keep its point of
     ``points``: the ``StagePlan`` each point makes, and that rank's ``stages.rank_peak``, so the
     search and the plans it returns are one model."""
-    rank = _rank_of(facts, options)
+    rank = _rank_of(facts, config)
     plans = [
-        _stage_plan(search, f, p, options, rank, "auto", exact=False) for f, p in zip(facts, points)
+        _stage_plan(search, f, p, config, rank, "auto", exact=False) for f, p in zip(facts, points)
     ]
-    return rank_peak(plans, options.ranks)
+    return rank_peak(plans, config.ranks)
 
 
 def plan_rank(
     search: Search,
     facts: Sequence[StageFacts],
-    options: PipelineOptions,
+    config: Configuration,
     *,
     attention: str = "auto",
     exact: bool = True,
@@ -208,17 +206,17 @@ def plan_rank(
     """Plans of one rank's stages (``facts``, all of them), chosen together; see the module
     docstring (``exact``: each planned again at its point's peak, what runs; else the point's
     own numbers). Raises ``StageRefused`` when they cannot fit the per-device budget."""
-    rank = _rank_of(facts, options)
+    rank = _rank_of(facts, config)
 
     def peak_of(points: Sequence[FrontierPoint]) -> int:
-        return predicted_rank_peak(search, facts, points, options)
+        return predicted_rank_peak(search, facts, points, config)
 
-    points, least = _choose(facts, peak_of, options.budget)
+    points, least = _choose(facts, peak_of, config.budget)
     if points is None:
 
         def at_least(f: StageFacts) -> int:  # what the stage holds with its smallest point
             p = min(f.frontier, key=lambda q: q.peak_bytes)
-            return _stage_plan(search, f, p, options, rank, attention, exact=False).peak_bytes
+            return _stage_plan(search, f, p, config, rank, attention, exact=False).peak_bytes
 
         largest = max(facts, key=at_least)
         where = ", ".join(
@@ -228,17 +226,17 @@ def plan_rank(
         raise StageRefused(
             largest.graph.index,
             BudgetError(
-                f"rank {rank}'s {where} do not fit {format_bytes(options.budget or 0)}: its "
+                f"rank {rank}'s {where} do not fit {format_bytes(config.budget or 0)}: its "
                 f"least predicted peak with memfit's plans is {format_bytes(least)}"
                 if len(facts) > 1
-                else f"{where} does not fit {format_bytes(options.budget or 0)}: its least "
+                else f"{where} does not fit {format_bytes(config.budget or 0)}: its least "
                 f"predicted peak with memfit's plan is {format_bytes(least)}",
-                budget_bytes=options.budget,
+                budget_bytes=config.budget,
                 least_bytes=least,
             ),
         )
     return {
-        f.graph.index: _stage_plan(search, f, p, options, rank, attention, exact)
+        f.graph.index: _stage_plan(search, f, p, config, rank, attention, exact)
         for f, p in zip(facts, points)
     }
 
@@ -247,14 +245,14 @@ def _stage_plan(
     search: Search,
     facts: StageFacts,
     point: FrontierPoint,
-    options: PipelineOptions,
+    config: Configuration,
     rank: int,
     attention: str,
     exact: bool,
 ) -> StagePlan:
     stage = facts.graph
     if exact:
-        chosen = _memfit_plan(search, stage, facts.inputs, point.peak_bytes, options, attention)
+        chosen = _memfit_plan(search, stage, facts.inputs, point.peak_bytes, config, attention)
         kept, transient, offloaded = (
             chosen.kept_bytes,
             chosen.predicted_peak_bytes,
@@ -269,11 +267,11 @@ def _stage_plan(
     last_item = costs.boundaries.index(stage.end)
     forward = sum(costs.forward_seconds[first_item:last_item])
     ratio = recompute / facts.forward_flops if facts.forward_flops else 0.0
-    bandwidth = options.bandwidth
+    bandwidth = config.bandwidth
     last = facts.is_last
     return StagePlan(
         index=stage.index,
-        stages=options.stages,
+        stages=config.stages,
         start=stage.start,
         end=stage.end,
         modules=tuple(stage.modules),
@@ -283,8 +281,8 @@ def _stage_plan(
         receive_bytes=facts.receive_bytes,
         send_bytes=facts.send_bytes,
         receive_grad_bytes=facts.receive_grad_bytes,
-        in_flight=in_flight(options.schedule, stage.index, options.stages, options.microbatches),
-        microbatches=options.microbatches,
+        in_flight=in_flight(config.schedule, stage.index, config.stages, config.microbatches),
+        microbatches=config.microbatches,
         kept_bytes=kept,
         transient_bytes=transient,
         forward_seconds=forward,
@@ -292,7 +290,7 @@ def _stage_plan(
         transfer_seconds=2 * facts.send_bytes / bandwidth if bandwidth and not last else 0.0,
         budget_bytes=point.peak_bytes,
         is_last=last,
-        schedule=options.schedule,
+        schedule=config.schedule,
         rank=rank,
         offloaded_bytes=offloaded,
         stall_seconds=stall,

@@ -33,12 +33,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from memfit.execution.state import preserved
 from memfit.pipeline.balancing import pipeline_step_time
+from memfit.pipeline.candidates import Candidate, candidate_table
 from memfit.pipeline.costs import TRAINING_FACTOR
 from memfit.pipeline.partition import CapturedForward, StageGraph
 from memfit.pipeline.rank_model import StageSizes, rank_step_peak
@@ -51,11 +52,7 @@ from memfit.pipeline.schedule import (
 from memfit.pipeline.timeline import simulate_step
 from memfit.units import format_bytes
 
-if TYPE_CHECKING:
-    from memfit.pipeline.auto import Candidate
-
 __all__ = [
-    "PipelineOptions",
     "PipelinePlan",
     "StagePlan",
     "rank_peak",
@@ -63,40 +60,6 @@ __all__ = [
     "rank_step_peak_bytes",
     "stage_inputs",
 ]
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """What a pipeline is asked, checked (``plan.pipeline_options``): what the cut search and
-    every stage's plan read."""
-
-    #: the number of stages: ``stages_per_rank`` on each of K ranks (devices)
-    stages: int
-    #: M: the micro-batches a mini-batch is split into
-    microbatches: int
-    #: the order the stages run their micro-batches in (what each holds in flight)
-    schedule: PipelineSchedule
-    #: bytes per device, or None: every stage keeps everything
-    budget: int | None
-    #: optimizer state bytes per parameter byte (2 for Adam, 1 for SGD with momentum)
-    optimizer_state: float
-    #: bytes per second between neighbouring stages, or None: transfers take no time
-    bandwidth: float | None
-    #: stages each rank holds (``placement`` says which): 1 for GPipe and 1F1B
-    stages_per_rank: int = 1
-    #: whether memfit's planner may offload what a micro-batch keeps while it waits for its
-    #: backward (``memfit.checkpoint(..., offload=True)`` on every stage)
-    offload: bool = False
-    #: seconds every forward and backward costs the schedule's runtime beyond its stage's time,
-    #: and seconds a value takes from one rank to the next (NOTE [What a step costs beyond its
-    #: stages' times]); 0: the step of the stages' times alone
-    overhead: float = 0.0
-    latency: float = 0.0
-
-    @property
-    def ranks(self) -> int:
-        """K: the ranks (devices) the stages are placed on."""
-        return self.stages // self.stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -378,8 +341,6 @@ class PipelinePlan:
             offloaded = ", ".join(format_bytes(s.offloaded_bytes) for s in self.stages)
             lines.append(f"offloaded per micro-batch, by stage: {offloaded}")
         if self.candidates:
-            from memfit.pipeline.auto import candidate_table
-
             lines.append(
                 f"schedule='auto' compared {len(self.candidates)} configurations (predicted; "
                 "V stages per rank, M micro-batches; added: recomputation and offload stall "
