@@ -8,6 +8,8 @@ Private torch APIs are reached only through ``memfit._compat``.
 """
 
 from memfit import nn
+from memfit.analysis.devices import Device
+from memfit.analysis.step_memory import StepMemory, step_memory
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError
@@ -46,6 +48,9 @@ __all__ = [
     "Plan",
     "GraphPlan",
     "RegionPlan",
+    "Device",
+    "StepMemory",
+    "step_memory",
 ]
 __version__ = "0.1.0"
 
