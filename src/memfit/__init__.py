@@ -15,6 +15,7 @@ from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoin
 from memfit.execution.offload import OffloadError
 from memfit.execution.options import Attention, Executor, OffloadTarget, Options
 from memfit.execution.step import Step, step
+from memfit.fitting import FitReport, fit
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
@@ -49,6 +50,8 @@ __all__ = [
     "GraphPlan",
     "RegionPlan",
     "Device",
+    "fit",
+    "FitReport",
     "StepMemory",
     "step_memory",
 ]
