@@ -45,6 +45,18 @@ def test_unknown_device_and_optimizer_are_refused(capsys: pytest.CaptureFixture[
     assert "'lion' is not modelled" in capsys.readouterr().err
     assert main(["fit", FACTORY, "--capacity", "100MiB"]) == 2
     assert "at most the CUDA context" in capsys.readouterr().err
+
+
+def test_what_is_a_config_and_what_a_factory() -> None:
+    from memfit.cli.fit import _is_config
+
+    assert not _is_config(FACTORY)
+    assert not _is_config("package.module:Class.method")
+    assert _is_config("meta-llama/Llama-3.1-8B") and _is_config(str(ROOT / "tests"))
+
+
+@pytest.mark.slow  # imports transformers
+def test_a_config_that_is_not_there(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fit", str(ROOT / "no-such-config.json")]) == 2
     assert "local Hugging Face cache" in capsys.readouterr().err
 
@@ -68,6 +80,7 @@ def _plan(peak: int) -> Plan:
     return Plan("none", (graph,))
 
 
+@pytest.mark.slow  # imports transformers
 def test_a_config_is_built_on_meta_and_planned_for_the_device(
     llama_config: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -107,6 +120,7 @@ def test_a_config_is_built_on_meta_and_planned_for_the_device(
     assert "'none' batch" in out.err
 
 
+@pytest.mark.slow  # imports transformers
 def test_a_config_without_meta_planning_says_why(
     llama_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -158,7 +158,7 @@ def _is_config(spec: str) -> bool:
     if path.exists():
         return not spec.endswith(".py")
     where, sep, name = spec.rpartition(":")
-    return not (sep and where and name.isidentifier())
+    return not (sep and where and all(part.isidentifier() for part in name.split(".")))
 
 
 def load_config_model(spec: str, dtype: torch.dtype | None) -> nn.Module:
