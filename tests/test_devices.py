@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import memfit
+from conftest import CUDA
 from memfit.analysis.devices import (
     DEVICES,
     CudaAllocator,
@@ -95,3 +96,16 @@ def test_allocated_never_below_the_request_nor_above_the_segment() -> None:
         assert a - nbytes < 512 or a == alloc.reserved_bytes(nbytes)
     with pytest.raises(ValueError, match="cannot be negative"):
         alloc.allocated_bytes(-1)
+
+
+@CUDA
+@pytest.mark.parametrize("nbytes", [1, 513, MIB, MIB + 1, 9 * MIB, 10 * MIB + 1, 11 * MIB + 1])
+def test_the_rounding_is_what_cuda_counts(nbytes: int) -> None:
+    """On a GPU: a tensor allocated on an emptied cache adds ``allocated_bytes`` to
+    ``memory_allocated`` (nothing else of this test alive)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_allocated() - before == allocated_bytes(nbytes)
+    del x

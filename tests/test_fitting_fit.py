@@ -120,3 +120,20 @@ def test_a_part_of_a_device() -> None:
     assert row.peak_bytes == held + row.gradient_bytes + max(moments)
     assert row.step_seconds is not None and row.step_seconds > 0
     assert report.planned_on == "cpu" and report.implementation == "foreach"
+
+
+@pytest.mark.slow
+def test_autocast_plans_bf16_activations_beside_fp32_weights() -> None:
+    """Under autocast the weights, gradients and AdamW's state stay fp32; the activations the
+    plan keeps are bf16: at a batch where they dominate, about half of fp32's."""
+    model, x = _mlp(), torch.randn(1024, 128)
+    rows = [
+        memfit.fit(model, x, device=_host(2**30), policies=["none"], search=False,
+                   autocast=cast).rows[0]
+        for cast in (None, torch.bfloat16)
+    ]  # fmt: skip
+    fp32, bf16 = rows
+    assert (fp32.weights_bytes, fp32.gradient_bytes, fp32.optimizer_bytes) == (
+        bf16.weights_bytes, bf16.gradient_bytes, bf16.optimizer_bytes
+    )  # fmt: skip
+    assert 0.4 * fp32.activation_bytes < bf16.activation_bytes < 0.7 * fp32.activation_bytes

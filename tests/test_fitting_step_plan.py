@@ -66,3 +66,11 @@ def test_a_meta_model_goes_to_memfit_plan_with_the_target_device(
     got = step_plan.plan_step(model, (x,), {"k": 1}, policy, "cuda", torch.bfloat16)
     assert got == "planned"
     assert calls == [("cuda", policy, True, (x,), {"k": 1})]
+
+
+def test_autocast_for_a_device_type_this_machine_lacks_is_set_and_put_back() -> None:
+    before = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    with step_plan._autocast("cuda", torch.bfloat16):
+        assert torch.is_autocast_enabled("cuda")
+        assert torch.get_autocast_dtype("cuda") == torch.bfloat16
+    assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) == before

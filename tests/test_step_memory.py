@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import memfit
+from conftest import CUDA
 from memfit.analysis.devices import allocated_bytes
 from memfit.analysis.step_memory import default_implementation, step_memory
 
@@ -139,3 +140,19 @@ def test_what_is_not_modelled_is_refused_by_name() -> None:
         step_memory(_net(), "adam", implementation="triton")
     none = step_memory(_net(), "none")
     assert none.optimizer_state_bytes == none.optimizer_temp_bytes == 0
+
+
+@CUDA
+def test_adamw_state_on_a_gpu_is_rounded_per_tensor() -> None:
+    """On a GPU: torch's default (foreach) AdamW's state, measured, is the rounded state with
+    the step scalars on the host."""
+    model = _net().cuda()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(model.parameters())
+    first = memfit.measure(optimizer.step)
+    second = memfit.measure(optimizer.step)
+    predicted = step_memory(model, "adamw", round_bytes=allocated_bytes)
+    assert first.end_bytes == predicted.optimizer_state_bytes
+    assert second.peak_bytes is not None
+    assert 0 <= second.peak_bytes - predicted.optimizer_temp_bytes <= 4 * 512
