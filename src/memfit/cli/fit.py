@@ -215,14 +215,18 @@ def _config_inputs(model: nn.Module, batch: int, seq: int) -> dict[str, torch.Te
     return {"input_ids": ids, "labels": ids}
 
 
-def _workload(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], int]:
-    """The model, its inputs at the asked sizes, and the sequence dimension (-1: none)."""
+def _workload(
+    args: argparse.Namespace,
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], int, int | None]:
+    """The model, its inputs at the asked sizes, the sequence dimension (-1: none) and the
+    longest sequence the model takes (None: not known)."""
     dtype = parse_dtype(args.dtype)
     if _is_config(args.target):
         model = load_config_model(args.target, dtype)
+        longest = getattr(model.config, "max_position_embeddings", None)
         batch = args.batch or 1
-        seq = args.seq or min(1024, int(getattr(model.config, "max_position_embeddings", 1024)))
-        return model, (), _config_inputs(model, batch, seq), 1
+        seq = args.seq or min(1024, int(longest or 1024))
+        return model, (), _config_inputs(model, batch, seq), 1, longest
     target = build_target(args.target)
     model, call_args, kwargs = target.model, target.args, target.kwargs
     if dtype is not None:
@@ -239,7 +243,7 @@ def _workload(args: argparse.Namespace) -> tuple[nn.Module, tuple[Any, ...], dic
     except ValueError as err:
         raise CliError(f"{args.target}: {err}") from None
     call_args, kwargs = value
-    return model, tuple(call_args), dict(kwargs), args.seq_dim if args.seq else -1
+    return model, tuple(call_args), dict(kwargs), args.seq_dim if args.seq else -1, None
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -259,7 +263,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.max_batch < 1 or (args.batch is not None and args.batch < 1):
         raise CliError("--batch and --max-batch must be at least 1")
     policies = parse_policies(args.policies)
-    model, call_args, kwargs, seq_dim = _workload(args)
+    model, call_args, kwargs, seq_dim, longest = _workload(args)
     batch_dim = 0 if _is_config(args.target) else args.batch_dim
 
     progress = Progress(
@@ -290,6 +294,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
                 seq_dim=seq_dim if seq_dim >= 0 else None,
                 search=not args.no_search,
                 limit=args.max_batch,
+                seq_limit=min(args.max_batch, longest) if longest else None,
                 on_plan=planned,
                 **kwargs,
             )

@@ -199,6 +199,7 @@ def fit(
     seq_dim: int | None = None,
     search: bool = True,
     limit: int = 1 << 16,
+    seq_limit: int | None = None,
     on_plan: Callable[[str, int, int | None, int], None] | None = None,
     **kwargs: Any,
 ) -> FitReport:
@@ -209,8 +210,9 @@ def fit(
     ``torch.device("meta")``, for the device's type without allocating; on a real model where it
     lives, running one forward) and its whole peak predicted (``StepPeak``); with ``search``, the
     largest batch (and, with ``seq_dim``, the largest sequence length at this batch) whose peak
-    fits, in a few plans whatever the answer (``fitting.search``), up to ``limit``. Each row
-    has a roofline step time at the asked size, an estimate.
+    fits, in a few plans whatever the answer (``fitting.search``), up to ``limit`` (the
+    sequence up to ``seq_limit`` if given: a model's longest position). Each row has a roofline
+    step time at the asked size, an estimate.
 
     ``optimizer``: ``"sgd"`` (momentum), ``"adam"``, ``"adamw"`` or ``"none"``;
     ``implementation``: ``"foreach"`` (torch's default on CUDA), ``"fused"`` or ``"for-loop"``.
@@ -281,7 +283,7 @@ def fit(
                     functools.partial(optimizer_moment, batch),
                     target.usable_bytes,
                     seq,
-                    limit,
+                    limit if seq_limit is None else seq_limit,
                 )
                 exact = exact and seq_exact
         try:
