@@ -378,7 +378,7 @@ def fit_figure(report: FitReport, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gib = 2**30
+    unit, scale = ("GiB", 2**30) if report.usable_bytes >= 2**30 else ("MiB", 2**20)
     parts = {
         "weights": [r.weights_bytes for r in report.rows],
         "gradients": [r.gradient_bytes for r in report.rows],
@@ -387,18 +387,23 @@ def fit_figure(report: FitReport, path: Path) -> None:
         "batch": [r.input_bytes for r in report.rows],
     }
     labels = [r.policy for r in report.rows]
-    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 4.5))
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 4, 4.5))
     bottom = [0.0] * len(labels)
     for name, values in parts.items():
-        ax.bar(labels, [v / gib for v in values], bottom=bottom, label=name)
-        bottom = [b + v / gib for b, v in zip(bottom, values)]
-    ax.scatter(labels, [r.peak_bytes / gib for r in report.rows], color="black", marker="_",
-               s=600, label="peak", zorder=3)  # fmt: skip
-    ax.axhline(report.usable_bytes / gib, color="tab:red", linestyle="--",
+        ax.bar(labels, [v / scale for v in values], bottom=bottom, width=0.6, label=name)
+        bottom = [b + v / scale for b, v in zip(bottom, values)]
+    peaks = [r.peak_bytes / scale for r in report.rows]
+    ax.hlines(peaks, [i - 0.35 for i in range(len(labels))], [i + 0.35 for i in range(len(labels))],
+              color="black", linewidth=2.5, label="peak", zorder=3)  # fmt: skip
+    ax.axhline(report.usable_bytes / scale, color="black", linestyle=":",
                label=f"{report.device.name} for tensors")  # fmt: skip
-    ax.set_ylabel("GiB")
-    ax.set_title(f"training step on {report.device.title}")
-    ax.legend(fontsize="small")
+    ax.set_ylabel(unit)
+    ax.set_title(
+        f"training step on {report.device.title}\nbars: each part; tick: the peak (the larger "
+        f"of forward+backward and optimizer.step())",
+        fontsize="medium",
+    )
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     os.makedirs(path.parent if str(path.parent) else ".", exist_ok=True)
     fig.savefig(path, dpi=100)

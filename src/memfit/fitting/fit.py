@@ -168,7 +168,10 @@ class FitReport:
             listed = ", ".join(f"{r.policy!r} batch {r.largest_batch}" for r in fitting)
             return f"{head}; what fits: {listed}"
         if all(r.largest_batch is None for r in self.rows):
-            return f"{head}; search for the largest batch that fits (search=True, the default)"
+            return (
+                f"{head}; search for the largest batch that fits (memfit.fit's search=True, "
+                f"the default; memfit fit without --no-search)"
+            )
         r = best
         fixed = r.weights_bytes + r.gradient_bytes + r.optimizer_bytes + r.optimizer_temp_bytes
         return (
