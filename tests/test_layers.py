@@ -2,11 +2,12 @@
 
 ``nn`` (kernels and modules users may call directly) sits at the bottom (torch, ``memfit._compat``,
 ``memfit.units``, ``memfit.warn`` and ``memfit.choice`` only), then capture (whose attention pass
-rewrites into ``nn``'s kernels) and measurement, then analysis, planning, execution and
-``pipeline``, each importing only layers below it; the CLI, the benchmarks and the package root may
-import anything. Only ``memfit._compat`` reaches torch's private API: it alone imports torch's
-private modules and reads private torch attributes (NOTE [Private torch names] says what counts).
-Tests and benchmarks may reach them; the check covers ``src/memfit``.
+rewrites into ``nn``'s kernels) and measurement, then analysis, planning, execution, and
+``pipeline`` and ``fitting`` beside each other, each importing only layers below it; the CLI, the
+benchmarks and the package root may import anything. Only ``memfit._compat`` reaches torch's
+private API: it alone imports torch's private modules and reads private torch attributes (NOTE
+[Private torch names] says what counts). Tests and benchmarks may reach them; the check covers
+``src/memfit``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LAYERS = {
     "planning": 4,
     "execution": 5,
     "pipeline": 6,
+    "fitting": 6,
 }
 PRIVATE = ("torch._", "torch.utils._", "functorch")
 
@@ -79,7 +81,9 @@ def test_only_compat_imports_private_torch() -> None:
 
 
 def test_every_layer_has_a_readme() -> None:
-    for folder in ("nn", "capture", "analysis", "planning", "execution", "measurement", "pipeline"):
+    for folder in (
+        "nn", "capture", "analysis", "planning", "execution", "measurement", "pipeline", "fitting"
+    ):  # fmt: skip
         assert (SRC / folder / "README.md").is_file(), folder
 
 

@@ -8,12 +8,15 @@ Private torch APIs are reached only through ``memfit._compat``.
 """
 
 from memfit import nn
+from memfit.analysis.devices import Device
+from memfit.analysis.step_memory import StepMemory, step_memory
 from memfit.capture.mark import mark
 from memfit.execution.largest_batch import BatchProbe, LargestBatch, largest_batch
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError
 from memfit.execution.options import Attention, Executor, OffloadTarget, Options
 from memfit.execution.step import Step, step
+from memfit.fitting import FitReport, fit
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
 from memfit.planning.decision import Decision
@@ -50,6 +53,11 @@ __all__ = [
     "Plan",
     "GraphPlan",
     "RegionPlan",
+    "Device",
+    "fit",
+    "FitReport",
+    "StepMemory",
+    "step_memory",
 ]
 __version__ = "0.1.0"
 

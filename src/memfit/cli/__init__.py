@@ -1,6 +1,7 @@
-"""``memfit``: the command line: ``demo``, ``profile TARGET``, ``pipeline TARGET``, ``bench``.
+"""``memfit``: the command line: ``demo``, ``profile TARGET``, ``fit TARGET``, ``pipeline TARGET``,
+``bench``.
 
-One module per command (``demo``, ``profile``, ``pipeline``, ``bench``), each with
+One module per command (``demo``, ``profile``, ``fit``, ``pipeline``, ``bench``), each with
 ``add_parser`` and ``run``; the measuring they share is in ``steps`` (a training step per
 policy), ``activations`` (saved tensors by submodule), ``batch_search`` (largest batch within a
 budget), ``figures``, ``tables`` and ``report`` (the JSON report and its schema). Input checks
@@ -30,12 +31,13 @@ from memfit.cli.errors import EXIT_USAGE, CliError, first_line
 
 __all__ = ["main", "console_main", "build_parser", "CliError"]
 
-_COMMANDS = ("demo", "profile", "pipeline", "bench")
+_COMMANDS = ("demo", "profile", "fit", "pipeline", "bench")
 
 EXAMPLES = """\
 examples:
   memfit demo                                   # what memfit does, on a ResNet, in ~20 s
   memfit profile model.py:make --budget 2GiB    # your model: memory by layer, largest batch
+  memfit fit config.json --device h100-80gb --batch 8 --seq 4096   # will it fit on an H100
   memfit pipeline model.py:make --ranks 4 --microbatches 8   # cut into pipeline stages
   memfit bench depth-sweep --quick              # the depth benchmark, small
 
@@ -44,7 +46,7 @@ Run `memfit COMMAND --help` for each command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import bench, demo, pipeline, profile
+    from memfit.cli import bench, demo, fit, pipeline, profile
     from memfit.cli.options import HelpFormatter
 
     # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo.add_parser(sub, [common])
     profile.add_parser(sub, [common])
+    fit.add_parser(sub, [common])
     pipeline.add_parser(sub, [common])
     bench.add_parser(sub, [common])
     return parser
