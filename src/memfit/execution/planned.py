@@ -40,9 +40,9 @@ from memfit._compat import (
     traced_logging,
     tree_flatten,
 )
-from memfit.analysis.backward_start import BackwardStart
+from memfit.analysis.graph import BackwardStart
 from memfit.capture.graph_breaks import GraphBreakReport, GraphBreakWatcher
-from memfit.execution.backend import Offloader, StepBudget, make_backend
+from memfit.execution.backend import make_backend
 from memfit.execution.call_messages import (
     INDUCTOR_BUDGET_WARNING,
     break_action,
@@ -53,8 +53,9 @@ from memfit.execution.call_messages import (
 from memfit.execution.chain import StepChain, chains, recording
 from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
-from memfit.execution.offload import OffloadError, OffloadStore
+from memfit.execution.offload import Offloader, OffloadError, OffloadStore
 from memfit.execution.options import Executor, Options
+from memfit.execution.partitioner import StepBudget
 from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
