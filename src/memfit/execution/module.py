@@ -44,9 +44,7 @@ from memfit._compat import tree_map
 from memfit.capture.mark import mark
 from memfit.execution.offload import OffloadStore
 from memfit.execution.options import (
-    Attention,
     Executor,
-    OffloadTarget,
     Options,
     PolicyLike,
     resolve,
@@ -129,38 +127,6 @@ class _Settings:
     policy: Policy
     options: Options
     executor: Executor
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "options" not in state:
-            state = _settings_of_0_1(state)
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-
-
-def _settings_of_0_1(state: dict[str, Any]) -> dict[str, Any]:
-    """A model saved whole (``torch.save(model)``) under memfit 0.1 kept its settings as
-    separate fields, the offload ones in an ``OffloadOptions``: they become ``Options``, set as
-    they were saved (not checked again: an offload directory may not exist where it is loaded,
-    as before, until memfit offloads)."""
-    fields: dict[str, Any] = {
-        "attention": Attention(state["attention"]),
-        "max_shapes": state["max_shapes"],
-        "measure_outside": state["measure_outside"],
-        "autotune": state["policy"].autotune,
-    }
-    offload = state.get("offload")
-    if offload is not None:
-        fields.update(
-            offload_to=None if offload.to is None else OffloadTarget(offload.to),
-            offload_dir=offload.directory,
-            offload_bandwidth=offload.bandwidth,
-            offload_min_bytes=offload.min_bytes,
-            host_budget=offload.host_budget,
-        )
-    options = object.__new__(Options)
-    for field in dataclasses.fields(Options):
-        object.__setattr__(options, field.name, fields.get(field.name, field.default))
-    return {"policy": state["policy"], "options": options, "executor": Executor(state["executor"])}
 
 
 class Checkpointing:

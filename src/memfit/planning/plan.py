@@ -269,11 +269,6 @@ class Plan:
             key=f"region {region.module} @{region.graphs[0] if region.graphs else 0}",
         )
 
-    def region_peak_bytes(self, region: RegionPlan) -> int:
-        """A region's predicted peak above what the step holds beside it: the larger of its
-        forward and its recomputation with its backward (``region_part``)."""
-        return self.region_part(region).predicted_peak_bytes
-
     @property
     def kept(self) -> tuple[str, ...]:
         """Values the graphs keep for backward (graphs inside a region keep theirs only while
