@@ -280,7 +280,7 @@ class Partitioner:
             first_plan=g.share is None,
             link=g.link,
             offload_to=g.offload_to,
-            offload_min_bytes=self.offloader.options.min_bytes if self.offloader else 1,
+            offload_min_bytes=self.offloader.options.offload_min_bytes if self.offloader else 1,
             offload_limit_bytes=g.offload_limit,
             headroom_bytes=headroom,
             cache=g.frontier,

@@ -176,7 +176,7 @@ class PlannedCall:
         self._replanned_for_start: dict[str, int] = {}
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.budget is not None else None
-        self.offloader = Offloader(options.offload_options()) if policy.offload else None
+        self.offloader = Offloader(options) if policy.offload else None
         self._target = target
         self._attention = str(options.attention)
         self._shapes: set[tuple[str, ...]] = set()  # what each capturing call planned

@@ -30,6 +30,7 @@ class Offloader:
     """
 
     def __init__(self, options: OffloadOptions) -> None:
+        """``options``: the wrapper's ``memfit.Options`` (an ``OffloadOptions``)."""
         self.options = options
         self.stores: dict[str, OffloadStore] = {}
         self.store: OffloadStore | None = None  # the store of the graph planned last
@@ -38,9 +39,9 @@ class Offloader:
     def prepare(self, jg: JointGraph) -> tuple[Link, str, int | None]:
         """The link, destination and byte limit the planner offloads ``jg``'s values with."""
         device = activation_device(jg)
-        to = self.options.destination(device)
+        to = self.options.offload_destination(device)
         if to not in self.stores:
-            self.stores[to] = OffloadStore(to, self.options.directory)
+            self.stores[to] = OffloadStore(to, self.options.offload_dir)
         self.store = self.stores[to]
         limits = [self.options.host_budget_bytes]
         free = self.store.free_disk_bytes()
@@ -49,11 +50,11 @@ class Offloader:
         limit = min((n for n in limits if n is not None), default=None)
         if limit is not None:
             limit = max(limit - self.spent, 0)
-        if self.options.bandwidth is not None:
-            bandwidth = self.options.bandwidth
+        if self.options.offload_bandwidth is not None:
+            bandwidth = self.options.offload_bandwidth
             return Link(bandwidth, bandwidth, overlap=copy_overlap(device)), to, limit
         with disable_current_modes():  # the partitioner traces under fake tensors: measure real
-            return measure_link(to, device, self.options.directory), to, limit
+            return measure_link(to, device, self.options.offload_dir), to, limit
 
     def reserve(self, plan: GraphPlan) -> None:
         """Hold host memory for ``plan``'s offload (counted against the step when it runs)."""
