@@ -22,8 +22,12 @@ from typing import Any
 
 import torch
 
+import memfit
 from memfit.cli.errors import CliError
 from memfit.cli.options import HelpFormatter
+from memfit.cli.steps import default_loss
+from memfit.cli.target import build_target
+from memfit.pipeline import Pipeline, launch, plan
 from memfit.pipeline.plan import AUTO
 from memfit.pipeline.schedule import SCHEDULES, PipelineSchedule, equal_stages_bubble
 from memfit.units import format_bytes
@@ -106,8 +110,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
 
 
 def _inputs(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    from memfit.cli.target import build_target
-
     target = build_target(spec)
     if target.kwargs:
         raise CliError(f"{spec}: a pipeline takes positional inputs; the factory gave keywords")
@@ -115,8 +117,6 @@ def _inputs(spec: str) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _loss(output: Any, target: Any) -> torch.Tensor:
-    from memfit.cli.steps import default_loss
-
     return default_loss(output)
 
 
@@ -133,9 +133,6 @@ def _rank(
     steps: int,
 ) -> dict[str, Any]:
     """One rank of ``--run``: build, plan, train; its prediction and measurements."""
-    import memfit
-    from memfit.pipeline import Pipeline
-
     model, inputs = _inputs(spec)
     pipe = Pipeline(
         model,
@@ -169,8 +166,6 @@ def _rank(
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from memfit.pipeline import plan
-
     if args.microbatches is None and args.schedule != AUTO:
         raise CliError("--microbatches is required unless --schedule auto (which chooses it)")
     for flag, value in (
@@ -202,8 +197,6 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(str(planned), highlight=False, markup=False)
     if not args.execute:
         return 0
-    from memfit.pipeline import launch
-
     console.print(f"running {args.stages} processes (gloo) ...", highlight=False)
     results = launch(
         _rank,
