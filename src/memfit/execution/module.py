@@ -42,14 +42,13 @@ import torch.nn as nn
 
 from memfit._compat import tree_map
 from memfit.capture.mark import mark
-from memfit.execution.offload import OffloadStore
 from memfit.execution.options import (
     Executor,
     Options,
     PolicyLike,
     resolve,
 )
-from memfit.execution.planned import STEP_ROUNDS, PlannedCall, memfit_call_running
+from memfit.execution.planned import STEP_ROUNDS, PlannedCall, PlannedView, memfit_call_running
 from memfit.execution.state import preserved
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
@@ -129,7 +128,7 @@ class _Settings:
     executor: Executor
 
 
-class Checkpointing:
+class Checkpointing(PlannedView):
     """memfit's state on one model (``model.memfit``): the plan, the policy, the original
     ``forward``, and the hooks that turn listed submodules' outputs into marks."""
 
@@ -168,27 +167,6 @@ class Checkpointing:
         #: training calls get ``use_cache=False``, as under HF's gradient checkpointing (an
         #: encoder-decoder's cache: ``_caches_in_training``)
         self._no_cache = _caches_in_training(model, self.original_forward)
-
-    @property
-    def policy(self) -> Policy:
-        """The policy this model is planned with."""
-        return self._planned.policy
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the graphs the last training call ran (each input shape has its own)."""
-        return self._planned.plan
-
-    @property
-    def offload_store(self) -> OffloadStore | None:
-        """Where the model's offloaded activations live (None until a plan offloads)."""
-        return self._planned.offload_store
-
-    @property
-    def replan_pending(self) -> bool:
-        """Whether the next training call captures and plans again, reserving what the last
-        step was measured to hold outside memfit's graphs (a loss computed outside the model)."""
-        return self._planned.replan_pending
 
     @property
     def regions_changed(self) -> bool:

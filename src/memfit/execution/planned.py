@@ -73,7 +73,7 @@ from memfit.planning.step_budget import (
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-__all__ = ["PlannedCall", "STEP_ROUNDS", "memfit_call_running"]
+__all__ = ["PlannedCall", "PlannedView", "STEP_ROUNDS", "memfit_call_running"]
 
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
@@ -604,3 +604,32 @@ class PlannedCall:
         if not self._warned_unplanned:
             self._warned_unplanned = True
             warn_user(why)
+
+
+class PlannedView:
+    """What a model memfit is applied to (``model.memfit``) and a ``memfit.step`` both show of
+    their ``PlannedCall`` (``_planned``)."""
+
+    _planned: PlannedCall
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the calls are planned with."""
+        return self._planned.policy
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the graphs the last training call ran (each input shape has its own)."""
+        return self._planned.plan
+
+    @property
+    def offload_store(self) -> OffloadStore | None:
+        """Where the offloaded activations live (None until a plan offloads)."""
+        return self._planned.offload_store
+
+    @property
+    def replan_pending(self) -> bool:
+        """Whether the next training call captures and plans again, reserving what the last
+        step was measured to hold outside memfit's graphs (a loss computed outside the model;
+        ``memfit.Options.measure_outside``)."""
+        return self._planned.replan_pending
