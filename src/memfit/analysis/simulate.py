@@ -18,15 +18,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.fx as fx
 
 from memfit.analysis.backward_start import running_backward, start_of
 from memfit.analysis.graph import JointGraph, ancestors
-
-if TYPE_CHECKING:
-    from memfit.analysis.transfers import Transfer
+from memfit.analysis.transfers import Transfer
 
 __all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
 

@@ -18,14 +18,11 @@ recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from memfit.capture.attention import AttentionSite
 from memfit.planning.chain import ChainSummary
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
-
-if TYPE_CHECKING:
-    from memfit.capture.attention import AttentionSite
 
 __all__ = ["GraphPlan", "FrontierPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]
 
