@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.analysis.backward_start import BackwardStart, assumed_start, running_backward
-from memfit.analysis.graph import JointGraph
+from memfit.analysis.backward_start import assumed_start, running_backward
+from memfit.analysis.graph import BackwardStart, JointGraph
 from memfit.analysis.simulate import simulate_step
 from memfit.bench.graphs import joint_graphs
 

@@ -8,12 +8,15 @@ benchmarks and the package root may import anything. Only ``memfit._compat`` rea
 private API: it alone imports torch's private modules and reads private torch attributes (NOTE
 [Private torch names] says what counts). Tests and benchmarks may reach them; the check covers
 ``src/memfit``.
+No two modules import each other, directly or around a loop, counting imports inside functions
+and under ``TYPE_CHECKING`` (``import_graph`` says how an import statement is read).
 """
 
 from __future__ import annotations
 
 import ast
 import textwrap
+from itertools import pairwise
 from pathlib import Path
 
 import memfit
@@ -85,6 +88,155 @@ def test_every_layer_has_a_readme() -> None:
         "nn", "capture", "analysis", "planning", "execution", "measurement", "pipeline", "fitting"
     ):  # fmt: skip
         assert (SRC / folder / "README.md").is_file(), folder
+
+
+def _module_name(path: Path, root: Path) -> str:
+    """``memfit.analysis.graph`` for ``.../memfit/analysis/graph.py``; a package's ``__init__.py``
+    is the package (``memfit.analysis``)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path = SRC) -> dict[str, dict[str, int]]:
+    """Each memfit module's imports of other memfit modules: ``{module: {imported: line}}``.
+
+    Every import statement counts, wherever it is: at the top, inside a function, under
+    ``if TYPE_CHECKING``; an import moved inside a function still makes the two modules depend
+    on each other, it only hides the loop until the function runs. The edge of each statement:
+
+    * ``import memfit.a.b`` depends on ``memfit.a.b``, the module it names, not on
+      ``memfit.a``'s ``__init__`` that Python runs first. Counting the parents would make every
+      module depend on ``memfit/__init__.py``, which imports the public API from every layer, and
+      so put every module in one loop that says nothing about the code.
+    * ``from memfit.a import b`` depends on ``memfit.a.b`` where that is a module, else on
+      ``memfit.a`` (the module, or the package whose ``__init__`` defines or re-exports ``b``).
+    * A package's ``__init__`` imports are edges from the package: importing a name from a
+      package depends on every module its ``__init__`` imports.
+    """
+    modules = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{alias.name}"
+                    if f"{node.module}.{alias.name}" in modules
+                    else node.module
+                    for alias in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[tuple[list[str], list[str]]]:
+    """Each set of two or more modules that import one another, in or out of functions (a
+    strongly connected component), sorted, with the shortest cycle through its first module, in
+    import order, that module repeated at the end (``[a, b, a]``)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; memfit's imports are a few levels deep
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for component in components:
+        # The shortest way from the component's first module back to itself, breadth first.
+        start = min(component)
+        before: dict[str, str] = {}  # each module reached: the module it was reached from
+        layer = [start]
+        while start not in before:
+            reached = []
+            for v in layer:
+                for w in sorted(graph[v]):
+                    if w in component and w not in before:
+                        before[w] = v
+                        reached.append(w)
+            layer = reached
+        path = [start]
+        while path[-1] != start or len(path) == 1:
+            path.append(before[path[-1]])
+        found.append((sorted(component), path[::-1]))
+    return [(cycle, component) for component, cycle in sorted(found)]
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert "memfit.analysis.graph" in graph["memfit.analysis.backward_start"], "graph not read"
+    bad = [
+        " -> ".join(f"{module} line {graph[module][next_]}" for module, next_ in pairwise(cycle))
+        + f" -> {cycle[-1]} (all in one loop: {', '.join(component)})"
+        for cycle, component in find_cycles(graph)
+    ]
+    assert not bad, (
+        "import cycles, counting imports inside functions (move what both modules need into "
+        "one they import, or into a small module of its own):\n" + "\n".join(bad)
+    )
+
+
+def test_the_cycle_check_finds_a_loop_hidden_in_a_function() -> None:
+    graph = {"a": {"b": 1}, "b": {"c": 3}, "c": {"a": 9, "b": 5, "d": 2}, "d": {}, "e": {"d": 1}}
+    assert find_cycles(graph) == [(["a", "b", "c", "a"], ["a", "b", "c"])]
+    assert find_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_the_import_graph_counts_every_import_by_its_rules(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "from memfit.a import api\n",
+        "a/__init__.py": "from memfit.a.api import api\n",
+        "a/api.py": "def api():\n    from memfit.b import helper\n    import memfit.c.deep\n",
+        "b.py": "from memfit.a import api\nfrom memfit.c import deep, NAME\nimport torch\n",
+        "c/__init__.py": "NAME = 1\n",
+        "c/deep.py": "if TYPE_CHECKING:\n    from memfit.a.api import api\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "memfit" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "memfit" / name).write_text(text)
+    graph = import_graph(tmp_path / "memfit")
+    assert graph == {
+        "memfit": {"memfit.a.api": 1},
+        "memfit.a": {"memfit.a.api": 1},
+        "memfit.a.api": {"memfit.b": 2, "memfit.c.deep": 3},
+        "memfit.b": {"memfit.a.api": 1, "memfit.c.deep": 2, "memfit.c": 2},
+        "memfit.c": {},
+        "memfit.c.deep": {"memfit.a.api": 2},
+    }
+    assert [cycle for cycle, _ in find_cycles(graph)] == [
+        ["memfit.a.api", "memfit.b", "memfit.a.api"]
+    ]
 
 
 # NOTE [Private torch names]

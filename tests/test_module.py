@@ -23,7 +23,6 @@ import inspect
 import io
 import types
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,28 +300,6 @@ def test_deepcopy_and_pickling_apply_memfit_to_the_copy() -> None:
         model(x).sum().backward()
         _equal_lists(_grads(copied), _grads(model))
         assert copied.memfit.plan.graphs  # the copy planned on its own first call
-
-
-def test_a_model_saved_whole_under_memfit_0_1_loads_with_its_settings() -> None:
-    """``tests/data/memfit_0_1_model.pt``: ``torch.save`` of an MLP after memfit 0.1's
-    ``checkpoint(m, budget="1MiB", offload=OffloadOptions(to="disk", bandwidth=1e9,
-    min_bytes=1024), attention="off", max_shapes=5, measure_outside=False)``."""
-    path = Path(__file__).parent / "data" / "memfit_0_1_model.pt"
-    model = torch.load(path, weights_only=False)
-    settings = model.memfit.settings
-    assert settings.policy.budget == Budget(bytes=2**20) and settings.policy.offload
-    assert settings.executor is memfit.Executor.EAGER
-    assert settings.options == memfit.Options(
-        attention="off",
-        offload_to="disk",
-        offload_bandwidth=1e9,
-        offload_min_bytes=1024,
-        max_shapes=5,
-        measure_outside=False,
-    )
-    x = torch.randn(8, 4)
-    model(x).sum().backward()  # it trains under memfit, as saved
-    assert model.memfit.plan.graphs
 
 
 def test_same_outputs_and_eval_mode() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import memfit
 from memfit.execution.options import resolve
@@ -35,12 +36,19 @@ def test_bad_knobs_are_refused_when_options_are_made() -> None:
         memfit.Options(host_budget=0.5)  # type: ignore[arg-type]
 
 
-def test_offload_fields_become_execution_offload_options() -> None:
+def test_the_offload_fields_are_what_offload_reads() -> None:
     assert not memfit.Options().offload_given
+    assert memfit.Options(offload_min_bytes=1).offload_given
     options = memfit.Options(offload_to="disk", offload_bandwidth=1e9, host_budget="1GiB")
-    assert options.offload_given
-    offload = options.offload_options()
-    assert (offload.to, offload.bandwidth, offload.host_budget_bytes) == ("disk", 1e9, 2**30)
+    assert options.offload_given and options.host_budget == "1GiB"  # as written
+    assert (options.offload_bandwidth, options.host_budget_bytes) == (1e9, 2**30)
+    assert options.offload_destination(torch.device("cpu")) == "disk"
+    assert memfit.Options().offload_destination(torch.device("cpu")) == "disk"
+    assert memfit.Options().offload_destination(torch.device("cuda")) == "host"
+    with pytest.raises(memfit.OffloadError, match="offload_to='disk'"):
+        memfit.Options(offload_to="host").offload_destination(torch.device("cpu"))
+    with pytest.raises(TypeError):
+        memfit.Options("off")  # type: ignore[misc]  # every field is a keyword
 
 
 def test_resolve_folds_offload_and_autotune_into_the_policy() -> None:

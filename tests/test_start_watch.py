@@ -138,7 +138,7 @@ def test_a_small_difference_is_noted_without_planning_again() -> None:
     """An output that differs from the plan's assumption by little (under 1% of the peak)
     is remembered, not worth a new capture; a start unlike the plan's is believed when two
     backwards in a row show it."""
-    from memfit.analysis.backward_start import BackwardStart
+    from memfit.analysis.graph import BackwardStart
 
     graph = fx.Graph()
     x = graph.placeholder("x")

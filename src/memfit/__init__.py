@@ -59,7 +59,8 @@ __all__ = [
     "StepMemory",
     "step_memory",
 ]
-__version__ = "0.1.0"
+#: The release this tree is (CHANGELOG.md's latest); pyproject.toml reads it from here.
+__version__ = "0.2.0"
 
 # attn_implementation="memfit" whatever the import order; see memfit.nn.huggingface
 nn.huggingface.register_when_imported()

@@ -12,8 +12,9 @@ LoRA, CPU; ``docs/measurements.md``): the logits and cache kept to the end of
 the backward, and their tangents counted at its start. The planner also chose among plans by
 those numbers (corrected for the outputs alone, Llama took a plan that measured 6% higher).
 
-``BackwardStart`` is what one graph's step does: which outputs the caller no longer holds, and
-which tangents arrive as None. Before any backward has run it is assumed (``assumed_start``), and
+``BackwardStart`` (plain data, in ``analysis.graph`` beside the ``JointGraph`` that carries it)
+is what one graph's step does: which outputs the caller no longer holds, and which tangents
+arrive as None. Before any backward has run it is assumed (``assumed_start``), and
 the executor checks the assumption on the graph's first backward (``execution.start_watch``),
 planning again where it was wrong by enough to matter. ``running_backward`` is the joint graph's
 backward as it then runs, for the simulator to walk (``analysis.simulate``).
@@ -26,37 +27,16 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from memfit._compat import StorageWeakRef, tree_flatten
-from memfit.analysis.graph import JointGraph, node_tensors
+from memfit.analysis.graph import BackwardStart, JointGraph, node_tensors
 from memfit.capture.tangents import without_tangents
 
 __all__ = [
-    "BackwardStart",
     "BackwardView",
     "assumed_start",
     "returns_loss",
     "running_backward",
     "start_of",
 ]
-
-
-@dataclass(frozen=True)
-class BackwardStart:
-    """One graph's backward start, by node names of its joint graph (stable across captures)."""
-
-    #: forward outputs the caller no longer holds when the backward starts (an output the
-    #: backward also reads is then freed after its last reader)
-    dropped: frozenset[str] = frozenset()
-    #: tangents that arrive as None: outputs that get no gradient
-    missing: frozenset[str] = frozenset()
-
-    def describe(self) -> str:
-        """One line for a plan's note."""
-        parts = []
-        if self.dropped:
-            parts.append(f"outputs dropped before the backward: {', '.join(sorted(self.dropped))}")
-        if self.missing:
-            parts.append(f"without a gradient: {', '.join(sorted(self.missing))}")
-        return "; ".join(parts) or "every output held through the backward, with a gradient"
 
 
 def _is_scalar(node: fx.Node) -> bool:

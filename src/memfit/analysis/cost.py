@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
 
 from memfit._compat import op_schema, tree_map
 from memfit.analysis.graph import JointGraph, is_view_op, node_tensors
@@ -107,8 +108,6 @@ def node_flops(node: fx.Node, sizes: Sizes = HINTS) -> int:
     packet = _packet(node)
     if packet is aten._scaled_dot_product_flash_attention_for_cpu:
         return sizes(_attention_flops(node))
-    from torch.utils.flop_counter import flop_registry
-
     formula = flop_registry.get(packet)
     if formula is not None:
 

@@ -25,7 +25,7 @@ import copy
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,12 +41,11 @@ from memfit._compat import (
 from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
 
-if TYPE_CHECKING:
-    from memfit.analysis.backward_start import BackwardStart
-
 __all__ = [
+    "BackwardStart",
     "CUDA_BLOCK_BYTES",
     "JointGraph",
+    "activation_device",
     "allocated_bytes",
     "ancestors",
     "is_random",
@@ -76,6 +75,14 @@ def node_tensors(node: fx.Node) -> list[torch.Tensor]:
         return []
     flat, _ = tree_flatten(val)
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def activation_device(jg: JointGraph) -> torch.device:
+    """The device ``jg``'s activations are on: its first forward value's (the CPU if none)."""
+    for n in jg.forward:
+        for t in node_tensors(n):
+            return t.device
+    return torch.device("cpu")
 
 
 def is_view_op(node: fx.Node) -> bool:
@@ -159,6 +166,29 @@ def ancestors(
         found.add(n)
         stack.extend(inputs[n] if inputs is not None else n.all_input_nodes)
     return found
+
+
+@dataclass(frozen=True)
+class BackwardStart:
+    """One graph's backward start, by node names of its joint graph (stable across captures).
+
+    Plain data that ``JointGraph`` carries; ``analysis.backward_start`` says where it comes from
+    and derives it (assumed, or seen on a step)."""
+
+    #: forward outputs the caller no longer holds when the backward starts (an output the
+    #: backward also reads is then freed after its last reader)
+    dropped: frozenset[str] = frozenset()
+    #: tangents that arrive as None: outputs that get no gradient
+    missing: frozenset[str] = frozenset()
+
+    def describe(self) -> str:
+        """One line for a plan's note."""
+        parts = []
+        if self.dropped:
+            parts.append(f"outputs dropped before the backward: {', '.join(sorted(self.dropped))}")
+        if self.missing:
+            parts.append(f"without a gradient: {', '.join(sorted(self.missing))}")
+        return "; ".join(parts) or "every output held through the backward, with a gradient"
 
 
 @dataclass

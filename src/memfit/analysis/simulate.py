@@ -15,17 +15,16 @@ with ``memfit.measure``'s "peak above entry".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.fx as fx
 
 from memfit.analysis.backward_start import running_backward, start_of
 from memfit.analysis.graph import JointGraph, ancestors
-
-if TYPE_CHECKING:
-    from memfit.analysis.transfers import Transfer
+from memfit.analysis.transfers import Transfer
 
 __all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
 
@@ -296,29 +295,23 @@ def simulate_step(
         def bw_inputs(n: Any) -> Sequence[fx.Node]:
             return n.reads if isinstance(n, _Marker) else joint_inputs(n)
 
-    fw = walk(
-        fwd_run,
-        fw_storages,
-        storage_bytes,
-        keep=saved_keys | out_keys,
+    # Both passes: the same storage sizes, uncounted inputs, op scratch and recording.
+    walk_pass = functools.partial(
+        walk,
+        storage_bytes=storage_bytes,
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
         record_peak=record_peak,
-        inputs=fw_inputs,
     )
+    fw = walk_pass(fwd_run, fw_storages, keep=saved_keys | out_keys, inputs=fw_inputs)
     tangent_keys = {k for t in tangents for k in jg.storages[t]}
     grad_keys = {k for n in grads for k in jg_storages(n)}
-    bw = walk(
+    bw = walk_pass(
         bwd_run,
         bw_storages,
-        storage_bytes,
         start_live=(fw.end_live - dropped_keys) | tangent_keys,
         keep=held_keys | grad_keys,
-        uncounted=primal_keys,
-        op_scratch=jg.op_scratch,
-        record_curve=record_curve,
-        record_peak=record_peak,
         inputs=bw_inputs,
     )
     # Between forward and backward the step runs code outside the graph (the loss, when the

@@ -15,14 +15,13 @@ frontier (``benchmarks/budget_frontier.py``):
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-if TYPE_CHECKING:
-    from memfit.bench.zoo import Encoder
+from memfit.bench.zoo import Encoder
 
 __all__ = ["SequentialCheckpointed", "SequentialEncoder", "entry_point"]
 

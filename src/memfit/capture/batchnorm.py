@@ -31,6 +31,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from memfit.capture.edit import bypass, recompiled
+
 __all__ = ["FORWARD_TWIN", "add_batchnorm_twins", "is_training_batchnorm"]
 
 _FUNCTIONAL_BN = torch.ops.aten._native_batch_norm_legit_functional.default
@@ -75,10 +77,6 @@ def add_batchnorm_twins(joint: fx.GraphModule) -> int:
                 with graph.inserting_after(twin):
                     item = graph.call_function(operator.getitem, (twin, user.args[1]))
                 item.meta = dict(user.meta)
-                user.replace_all_uses_with(item)
-                graph.erase_node(user)
+                bypass(user, item)
         count += 1
-    if count:
-        graph.lint()
-        joint.recompile()
-    return count
+    return recompiled(joint, count)

@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from memfit.capture.edit import bypass, recompiled
+
 __all__ = ["remove_identity_dropouts"]
 
 #: Functional dropouts (``input, p, training, inplace``), bound by their own signatures.
@@ -77,10 +79,6 @@ def remove_identity_dropouts(gm: fx.GraphModule) -> int:
         source = node.args[0] if node.args else node.kwargs.get("input")
         if not isinstance(source, fx.Node):
             continue
-        node.replace_all_uses_with(source)
-        gm.graph.erase_node(node)
+        bypass(node, source)
         removed += 1
-    if removed:
-        gm.graph.lint()
-        gm.recompile()
-    return removed
+    return recompiled(gm, removed)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from memfit.capture.edit import bypass, recompiled
+
 __all__ = ["mark", "strip_marks"]
 
 MARK_META = "memfit_marked"
@@ -60,10 +62,6 @@ def strip_marks(gm: fx.GraphModule) -> int:
             src = node.args[0]
             assert isinstance(src, fx.Node)
             src.meta[MARK_META] = True
-            node.replace_all_uses_with(src)
-            gm.graph.erase_node(node)
+            bypass(node, src)
             count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return recompiled(gm, count)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from memfit._compat import OpOverload, is_tangent, op_schema
+from memfit.capture.edit import bypass, recompiled
 
 __all__ = ["merge_backward_duplicates"]
 
@@ -91,10 +92,6 @@ def merge_backward_duplicates(joint: fx.GraphModule) -> int:
         except TypeError:  # an argument that cannot be hashed: leave it
             continue
         if earlier is not node:
-            node.replace_all_uses_with(earlier)
-            graph.erase_node(node)
+            bypass(node, earlier)
             merged += 1
-    if merged:
-        graph.lint()
-        joint.recompile()
-    return merged
+    return recompiled(joint, merged)

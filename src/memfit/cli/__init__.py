@@ -26,8 +26,12 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from rich.console import Console
+
 import memfit
+from memfit.cli import bench, demo, fit, pipeline, profile
 from memfit.cli.errors import EXIT_USAGE, CliError, first_line
+from memfit.cli.options import HelpFormatter
 
 __all__ = ["main", "console_main", "build_parser", "CliError"]
 
@@ -46,9 +50,6 @@ Run `memfit COMMAND --help` for each command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.cli import bench, demo, fit, pipeline, profile
-    from memfit.cli.options import HelpFormatter
-
     # In subcommands --debug has no default, so `memfit --debug profile ...` is not overwritten.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -77,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _console():  # type: ignore[no-untyped-def]
-    from rich.console import Console
-
+def _console() -> Console:
     # A pipe or a test's capture reports 80 columns, too narrow for the tables.
     return Console(width=None if sys.stdout.isatty() else 120)
 

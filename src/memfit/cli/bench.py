@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.bench import depth_sweep
 from memfit.cli.errors import CliError
 from memfit.cli.options import HelpFormatter, parse_device
 
@@ -28,8 +29,6 @@ examples:
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    from memfit.bench import depth_sweep
-
     p = sub.add_parser(
         "bench",
         parents=parents,
@@ -56,8 +55,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
 
 
 def run_depth_sweep(args: argparse.Namespace, console: Any) -> int:
-    from memfit.bench import depth_sweep
-
     device = parse_device(args.device)
     for flag, values in (
         ("--depths", args.depths or [1]),

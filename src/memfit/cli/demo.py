@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from torch import nn
 
 from memfit.bench.resnet import cifar_resnet
@@ -122,8 +123,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     cfg = QUICK if args.quick else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_blocks = 3 * cfg.blocks_per_stage

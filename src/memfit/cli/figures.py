@@ -30,6 +30,7 @@ _OTHER_COLORS = ("tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", 
 
 
 def _pyplot() -> Any:
+    # Imported here, for figures alone: matplotlib.pyplot took 5 s to import on a loaded CPU.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,6 +44,15 @@ def _colors(labels: Sequence[str]) -> dict[str, str]:
     for label in labels:
         out[label] = POLICY_COLORS.get(label) or next(others)
     return out
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (making its folder) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> Path:
@@ -94,11 +104,7 @@ def timeline_figure(results: Sequence[PolicyResult], path: Path, title: str) -> 
     ax_b.set_title("(b) peak memory per policy")
     ax_b.legend(loc="upper right", framealpha=0.9, fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def pareto_figure(
@@ -129,8 +135,4 @@ def pareto_figure(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, framealpha=0.9)
     ax.set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -27,8 +27,12 @@ from typing import Any
 
 import torch
 
+import memfit
 from memfit.cli.errors import CliError
 from memfit.cli.options import HelpFormatter
+from memfit.cli.steps import default_loss
+from memfit.cli.target import build_target
+from memfit.pipeline import Pipeline, launch, plan
 from memfit.pipeline.options import AUTO, PipelineOptions
 from memfit.pipeline.schedule import SCHEDULES, PipelineSchedule, equal_stages_bubble
 from memfit.units import format_bytes
@@ -116,8 +120,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
 
 
 def _inputs(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    from memfit.cli.target import build_target
-
     target = build_target(spec)
     if target.kwargs:
         raise CliError(f"{spec}: a pipeline takes positional inputs; the factory gave keywords")
@@ -125,16 +127,11 @@ def _inputs(spec: str) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _loss(output: Any, target: Any) -> torch.Tensor:
-    from memfit.cli.steps import default_loss
-
     return default_loss(output)
 
 
 def _rank(rank: int, spec: str, ranks: int, options: PipelineOptions, steps: int) -> dict[str, Any]:
     """One rank of ``--run``: build, plan, train; its prediction and measurements."""
-    import memfit
-    from memfit.pipeline import Pipeline
-
     model, inputs = _inputs(spec)
     pipe = Pipeline(model, inputs, _loss, ranks=ranks, options=options)
     pipe.step(*inputs)  # compiles this rank's stage
@@ -189,8 +186,6 @@ def _ranks(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from memfit.pipeline import plan
-
     ranks = _ranks(args)
     if args.microbatches is None and args.schedule != AUTO:
         raise CliError("--microbatches is required unless --schedule auto (which chooses it)")
@@ -212,8 +207,6 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(str(planned), highlight=False, markup=False)
     if not args.execute:
         return 0
-    from memfit.pipeline import launch
-
     # auto's choices, so the ranks do not choose again
     chosen = dataclasses.replace(
         options,

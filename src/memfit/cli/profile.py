@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import memfit
 from memfit._compat import keystr, tree_flatten_with_path
@@ -244,8 +245,6 @@ def _options(args: argparse.Namespace) -> memfit.Options:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype)
     if args.autotune and args.executor != "inductor":

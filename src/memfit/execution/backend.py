@@ -15,7 +15,6 @@ graph's runs. How the split graphs then run is ``execution.runners``; under
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -23,13 +22,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit._compat import (
-    aot_autograd,
-    disable_current_modes,
-)
-from memfit.analysis.backward_start import BackwardStart
-from memfit.analysis.graph import JointGraph
-from memfit.analysis.transfers import Link
+from memfit._compat import aot_autograd
+from memfit.analysis.graph import BackwardStart
 from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.execution.chain import chains
@@ -39,8 +33,8 @@ from memfit.execution.executors import (
     check_executor,
     decompositions,
 )
-from memfit.execution.offload import OffloadOptions, OffloadStore, copy_overlap, measure_link
-from memfit.execution.partitioner import Partitioner, activation_device
+from memfit.execution.offload import Offloader, OffloadOptions
+from memfit.execution.partitioner import Partitioner, StepBudget
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,
@@ -53,7 +47,7 @@ from memfit.planning.plan import GraphPlan
 from memfit.planning.policy import Policy
 from memfit.planning.step_budget import GraphShare
 
-__all__ = ["make_backend", "Offloader", "StepBudget"]
+__all__ = ["make_backend"]
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
@@ -74,64 +68,6 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
         else:
             parts.append(repr(t))
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
-
-
-@dataclasses.dataclass
-class StepBudget:
-    """What the graphs of one training step have kept so far, for a byte budget shared by them.
-
-    With graph breaks, the graphs of one step are planned one after the other as the step first
-    runs; values kept by earlier graphs stay alive while later ones run, so each graph gets the
-    budget less what the graphs that ran before it in this step keep (counted as each graph's
-    forward runs, so a graph compiled in an earlier step counts too). The wrapper resets
-    ``spent`` at every call.
-    """
-
-    spent: int = 0
-
-
-class Offloader:
-    """The offload side of one wrapper: its options, its stores and the link it plans with.
-
-    A store is made when the first graph offloading to its destination is planned (the
-    destination depends on the device the activations are on) and lives as long as the wrapper;
-    graphs of one model on different devices each keep theirs. ``spent`` is what the graphs of
-    the current step offload, so the host budget and the disk's free space bound the step, not
-    each graph (the wrapper resets it at every call, as it does the step budget).
-    """
-
-    def __init__(self, options: OffloadOptions) -> None:
-        self.options = options
-        self.stores: dict[str, OffloadStore] = {}
-        self.store: OffloadStore | None = None  # the store of the graph planned last
-        self.spent = 0
-
-    def prepare(self, jg: JointGraph) -> tuple[Link, str, int | None]:
-        """The link, destination and byte limit the planner offloads ``jg``'s values with."""
-        device = activation_device(jg)
-        to = self.options.destination(device)
-        if to not in self.stores:
-            self.stores[to] = OffloadStore(to, self.options.directory)
-        self.store = self.stores[to]
-        limits = [self.options.host_budget_bytes]
-        free = self.store.free_disk_bytes()
-        if free is not None:
-            limits.append(int(0.9 * free))
-        limit = min((n for n in limits if n is not None), default=None)
-        if limit is not None:
-            limit = max(limit - self.spent, 0)
-        if self.options.bandwidth is not None:
-            bandwidth = self.options.bandwidth
-            return Link(bandwidth, bandwidth, overlap=copy_overlap(device)), to, limit
-        with disable_current_modes():  # the partitioner traces under fake tensors: measure real
-            return measure_link(to, device, self.options.directory), to, limit
-
-    def reserve(self, plan: GraphPlan) -> None:
-        """Hold host memory for ``plan``'s offload (counted against the step when it runs)."""
-        if not plan.transfers or self.store is None:
-            return
-        with disable_current_modes():  # a real pinned arena, not a fake tensor
-            self.store.reserve([t.nbytes for t in plan.transfers])
 
 
 def make_backend(

@@ -42,16 +42,13 @@ import torch.nn as nn
 
 from memfit._compat import tree_map
 from memfit.capture.mark import mark
-from memfit.execution.offload import OffloadStore
 from memfit.execution.options import (
-    Attention,
     Executor,
-    OffloadTarget,
     Options,
     PolicyLike,
     resolve,
 )
-from memfit.execution.planned import STEP_ROUNDS, PlannedCall, memfit_call_running
+from memfit.execution.planned import STEP_ROUNDS, PlannedCall, PlannedView, memfit_call_running
 from memfit.execution.state import preserved
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
@@ -130,40 +127,8 @@ class _Settings:
     options: Options
     executor: Executor
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "options" not in state:
-            state = _settings_of_0_1(state)
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
 
-
-def _settings_of_0_1(state: dict[str, Any]) -> dict[str, Any]:
-    """A model saved whole (``torch.save(model)``) under memfit 0.1 kept its settings as
-    separate fields, the offload ones in an ``OffloadOptions``: they become ``Options``, set as
-    they were saved (not checked again: an offload directory may not exist where it is loaded,
-    as before, until memfit offloads)."""
-    fields: dict[str, Any] = {
-        "attention": Attention(state["attention"]),
-        "max_shapes": state["max_shapes"],
-        "measure_outside": state["measure_outside"],
-        "autotune": state["policy"].autotune,
-    }
-    offload = state.get("offload")
-    if offload is not None:
-        fields.update(
-            offload_to=None if offload.to is None else OffloadTarget(offload.to),
-            offload_dir=offload.directory,
-            offload_bandwidth=offload.bandwidth,
-            offload_min_bytes=offload.min_bytes,
-            host_budget=offload.host_budget,
-        )
-    options = object.__new__(Options)
-    for field in dataclasses.fields(Options):
-        object.__setattr__(options, field.name, fields.get(field.name, field.default))
-    return {"policy": state["policy"], "options": options, "executor": Executor(state["executor"])}
-
-
-class Checkpointing:
+class Checkpointing(PlannedView):
     """memfit's state on one model (``model.memfit``): the plan, the policy, the original
     ``forward``, and the hooks that turn listed submodules' outputs into marks."""
 
@@ -202,27 +167,6 @@ class Checkpointing:
         #: training calls get ``use_cache=False``, as under HF's gradient checkpointing (an
         #: encoder-decoder's cache: ``_caches_in_training``)
         self._no_cache = _caches_in_training(model, self.original_forward)
-
-    @property
-    def policy(self) -> Policy:
-        """The policy this model is planned with."""
-        return self._planned.policy
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the graphs the last training call ran (each input shape has its own)."""
-        return self._planned.plan
-
-    @property
-    def offload_store(self) -> OffloadStore | None:
-        """Where the model's offloaded activations live (None until a plan offloads)."""
-        return self._planned.offload_store
-
-    @property
-    def replan_pending(self) -> bool:
-        """Whether the next training call captures and plans again, reserving what the last
-        step was measured to hold outside memfit's graphs (a loss computed outside the model)."""
-        return self._planned.replan_pending
 
     @property
     def regions_changed(self) -> bool:

@@ -42,11 +42,14 @@ PolicyLike = str | int | float | Sequence[str] | Budget | Policy
 DEFAULT_MAX_SHAPES = 64
 
 
-@dataclass(frozen=True)
-class Options:
+@dataclass(frozen=True, kw_only=True)
+class Options(OffloadOptions):
     """The advanced knobs of ``memfit.checkpoint``, ``memfit.step`` and ``memfit.plan``.
 
-    The defaults are what most users want; each field says when to change it.
+    The defaults are what most users want; each field says when to change it. The offload fields
+    (``offload_to``, ``offload_dir``, ``offload_bandwidth``, ``offload_min_bytes``,
+    ``host_budget``) come from the base class ``OffloadOptions``, where each is defined,
+    defaulted and checked, and need ``offload=True``. Every field is a keyword.
     """
 
     #: ``"auto"``: rewrite every attention memfit finds to a kernel that keeps no n² tensor
@@ -57,20 +60,6 @@ class Options:
     #: on the first step and keep the faster (one more compile, some 60 more steps on the first
     #: call), like ``torch.compile``'s ``mode="max-autotune"``.
     autotune: bool = False
-    #: Where offloaded values go: ``"host"`` (CUDA activations to pinned host memory) or
-    #: ``"disk"``; None picks host on CUDA, disk on CPU.
-    offload_to: OffloadTarget | str | None = None
-    #: The directory in which disk offload makes its private directory (default: the system
-    #: temp dir). Its files are removed as they are read back.
-    offload_dir: str | None = None
-    #: Bytes/s to plan offload with instead of the link speed measured on this machine (to plan
-    #: for another machine, or to make a plan independent of timing).
-    offload_bandwidth: float | None = None
-    #: Values smaller than this are never offloaded (a copy and a file cost more than they free).
-    offload_min_bytes: int = 64 * 1024
-    #: Bytes (or a size such as ``"8GiB"``) one step may hold off the device, in host memory or
-    #: on disk; a device budget that cannot be met within it is refused before any step runs.
-    host_budget: int | str | None = None
     #: Captures of one model (each input shape range, dtype and rank its own) before a call that
     #: needs another runs as plain PyTorch, with a warning.
     max_shapes: int = DEFAULT_MAX_SHAPES
@@ -80,38 +69,15 @@ class Options:
     measure_outside: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the offload fields, checked now, before any step runs
         set_ = object.__setattr__
         set_(self, "attention", Attention.parse(self.attention, "attention", "memfit.Attention"))
-        if self.offload_to is not None:
-            to = OffloadTarget.parse(self.offload_to, "offload_to", "memfit.OffloadTarget")
-            set_(self, "offload_to", to)
         for name in ("autotune", "measure_outside"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} is True or False, got {getattr(self, name)!r}")
         shapes = self.max_shapes
         if isinstance(shapes, bool) or not isinstance(shapes, int) or shapes < 1:
             raise ValueError(f"Options.max_shapes must be a positive int, got {shapes!r}")
-        # checks the offload fields now, before any step runs (a missing directory, ...)
-        self.offload_options()
-
-    @property
-    def offload_given(self) -> bool:
-        """Whether any offload field differs from its default (they need offloading on)."""
-        return any(
-            getattr(self, f.name) != f.default
-            for f in dataclasses.fields(self)
-            if f.name.startswith("offload_") or f.name == "host_budget"
-        )
-
-    def offload_options(self) -> OffloadOptions:
-        """The offload fields as execution's ``OffloadOptions``."""
-        return OffloadOptions(
-            to=None if self.offload_to is None else str(self.offload_to),
-            directory=self.offload_dir,
-            bandwidth=self.offload_bandwidth,
-            min_bytes=self.offload_min_bytes,
-            host_budget=self.host_budget,
-        )
 
 
 def resolve(

@@ -19,18 +19,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.fx as fx
 
-from memfit.analysis.backward_start import (
-    BackwardStart,
-    assumed_start,
-    returns_loss,
-    start_of,
-)
-from memfit.analysis.graph import JointGraph, node_tensors
+from memfit.analysis.backward_start import assumed_start, returns_loss, start_of
+from memfit.analysis.graph import BackwardStart, JointGraph, activation_device
 from memfit.analysis.op_scratch import measure_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
@@ -43,6 +37,7 @@ from memfit.execution.inductor_fit import (
     largest_value,
     reached_fraction,
 )
+from memfit.execution.offload import Offloader
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,
@@ -62,21 +57,24 @@ from memfit.planning.step_budget import GraphShare
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-if TYPE_CHECKING:  # the backend module makes partitioners; it holds these for its wrapper
-    from memfit.execution.backend import Offloader, StepBudget
-
-__all__ = ["Partitioner", "activation_device"]
+__all__ = ["Partitioner", "StepBudget"]
 
 #: How the graphs of a budget the step's chain holds are planned (``Partitioner.chain_mode``).
 MEMORY = Policy("memory")
 
 
-def activation_device(jg: JointGraph) -> torch.device:
-    """The device ``jg``'s activations are on: its first forward value's (the CPU if none)."""
-    for n in jg.forward:
-        for t in node_tensors(n):
-            return t.device
-    return torch.device("cpu")
+@dataclasses.dataclass
+class StepBudget:
+    """What the graphs of one training step have kept so far, for a byte budget shared by them.
+
+    With graph breaks, the graphs of one step are planned one after the other as the step first
+    runs; values kept by earlier graphs stay alive while later ones run, so each graph gets the
+    budget less what the graphs that ran before it in this step keep (counted as each graph's
+    forward runs, so a graph compiled in an earlier step counts too). The wrapper resets
+    ``spent`` at every call.
+    """
+
+    spent: int = 0
 
 
 def _start_watch(
@@ -282,7 +280,7 @@ class Partitioner:
             first_plan=g.share is None,
             link=g.link,
             offload_to=g.offload_to,
-            offload_min_bytes=self.offloader.options.min_bytes if self.offloader else 1,
+            offload_min_bytes=self.offloader.options.offload_min_bytes if self.offloader else 1,
             offload_limit_bytes=g.offload_limit,
             headroom_bytes=headroom,
             cache=g.frontier,

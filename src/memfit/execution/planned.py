@@ -40,9 +40,9 @@ from memfit._compat import (
     traced_logging,
     tree_flatten,
 )
-from memfit.analysis.backward_start import BackwardStart
+from memfit.analysis.graph import BackwardStart
 from memfit.capture.graph_breaks import GraphBreakReport, GraphBreakWatcher
-from memfit.execution.backend import Offloader, StepBudget, make_backend
+from memfit.execution.backend import make_backend
 from memfit.execution.call_messages import (
     INDUCTOR_BUDGET_WARNING,
     break_action,
@@ -53,8 +53,9 @@ from memfit.execution.call_messages import (
 from memfit.execution.chain import StepChain, chains, recording
 from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
-from memfit.execution.offload import OffloadError, OffloadStore
+from memfit.execution.offload import Offloader, OffloadError, OffloadStore
 from memfit.execution.options import Executor, Options
+from memfit.execution.partitioner import StepBudget
 from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT, Regions
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
@@ -72,7 +73,7 @@ from memfit.planning.step_budget import (
 from memfit.units import format_bytes
 from memfit.warn import warn_user
 
-__all__ = ["PlannedCall", "STEP_ROUNDS", "memfit_call_running"]
+__all__ = ["PlannedCall", "PlannedView", "STEP_ROUNDS", "memfit_call_running"]
 
 #: How graphs inside a region are planned: its recomputation is the one recomputation.
 NONE = Policy("none")
@@ -175,7 +176,7 @@ class PlannedCall:
         self._replanned_for_start: dict[str, int] = {}
         self.watcher = GraphBreakWatcher(name)
         self.step_budget = StepBudget() if policy.budget is not None else None
-        self.offloader = Offloader(options.offload_options()) if policy.offload else None
+        self.offloader = Offloader(options) if policy.offload else None
         self._target = target
         self._attention = str(options.attention)
         self._shapes: set[tuple[str, ...]] = set()  # what each capturing call planned
@@ -604,3 +605,32 @@ class PlannedCall:
         if not self._warned_unplanned:
             self._warned_unplanned = True
             warn_user(why)
+
+
+class PlannedView:
+    """What a model memfit is applied to (``model.memfit``) and a ``memfit.step`` both show of
+    their ``PlannedCall`` (``_planned``)."""
+
+    _planned: PlannedCall
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the calls are planned with."""
+        return self._planned.policy
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the graphs the last training call ran (each input shape has its own)."""
+        return self._planned.plan
+
+    @property
+    def offload_store(self) -> OffloadStore | None:
+        """Where the offloaded activations live (None until a plan offloads)."""
+        return self._planned.offload_store
+
+    @property
+    def replan_pending(self) -> bool:
+        """Whether the next training call captures and plans again, reserving what the last
+        step was measured to hold outside memfit's graphs (a loss computed outside the model;
+        ``memfit.Options.measure_outside``)."""
+        return self._planned.replan_pending

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from memfit._compat import StorageWeakRef
-from memfit.analysis.backward_start import BackwardStart
+from memfit.analysis.graph import BackwardStart
 
 __all__ = ["MATERIAL_HIGH", "MATERIAL_LOW", "StartWatch"]
 

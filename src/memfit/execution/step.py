@@ -15,16 +15,14 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
-from memfit.execution.offload import OffloadStore
 from memfit.execution.options import Executor, Options, PolicyLike, resolve
-from memfit.execution.planned import PlannedCall
-from memfit.planning.plan import Plan
+from memfit.execution.planned import PlannedCall, PlannedView
 from memfit.planning.policy import Policy
 
 __all__ = ["step", "Step"]
 
 
-class Step:
+class Step(PlannedView):
     """A step function run under a memfit plan; call it as the function, read ``plan`` after."""
 
     def __init__(
@@ -45,25 +43,6 @@ class Step:
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         # Decorating a method: bind like a function does, one Step (and plan) for the class.
         return self if instance is None else types.MethodType(self, instance)
-
-    @property
-    def plan(self) -> Plan:
-        """The plan of the graphs the last training call ran (each input shape has its own)."""
-        return self._planned.plan
-
-    @property
-    def policy(self) -> Policy:
-        return self._planned.policy
-
-    @property
-    def replan_pending(self) -> bool:
-        """Whether the next call plans again (see ``memfit.Options.measure_outside``)."""
-        return self._planned.replan_pending
-
-    @property
-    def offload_store(self) -> OffloadStore | None:
-        """Where this step's offloaded activations live (None until a plan offloads)."""
-        return self._planned.offload_store
 
     def __repr__(self) -> str:
         return f"memfit.step({self._planned.name}, policy={self.policy.label!r})"

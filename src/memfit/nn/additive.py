@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["additive_attention", "AdditiveAttention", "chunk_sizes", "BLOCK_ELEMENTS"]
 
@@ -290,8 +291,6 @@ def _forward_flops(
 
 
 def _register_flop_formulas() -> None:
-    from torch.utils.flop_counter import register_flop_formula
-
     @register_flop_formula(torch.ops.memfit.additive_attention)
     def _fwd(
         query: torch.Size,

@@ -66,6 +66,7 @@ def memfit_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
     if position_bias is not None:
+        # transformers is optional: imported where a transformers model is running
         from transformers.integrations.sdpa_attention import create_position_bias_mask
 
         attention_mask = create_position_bias_mask(
@@ -111,7 +112,7 @@ _REGISTRIES: dict[str, Callable[[ModuleType], bool]] = {
 def register_huggingface() -> bool:
     """Register ``attn_implementation="memfit"`` with transformers now, importing it; False if it
     is not installed or has no attention registry."""
-    try:
+    try:  # transformers is optional, and importing memfit must not import it
         from transformers import masking_utils, modeling_utils
     except ImportError:
         return False

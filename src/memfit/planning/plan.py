@@ -18,14 +18,11 @@ recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from memfit.capture.attention import AttentionSite
 from memfit.planning.chain import ChainSummary
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
-
-if TYPE_CHECKING:
-    from memfit.capture.attention import AttentionSite
 
 __all__ = ["GraphPlan", "FrontierPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]
 
@@ -268,11 +265,6 @@ class Plan:
             parameter_grad_bytes=sum(g.parameter_grad_bytes for g in inner),
             key=f"region {region.module} @{region.graphs[0] if region.graphs else 0}",
         )
-
-    def region_peak_bytes(self, region: RegionPlan) -> int:
-        """A region's predicted peak above what the step holds beside it: the larger of its
-        forward and its recomputation with its backward (``region_part``)."""
-        return self.region_part(region).predicted_peak_bytes
 
     @property
     def kept(self) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from memfit.capture.attention.graph import (
 from memfit.capture.attention.kernel import rewrite_dot_product, rewrite_sdpa_call
 from memfit.capture.attention.match import Skip, match_dot_product
 from memfit.capture.attention.site import ADDITIVE, AttentionSite
+from memfit.capture.edit import recompiled
 
 __all__ = ["replace_attention"]
 
@@ -55,7 +56,5 @@ def replace_attention(gm: fx.GraphModule) -> list[AttentionSite]:
                 continue
             kernel, reason = rewrite_dot_product(gm, m)
             sites.append(AttentionSite(where, kernel, reason, shape, m.dropout_p))
-    if sites:
-        gm.graph.lint()
-        gm.recompile()
+    recompiled(gm, len(sites))
     return sites

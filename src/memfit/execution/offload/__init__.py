@@ -38,6 +38,7 @@ from memfit.execution.offload.link import (
     copy_overlap,
     measure_link,
 )
+from memfit.execution.offload.offloader import Offloader
 from memfit.execution.offload.options import (
     OffloadError,
     OffloadOptions,
@@ -60,6 +61,7 @@ __all__ = [
     "OffloadTarget",
     "check_directory",
     "OffloadError",
+    "Offloader",
     "OffloadOptions",
     "OffloadStore",
     "insert_transfers",
