@@ -320,6 +320,35 @@ def _seconds_per_step(stepper: Step, model: nn.Module, call: Any, steps: int) ->
     return statistics.median(times)
 
 
+def _checked_budget(
+    model: nn.Module,
+    budget: int | str,
+    loss: Callable[..., Any] | None,
+    step_fn: Callable[..., Any] | None,
+    timing_steps: int,
+) -> int:
+    """The budget in bytes, once the arguments are known to make a search that can succeed."""
+    parsed = parse_budget(budget)
+    if parsed.bytes is None:
+        raise ValueError(
+            f"memfit.largest_batch: the budget is device memory in bytes (an int or a size such "
+            f"as '16GiB'), got the fraction {budget!r}"
+        )
+    budget_bytes = parsed.bytes
+    if loss is not None and step_fn is not None:
+        raise TypeError("memfit.largest_batch: give loss= or step_fn=, not both")
+    if timing_steps < 1:
+        raise ValueError(f"memfit.largest_batch: timing_steps must be >= 1, got {timing_steps}")
+    weights, _ = resident_bytes(model)
+    if weights >= budget_bytes:
+        raise ValueError(
+            f"memfit.largest_batch: the model's parameters and buffers take {weights:,} bytes, "
+            f"over the budget of {budget_bytes:,}: no batch can fit; raise the budget or shrink "
+            "the model (a smaller dtype, or memfit.pipeline over several devices)"
+        )
+    return budget_bytes
+
+
 def largest_batch(
     model: nn.Module,
     make_batch: Callable[[int], Any],
@@ -354,24 +383,7 @@ def largest_batch(
     the search. Returns a ``LargestBatch``: the batch, its plan, its measured peak and time per
     sample, and every probe. Raises ``ValueError`` when the weights alone exceed the budget.
     """
-    parsed = parse_budget(budget)
-    if parsed.bytes is None:
-        raise ValueError(
-            f"memfit.largest_batch: the budget is device memory in bytes (an int or a size such "
-            f"as '16GiB'), got the fraction {budget!r}"
-        )
-    budget_bytes = parsed.bytes
-    if loss is not None and step_fn is not None:
-        raise TypeError("memfit.largest_batch: give loss= or step_fn=, not both")
-    if timing_steps < 1:
-        raise ValueError(f"memfit.largest_batch: timing_steps must be >= 1, got {timing_steps}")
-    weights, _ = resident_bytes(model)
-    if weights >= budget_bytes:
-        raise ValueError(
-            f"memfit.largest_batch: the model's parameters and buffers take {weights:,} bytes, "
-            f"over the budget of {budget_bytes:,}: no batch can fit; raise the budget or shrink "
-            "the model (a smaller dtype, or memfit.pipeline over several devices)"
-        )
+    budget_bytes = _checked_budget(model, budget, loss, step_fn, timing_steps)
     search = _Search(
         model,
         make_batch,
@@ -395,33 +407,22 @@ def largest_batch(
         fits, start=start, multiple_of=multiple_of, limit=limit
     )
     label = policy if isinstance(policy, str) else str(policy)
+    seen = tuple(probes.values())
     if found == 0:
-        return LargestBatch(
-            0,
-            budget_bytes,
-            label,
-            None,
-            None,
-            None,
-            None,
-            first_not,
-            capped,
-            tuple(probes.values()),
-        )
+        return LargestBatch(0, budget_bytes, label, None, None, None, None, first_not, capped, seen)
     # The answer again, captured afresh (later probes reset Dynamo), measured and timed.
     final, stepper, call = search.run(found)
     assert stepper is not None
-    seconds = _seconds_per_step(stepper, model, call, timing_steps)
-    plan = stepper.plan
+    per_sample = _seconds_per_step(stepper, model, call, timing_steps) / found
     return LargestBatch(
         found,
         budget_bytes,
         label,
-        plan,
+        stepper.plan,
         final.peak_bytes,
         final.total_bytes,
-        seconds / found,
+        per_sample,
         first_not,
         capped,
-        tuple(probes.values()),
+        seen,
     )
