@@ -412,7 +412,9 @@ class Pipeline:
             loss = self._loss_of(outputs, None if self._no_target else chunk)
             grads = [o for o in outputs if o.requires_grad]
             if loss.requires_grad and grads:
-                torch.autograd.grad(loss, grads)
+                # outputs the loss does not read (GPT-2's key/value cache beside its logits)
+                # get no gradient, as in the schedule's backward
+                torch.autograd.grad(loss, grads, allow_unused=True)
 
         with torch.no_grad():
             for o in outputs:  # values for the loss to read (an empty tensor may hold NaNs),
