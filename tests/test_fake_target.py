@@ -194,3 +194,21 @@ def test_what_needs_this_machines_measurements_is_refused_on_meta() -> None:
     with pytest.raises(ValueError, match="offload_bandwidth"):
         memfit.plan(model, *args, offload=True, device="cpu", **kwargs)
     assert all(p.is_meta for p in model.parameters())
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).tanh()
+        return self.b(y * 2 if y.sum().item() > 0 else y)
+
+
+def test_a_model_that_reads_a_value_says_it_cannot_be_planned_on_meta() -> None:
+    with torch.device("meta"):
+        model = _ReadsAValue()
+    with pytest.raises(ValueError, match=r"reads a tensor's value .* plan the real model"):
+        memfit.plan(model, torch.empty(8, 64, device="meta"), device="cpu")
+    assert all(p.is_meta for p in model.parameters())

@@ -55,6 +55,7 @@ __all__ = [
     "child_module",
     "own_tensor_tables",
     "detect_fake_mode",
+    "FAKE_VALUE_ERRORS",
     "FakeTensorMode",
     "is_fake",
     "disable_current_modes",
@@ -136,6 +137,7 @@ from memfit._compat.dynamo import (  # noqa: E402
     unique_graph_count,
 )
 from memfit._compat.fake import (  # noqa: E402
+    FAKE_VALUE_ERRORS,
     FakeTensorMode,
     is_fake,
 )

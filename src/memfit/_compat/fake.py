@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 
-__all__ = ["FakeTensorMode", "is_fake"]
+__all__ = ["FAKE_VALUE_ERRORS", "FakeTensorMode", "is_fake"]
 
 
 # ---- fake tensors (checked 2.13.0) ---------------------------------------------------------------
@@ -22,3 +27,8 @@ def is_fake(value: Any) -> bool:
     """Whether ``value`` is a fake tensor (``torch._subclasses.fake_tensor.FakeTensor``), a
     parameter holding one included."""
     return isinstance(value, FakeTensor)
+
+
+#: What an op raises on fake tensors where its result depends on values they do not have
+#: (``.item()``, ``nonzero``, a data-dependent branch in the model's Python).
+FAKE_VALUE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)

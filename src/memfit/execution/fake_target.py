@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memfit._compat import FakeTensorMode, is_fake, own_tensor_tables, tree_flatten, tree_map
+from memfit._compat import (
+    FAKE_VALUE_ERRORS,
+    FakeTensorMode,
+    is_fake,
+    own_tensor_tables,
+    tree_flatten,
+    tree_map,
+)
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.options import Options
 
@@ -192,6 +199,13 @@ def on_fake_target(
         _target = device
         with mode:
             yield inputs[0], inputs[1], options
+    except FAKE_VALUE_ERRORS as err:
+        raise ValueError(
+            f"{type(model).__name__} reads a tensor's value while it runs (.item(), "
+            f"nonzero, a branch on a tensor: {err}), which fake tensors do not have, so it "
+            f"cannot be planned on meta: plan the real model (at a smaller size if it does not "
+            f"fit), or keep the value out of the forward"
+        ) from err
     finally:
         _target = None
         for table, name, t in swapped:

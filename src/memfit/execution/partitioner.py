@@ -220,7 +220,7 @@ class Partitioner:
             graph_plan = by_size.planned
         self.on_plan(graph_plan)
         if fw is None or bw is None:
-            if self.offloader is not None:
+            if self.offloader is not None and not self.fake:  # a fake plan never runs a step
                 self.offloader.reserve(graph_plan)
             fw, bw = self.split(g, graph_plan)
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
