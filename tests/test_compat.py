@@ -286,6 +286,26 @@ def test_child_module_finds_children_only_under_each_of_their_names() -> None:
         assert _compat.child_module(parent, name) is None, name
 
 
+def test_own_tensor_tables_are_the_modules_own_parameters_and_buffers() -> None:
+    bn = torch.nn.BatchNorm1d(3)
+    params, buffers = _compat.own_tensor_tables(bn)
+    assert params["weight"] is bn.weight and buffers["running_mean"] is bn.running_mean
+    saved = params["weight"]
+    params["weight"] = torch.nn.Parameter(torch.ones(3))
+    assert torch.equal(bn.weight, torch.ones(3))
+    params["weight"] = saved
+    assert bn.weight is saved and list(bn.state_dict()) == list(
+        torch.nn.BatchNorm1d(3).state_dict()
+    )
+
+
+def test_fake_tensor_mode_makes_fake_tensors_and_parameters() -> None:
+    with _compat.FakeTensorMode():
+        fake = torch.empty(1024, 1024)
+    assert _compat.is_fake(fake) and _compat.is_fake(torch.nn.Parameter(fake))
+    assert not _compat.is_fake(torch.empty(1)) and not _compat.is_fake(None)
+
+
 def test_eager_module_calls_name_the_modules_whose_call_broke_the_graph() -> None:
     """Asked from a backend, the modules running eagerly are those whose call Dynamo could not
     trace into its caller's graph: the root and the layer with the break, not its Linear."""

@@ -264,3 +264,58 @@ def test_cuda_first_call_allocations_kept_for_good_are_not_scratch() -> None:
     first, second = map(int, out.stdout.split()[-2:])
     assert first == second
     assert first < MB
+
+
+# ---- the model of op scratch used on fake tensors (NOTE [Op scratch on fake tensors])
+
+
+class _RuledOps(nn.Module):
+    """LayerNorm, dropout, a Python number, BatchNorm: each op the CPU rules model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.drop = nn.Dropout(0.25)
+        self.bn = nn.BatchNorm1d(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.drop(self.norm(x)) * 0.5 + 1.0)
+
+
+def _encoder_layer() -> nn.Module:
+    return nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+
+@pytest.mark.parametrize(
+    "model, x",
+    [
+        (_RuledOps, (64, 64)),
+        (lambda: nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), (2, 64, 32)),
+        (
+            lambda: nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
+            (1, 200, 32),
+        ),
+    ],
+    ids=["norms-dropout-numbers", "attention-64", "attention-200"],
+)
+def test_modelled_scratch_equals_the_measured_scratch_of_every_ruled_cpu_op(model, x) -> None:
+    """Each CPU rule gives what running the op measures, on every op it covers here (flash
+    attention's forward at two block sizes): a plan on fake tensors counts the same scratch."""
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(model(), torch.randn(*x))
+    modelled = op_scratch.modelled_op_scratch(jg.nodes)
+    measured = measure_op_scratch(jg.nodes)
+    ruled = [n for n in jg.nodes if str(n.target) in op_scratch.SCRATCH_RULES["cpu"]]
+    assert ruled
+    assert {n.name: modelled.get(n, 0) for n in ruled} == {
+        n.name: measured.get(n, 0) for n in ruled
+    }
+    assert set(modelled) <= set(ruled)  # no op without a rule has modelled scratch
+
+
+def test_modelled_scratch_for_cuda_is_zero_and_keeps_the_measured_ops_filter() -> None:
+    torch.manual_seed(0)
+    (jg,) = joint_graphs(_RuledOps(), torch.randn(64, 64))
+    assert op_scratch.modelled_op_scratch(jg.nodes, device=torch.device("cuda")) == {}
+    big = max(jg.storage_bytes.values())
+    assert op_scratch.modelled_op_scratch(jg.nodes, min_bytes=big + 1) == {}

@@ -24,7 +24,8 @@ torch's min-cut), ``autograd`` (tangents, a compiled function's ctx, donation, t
 accumulation and a tensor's hooks, boxed code), ``dynamo`` (counters, the recompile limit),
 ``logging_config`` (logging inside a captured forward), ``sizes`` (symbolic sizes), ``profiler``
 (raw events), ``inductor`` (what the benchmarks and the Inductor executor compile with),
-``measurement``, ``ops`` (an op's schema), ``modules`` (nn.Module's children).
+``fake`` (fake tensors to plan on), ``measurement``, ``ops`` (an op's schema), ``modules``
+(nn.Module's children).
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ __all__ = [
     "has_gradient_hooks",
     "op_schema",
     "child_module",
+    "own_tensor_tables",
     "detect_fake_mode",
+    "FAKE_VALUE_ERRORS",
+    "FakeTensorMode",
+    "is_fake",
     "disable_current_modes",
     "extract_fwd_bwd_modules",
     "graph_break_reasons",
@@ -131,6 +136,11 @@ from memfit._compat.dynamo import (  # noqa: E402
     graph_break_reasons,
     unique_graph_count,
 )
+from memfit._compat.fake import (  # noqa: E402
+    FAKE_VALUE_ERRORS,
+    FakeTensorMode,
+    is_fake,
+)
 from memfit._compat.inductor import (  # noqa: E402
     activation_memory_budget,
     automatic_dynamic_shapes,
@@ -152,6 +162,7 @@ from memfit._compat.measurement import (  # noqa: E402
 )
 from memfit._compat.modules import (  # noqa: E402
     child_module,
+    own_tensor_tables,
 )
 from memfit._compat.names import (  # noqa: E402
     OpOverload,

@@ -1,14 +1,17 @@
-"""nn.Module's own table of children, read as it is.
+"""nn.Module's own tables of children, parameters and buffers, read as they are.
 
 Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 __all__ = [
     "child_module",
+    "own_tensor_tables",
 ]
 
 
@@ -21,3 +24,15 @@ def child_module(module: nn.Module, name: str) -> nn.Module | None:
     attributes, and ``named_children`` yields a module registered under two names once.
     """
     return module._modules.get(name)
+
+
+# ---- a module's own parameters and buffers (checked 2.13.0) --------------------------------------
+def own_tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``module``'s own tables of parameters and buffers (``module._parameters``,
+    ``module._buffers``, checked 2.13.0), to swap a tensor for another and put it back.
+
+    Why not ``setattr``: it checks a parameter's type and device against nothing memfit needs,
+    and ``register_buffer`` would change whether a buffer is persistent; an entry of the table
+    replaced and put back leaves the module exactly as it was.
+    """
+    return module._parameters, module._buffers

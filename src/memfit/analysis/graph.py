@@ -322,6 +322,13 @@ class JointGraph:
             a for n in self.backward for a in self.inputs[n] if a not in self._backward_set
         ]
 
+    def place_on(self, device: torch.device) -> None:
+        """Count every storage as ``device``'s allocator takes it, whatever device the graph was
+        traced on: a graph traced on CPU stand-ins for a device this machine does not have
+        (``execution.fake_target``: the CUDA allocator's 512-byte blocks)."""
+        self.storage_devices = dict.fromkeys(self.storage_devices, device)
+        self.storage_bytes = self._bytes_at(self.sizes)
+
     def at(self, sizes: Sizes, op_scratch: dict[fx.Node, int] | None = None) -> JointGraph:
         """This view with every byte count at ``sizes`` (``op_scratch``: the ops' scratch there,
         by default the captured one scaled by ``scale_scratch``). Shares everything else."""

@@ -63,7 +63,7 @@ from memfit.analysis.graph import allocated_bytes, is_random, is_view_op, node_t
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 
-__all__ = ["measure_op_scratch"]
+__all__ = ["measure_op_scratch", "modelled_op_scratch", "SCRATCH_RULES"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,143 @@ def measure_op_scratch(
         if nbytes:
             for n in group:
                 out[n] = nbytes
+    return out
+
+
+# NOTE [Op scratch on fake tensors]
+# A model planned on fake tensors (``memfit.plan(meta_model, ..., device=...)``) has no real
+# tensors to run an op on, and this machine need not be the target, so scratch memory comes from
+# a rule per op instead of a measurement: ``SCRATCH_RULES`` by device type, zero for every op
+# without one. The CPU rules reproduce what this module measures of torch 2.13's CPU kernels
+# (tests/test_op_scratch.py checks each against a measurement):
+#  * an op given a Python number wraps it in a 0-dim float64 (int64) tensor, then casts it to
+#    the op's dtype: 8 bytes and one element (12 for a float on float32);
+#  * native dropout's backward casts its bool mask to the gradient's dtype (one gradient-sized
+#    buffer) and wraps its scale;
+#  * native BatchNorm's backward allocates one buffer the size of its input;
+#  * LayerNorm's backward one float32 row of each of gamma's and beta's gradients per thread;
+#  * flash attention's forward (``_scaled_dot_product_flash_attention_for_cpu``) per thread a
+#    float32 block of q x kv scores, a row max and a row sum, and a q x head-dim accumulator,
+#    with torch's block sizes (q: 256 from L >= 768, 64 from 192, else 32; kv: 512; each at
+#    most the sequence length).
+# Not modelled (so plans on fake tensors of these differ from measured ones; tests/test_fake_
+# target.py states by how much): oneDNN's convolutions, whose workspaces depend on the kernel it
+# picks (0.3 to 3 times the output, measured on the zoo), and flash attention's backward on CPU
+# (per-thread blocks whose sizes did not follow one formula across shapes: 4 to 8 KiB on the
+# zoo's attention). On CUDA every op is zero: cuBLAS's workspace and the CUDA context sit outside
+# the caching allocator's per-op blocks (DESIGN.md), and cuDNN chooses convolution workspaces at
+# run time from the GPU.
+
+
+def _first_input_bytes(node: fx.Node) -> int:
+    first = node.all_input_nodes[0].meta.get("val") if node.all_input_nodes else None
+    return _nbytes_hint(first) if isinstance(first, torch.Tensor) else 0
+
+
+def _wrapped_numbers(node: fx.Node) -> int:
+    """Bytes of the Python numbers among ``node``'s arguments: each wrapped as a 0-dim tensor
+    (float64 for a float, int64 for an int) and cast to the dtype of the op's first tensor."""
+    first = node.all_input_nodes[0].meta.get("val") if node.all_input_nodes else None
+    dtype = first.dtype if isinstance(first, torch.Tensor) else torch.float32
+    total = 0
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, bool) or not isinstance(a, (int, float, torch.SymInt, torch.SymFloat)):
+            continue
+        wrapped = torch.int64 if isinstance(a, (int, torch.SymInt)) else torch.float64
+        total += 8 + (0 if wrapped == dtype else dtype.itemsize)
+    return total
+
+
+def _dropout_backward(node: fx.Node) -> int:
+    """native_dropout_backward on CPU: the mask cast to the gradient's dtype, and the scale."""
+    return _first_input_bytes(node) + _wrapped_numbers(node)
+
+
+def _batch_norm_backward(node: fx.Node) -> int:
+    """native_batch_norm_backward on CPU: one buffer the size of its input (``grad_out``)."""
+    return _first_input_bytes(node)
+
+
+def _layer_norm_backward(node: fx.Node) -> int:
+    """native_layer_norm_backward on CPU: per thread, a float32 row for each of dgamma and
+    dbeta (the normalized shape's elements)."""
+    normalized = node.args[2]
+    elements = 1
+    for size in normalized if isinstance(normalized, (list, tuple)) else ():
+        elements *= size_hint(size)
+    return 2 * torch.get_num_threads() * elements * 4
+
+
+def _flash_attention_cpu(node: fx.Node) -> int:
+    """_scaled_dot_product_flash_attention_for_cpu: per thread, float32 scores of a q block
+    against a kv block, the block's row max and row sum, and its q x head-dim accumulator."""
+    q, k = (a.meta.get("val") for a in node.all_input_nodes[:2])
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return 0
+    q_len, kv_len, head = size_hint(q.shape[-2]), size_hint(k.shape[-2]), size_hint(q.shape[-1])
+    q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+    kv_split = min(512, kv_len)
+    per_thread = q_split * kv_split + 2 * q_split + q_split * head
+    return torch.get_num_threads() * per_thread * 4
+
+
+_ELEMENTWISE_WITH_NUMBERS = (
+    "add",
+    "sub",
+    "rsub",
+    "mul",
+    "div",
+    "pow",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "remainder",
+    "fmod",
+    "where",
+    "masked_fill",
+)
+
+
+#: Scratch bytes of an op on fake tensors, by device type and op (NOTE [Op scratch on fake
+#: tensors]); an op without a rule has none.
+SCRATCH_RULES: dict[str, dict[str, Any]] = {
+    "cpu": {
+        **{
+            f"aten.{op}.{overload}": _wrapped_numbers
+            for op in _ELEMENTWISE_WITH_NUMBERS
+            for overload in ("Tensor", "Scalar")
+        },
+        "aten.native_dropout_backward.default": _dropout_backward,
+        "aten.native_batch_norm_backward.default": _batch_norm_backward,
+        "aten.native_layer_norm_backward.default": _layer_norm_backward,
+        "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention_cpu,
+    },
+    "cuda": {},
+}
+
+
+def modelled_op_scratch(
+    nodes: Iterable[fx.Node], *, min_bytes: int = 0, device: torch.device | None = None
+) -> dict[fx.Node, int]:
+    """``measure_op_scratch``'s answer from ``SCRATCH_RULES`` instead of running the ops: for a
+    graph traced on fake tensors of a model that has no real ones (NOTE [Op scratch on fake
+    tensors]). The same ops are considered as there (``min_bytes`` included), so an op the
+    measurement would skip has no scratch here either."""
+    out: dict[fx.Node, int] = {}
+    for n in nodes:
+        if not _runnable(n):
+            continue
+        touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
+        if not touched or max(_nbytes_hint(t) for t in touched) < min_bytes:
+            continue
+        dev = device or touched[0].device
+        rule = SCRATCH_RULES.get(dev.type, {}).get(str(n.target))
+        nbytes = rule(n) if rule is not None else 0
+        if nbytes:
+            out[n] = nbytes
     return out
 
 

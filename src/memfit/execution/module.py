@@ -41,7 +41,9 @@ import torch
 import torch.nn as nn
 
 from memfit._compat import tree_map
+from memfit.analysis.devices import Device
 from memfit.capture.mark import mark
+from memfit.execution.fake_target import fake_target, on_fake_target
 from memfit.execution.options import (
     Executor,
     Options,
@@ -513,10 +515,11 @@ def plan(
     offload: bool = False,
     executor: Executor | str = Executor.EAGER,
     options: Options | None = None,
+    device: str | torch.device | Device | None = None,
     **example_kwargs: Any,
 ) -> Plan:
     """The plan ``memfit.checkpoint(model, policy, ...)`` would run on these inputs, without
-    training. Takes exactly ``checkpoint``'s arguments.
+    training. Takes exactly ``checkpoint``'s arguments, and the ``device`` to plan for.
 
     Runs one forward of ``model`` on the example inputs under the plan (so the call itself stays
     within a budget), then restores every buffer (BatchNorm running statistics) and the CPU and
@@ -524,6 +527,13 @@ def plan(
     backward runs and no gradient is touched. The plan has ``predicted_peak_bytes``,
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when a
     budget cannot be met.
+
+    ``device`` (``"cpu"``, ``"cuda"``, a ``torch.device``, or a named GPU such as
+    ``"h100-80gb"`` / a ``memfit.Device``, planned for its type): where the step will run; by
+    default where the model lives. A model built under ``torch.device("meta")`` (or meta
+    inputs), or a ``device`` other than the model's, is planned on fake tensors for that device
+    (``execution.fake_target``): nothing is allocated, and the model is left as it was given.
+    A meta model needs ``device``.
     """
     if _STATE in model.__dict__:
         raise TypeError(
@@ -531,17 +541,42 @@ def plan(
             f"has memfit applied: read model.memfit.plan after a training call, or call "
             f"memfit.remove(model) first"
         )
+    target = fake_target(model, (example_inputs, example_kwargs), device)
+    if target is None:
+        return _plan(model, example_inputs, example_kwargs, policy, offload, executor, options)
+    with on_fake_target(
+        model,
+        example_inputs,
+        example_kwargs,
+        target,
+        offload=offload,
+        executor=str(executor),
+        options=options,
+    ) as (args, kwargs, fake_options):
+        return _plan(model, args, kwargs, policy, offload, executor, fake_options)
+
+
+def _plan(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy: PolicyLike,
+    offload: bool,
+    executor: Executor | str,
+    options: Options | None,
+) -> Plan:
+    """``plan``'s work: memfit applied for one capture, and removed again."""
     checkpoint(model, policy, offload=offload, executor=executor, options=options)
     state: Checkpointing = model.__dict__[_STATE]
     try:
         with preserved(model.buffers()), torch.enable_grad():
-            model(*example_inputs, **example_kwargs)
+            model(*args, **kwargs)
             # Graph breaks: the step planned again as a whole, and submodules recomputed whole
             # (execution.regions) from the call after they were found.
             for _ in range(STEP_ROUNDS + 1):
                 if not (state.replan_pending or state.regions_changed):
                     break
-                model(*example_inputs, **example_kwargs)
+                model(*args, **kwargs)
         return state.plan
     finally:
         remove(model)

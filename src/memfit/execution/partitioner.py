@@ -23,13 +23,15 @@ from typing import Any
 
 import torch.fx as fx
 
+from memfit._compat import is_fake
 from memfit.analysis.backward_start import assumed_start, returns_loss, start_of
 from memfit.analysis.graph import BackwardStart, JointGraph, activation_device
-from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.analysis.op_scratch import measure_op_scratch, modelled_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.executors import INDUCTOR
+from memfit.execution.fake_target import planning_target
 from memfit.execution.inductor_fit import (
     SCHEDULE_TRIES,
     SYMBOLIC_BUDGET_WARNING,
@@ -157,6 +159,12 @@ class Partitioner:
     #: the real values of the joint graph's primals for the graph being captured
     primals: list[Any] | None = None
 
+    @property
+    def fake(self) -> bool:
+        """Whether the model is planned on fake tensors (``execution.fake_target``): its
+        parameters, buffers or inputs are fake, so nothing of it can run for real."""
+        return any(is_fake(p) for p in self.primals or ())
+
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -210,7 +218,7 @@ class Partitioner:
             graph_plan = by_size.planned
         self.on_plan(graph_plan)
         if fw is None or bw is None:
-            if self.offloader is not None:
+            if self.offloader is not None and not self.fake:  # a fake plan never runs a step
                 self.offloader.reserve(graph_plan)
             fw, bw = self.split(g, graph_plan)
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
@@ -231,7 +239,16 @@ class Partitioner:
         prepare_joint_graph(joint, inductor=executor == INDUCTOR)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.fused_elementwise = executor == INDUCTOR
-        jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=largest_value(jg) // 64)
+        min_bytes = largest_value(jg) // 64
+        if self.fake:
+            # A model planned on fake tensors has nothing real to run an op on: bytes as the
+            # target's allocator takes them, its ops' scratch modelled for it (NOTE [Op scratch
+            # on fake tensors]).
+            target = planning_target() or activation_device(jg)
+            jg.place_on(target)
+            jg.op_scratch = modelled_op_scratch(jg.nodes, min_bytes=min_bytes, device=target)
+        else:
+            jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=min_bytes)
         key = self.key
         outside: Callable[[int], int] | None = None
         if self.outside_bytes is not None:

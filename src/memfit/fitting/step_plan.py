@@ -68,7 +68,11 @@ def plan_step(
             "smaller configuration, on cpu) to plan it here"
         )
     where = device_type if meta else _device_type_of(model, args, kwargs)
-    cast = _autocast(where, autocast) if autocast is not None else contextlib.nullcontext()
+    cast: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if autocast is not None:
+        # A meta model is planned on CPU stand-ins of the target's tensors (memfit.execution.
+        # fake_target), so their ops dispatch through CPU autocast: cast there as the target would.
+        cast = _autocast("cpu" if meta else where, autocast)
     torch.compiler.reset()  # each size is a capture of its own; no recompile limit reached
     with cast:
         if meta:
