@@ -268,3 +268,51 @@ def test_an_sdpa_call_on_its_math_path_is_rewritten_and_trains(dropout: float) -
         ref_out, ref_grads, _ = _step(plain, (x,))
         assert _close(out, ref_out, 1e-5)
         _grads_close(grads, ref_grads, 1e-4)
+
+
+class _GroupedQuery(nn.Module):
+    """Grouped-query attention written as HF's ``repeat_kv`` writes it (8 query heads, 2
+    key/value heads), with a causal mask passed to SDPA: the form HF's decoders take under
+    Dynamo, where their padding mask cannot be skipped."""
+
+    def __init__(self, unsqueeze: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D // 4), nn.Linear(D, D // 4)
+        self.unsqueeze = unsqueeze
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, length, d = x.shape
+        wide = x.unsqueeze(2) if self.unsqueeze else x[:, :, None, :, :]
+        return wide.expand(b, h, 4, length, d).reshape(b, h * 4, length, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        q = self.q(x).view(b, length, 8, D // 8).transpose(1, 2)
+        k = self.k(x).view(b, length, 2, D // 8).transpose(1, 2)
+        v = self.v(x).view(b, length, 2, D // 8).transpose(1, 2)
+        mask = torch.ones(length, length, dtype=torch.bool).tril().expand(b, 1, length, length)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, self._repeat(k), self._repeat(v), attn_mask=mask
+        )
+        return out.transpose(1, 2).reshape(b, length, D)
+
+
+@pytest.mark.parametrize("unsqueeze", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_repeated_key_value_heads_reach_sdpa_unrepeated(unsqueeze: bool) -> None:
+    """SDPA on keys and values whose heads the model repeated gets them unrepeated with
+    ``enable_gqa=True`` (``capture.attention.gqa``): the same attention, and the step no longer
+    keeps the repeated copies for SDPA's backward."""
+    torch.manual_seed(0)
+    model = _GroupedQuery(unsqueeze)
+    plain = copy.deepcopy(model)
+    (x,) = _inputs(VARIANTS[0])
+    wrapped = memfit.checkpoint(model, "none")
+    out, grads, _ = _step(wrapped, (x,))
+    (site,) = wrapped.memfit.plan.attention
+    assert site.kernel == SDPA and "enable_gqa" in site.reason
+    ref_out, ref_grads, _ = _step(plain, (x,))
+    assert _close(out, ref_out, 1e-5)
+    _grads_close(grads, ref_grads, 1e-5)
+    off = memfit.checkpoint(copy.deepcopy(plain), "none", options=memfit.Options(attention="off"))
+    _step(off, (x,))
+    assert wrapped.memfit.plan.kept_bytes < off.memfit.plan.kept_bytes

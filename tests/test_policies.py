@@ -185,6 +185,44 @@ def test_none_peaks_as_eager_on_huggingface(name: str, attention: str) -> None:
     assert peak <= 1.02 * eager, f"{name}: none peaks at {peak / eager:.3f}x eager"
 
 
+@pytest.mark.slow
+def test_none_peaks_as_eager_on_a_rotary_llama_given_its_padding_mask() -> None:
+    """Given an all-ones ``attention_mask``, as a tokenizer returns it, HF's Llama in eager
+    passes ``is_causal=True`` and ``enable_gqa=True`` to SDPA and keeps no mask; under Dynamo the
+    mask is a traced tensor it cannot skip, so the captured graph builds a float mask per layer
+    and repeats the key/value heads, both kept for SDPA's backward. "none" still peaks no higher
+    than eager (the mask made again from the inputs in the backward, ``keep_rules.input_derived``;
+    the heads passed unrepeated, ``capture.attention.gqa``), equals its gradients and predicts
+    its own peak."""
+    pytest.importorskip("transformers")
+    from hf_models import tiny_hf
+    from memfit.bench.runner import Method, first_step
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (8, 64), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def measured(model: nn.Module) -> tuple[int, dict[str, torch.Tensor]]:
+        def step() -> None:
+            model(**batch).loss.backward()  # the output dropped before backward, as Trainer does
+
+        method = Method("step", model, step, record_failures=False)
+        first_step(method)
+        method.zero_grad()
+        peak = memfit.measure(step).peak_bytes
+        assert peak is not None
+        return peak, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    eager, eager_grads = measured(tiny_hf("llama", "sdpa").train())
+    wrapped = memfit.checkpoint(tiny_hf("llama", "sdpa").train(), "none")
+    peak, grads = measured(wrapped)
+    assert peak <= eager, f"none peaks at {peak / eager:.3f}x eager ({peak} > {eager} bytes)"
+    assert abs(wrapped.memfit.plan.predicted_peak_bytes - peak) <= 0.01 * peak
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], msg=name)
+
+
 class _SharedBiasStack(nn.Module):
     """Repeated blocks that all read one value computed before them (as T5's blocks read its
     position bias and a decoder's its encoder output): no small cut in the forward order."""

@@ -32,6 +32,7 @@ import re
 
 import torch.fx as fx
 
+from memfit._compat import is_sym_node
 from memfit.analysis.cost import is_compute_heavy
 from memfit.analysis.graph import JointGraph
 from memfit.analysis.simulate import simulate_step
@@ -44,6 +45,7 @@ __all__ = [
     "keep_heavy",
     "keep_marked",
     "keep_min_peak",
+    "input_derived",
 ]
 
 
@@ -63,8 +65,38 @@ def _candidates(jg: JointGraph) -> list[fx.Node]:
 
 
 def keep_all(jg: JointGraph) -> set[fx.Node]:
-    """Keep every forward value backward reads: the baseline without checkpointing."""
-    return jg.saved_needed(_candidates(jg))
+    """Keep every forward value backward reads: the baseline without checkpointing, less the
+    values made from the step's inputs alone (:func:`input_derived`), which the backward makes
+    again from those inputs."""
+    derived = input_derived(jg)
+    return jg.saved_needed([n for n in _candidates(jg) if n not in derived])
+
+
+def input_derived(jg: JointGraph) -> set[fx.Node]:
+    """Forward values computed by cheap ops from constants and the step's inputs that get no
+    gradient (not parameters or buffers): attention masks built from a padding mask, positions.
+
+    # NOTE [values made from the inputs alone]
+    Eager autograd often never makes them: HF's decoders skip an all-ones padding mask in eager
+    and pass ``is_causal=True`` to SDPA, but under Dynamo the mask is a traced tensor that cannot
+    be read, so the captured graph builds a (B, 1, L, L) mask and each layer's SDPA converts it
+    to a float mask it saves for its backward: 4 bytes x B x L² per layer that plain PyTorch never
+    holds (Llama, width 256, batch 8 x 128, two layers: 1 MiB). Made again in the backward from
+    the inputs, which the caller holds anyway, they cost a transient per layer instead; no
+    parameter, buffer or compute-heavy op is involved, so this adds no FLOPs that matter.
+    """
+    free = {
+        p
+        for i, (p, grad) in enumerate(zip(jg.primals, jg.grads_by_primal, strict=False))
+        if grad is None and i not in jg.static_inputs
+    }
+    derived: set[fx.Node] = set()
+    for n in jg.forward:
+        if n.op != "call_function" or jg.must_save(n) or is_compute_heavy(n):
+            continue
+        if all(a in free or a in derived or is_sym_node(a) for a in jg.inputs[n]):
+            derived.add(n)
+    return derived
 
 
 def keep_heavy(jg: JointGraph, *, small_fraction: float = 0.01) -> set[fx.Node]:

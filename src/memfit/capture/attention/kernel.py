@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memfit.capture.attention.gqa import repeated_heads
 from memfit.capture.attention.graph import (
     argument,
     erase_unused,
@@ -141,6 +142,37 @@ def rewrite_dot_product(gm: fx.GraphModule, m: Match) -> tuple[str, str]:
     return kernel, reason
 
 
+def _ungroup(
+    gm: fx.GraphModule, node: fx.Node, args: dict[str, Any], q: torch.Tensor, mask: Any
+) -> bool:
+    """Pass a fused SDPA call's keys and values unrepeated with ``enable_gqa=True`` where the
+    model repeated their heads for it (``gqa.repeated_heads``) and the fused kernel still runs;
+    whether it did."""
+    if args["enable_gqa"]:
+        return False
+    k_rep, v_rep = repeated_heads(args["key"]), repeated_heads(args["value"])
+    if k_rep is None or v_rep is None or k_rep[1] != v_rep[1] or k_rep[1] == 1:
+        return False
+    k, v = value_of(k_rep[0]), value_of(v_rep[0])
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    if why_not_fused_sdpa(q, k, v, mask, args["dropout_p"], args["is_causal"], True):
+        return False
+    chains = [[r, r.args[0], r.args[0].args[0]] for r in (args["key"], args["value"])]
+    node.args, node.kwargs = (
+        (),
+        {
+            **args,
+            "key": k_rep[0],
+            "value": v_rep[0],
+            "enable_gqa": True,
+        },
+    )
+    for chain in chains:
+        erase_unused(gm.graph, chain)
+    return True
+
+
 def rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = (None, None, None, None, 0.0, False, None, False)
@@ -158,6 +190,9 @@ def rewrite_sdpa_call(gm: fx.GraphModule, node: fx.Node) -> AttentionSite:
         q, k, v, mask, args["dropout_p"], args["is_causal"], args["enable_gqa"]
     )
     p = float(args["dropout_p"])
+    if why is None and _ungroup(gm, node, args, q, mask):
+        reason = "already SDPA's fused kernel; repeated key/value heads passed as enable_gqa"
+        return AttentionSite(location(node), SDPA, reason, shown(shape), p)
     if why is None:
         return AttentionSite(location(node), SDPA, "already SDPA's fused kernel", shown(shape), p)
     node.target = attention
