@@ -11,7 +11,7 @@ from memfit import nn
 from memfit.capture.mark import mark
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError
-from memfit.execution.options import Attention, Executor, OffloadTarget, Options
+from memfit.execution.options import Attention, Executor, LossHead, OffloadTarget, Options
 from memfit.execution.step import Step, step
 from memfit.measurement import Measurement, measure
 from memfit.planning.budget import Budget, BudgetError, parse_budget
@@ -23,6 +23,7 @@ __all__ = [
     "Options",
     "Executor",
     "Attention",
+    "LossHead",
     "OffloadTarget",
     "OffloadError",
     "checkpoint",
