@@ -104,10 +104,14 @@ def _fwd_op(
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         logits = _logits(h[start:stop], weight, bias, cdt)
-        part = torch.logsumexp(logits, dim=-1)
         t = target[start:stop]
         counted = t != ignore_index
         picked = logits.gather(1, t.masked_fill(~counted, 0).unsqueeze(1)).squeeze(1)
+        # logsumexp in place (torch.logsumexp would allocate a second block for its exp); a row
+        # whose maximum is infinite is shifted by 0, as torch.logsumexp does
+        row_max = logits.amax(dim=-1)
+        shift = row_max.masked_fill(row_max.isinf(), 0.0)
+        part = logits.sub_(shift.unsqueeze(1)).exp_().sum(-1).log_().add_(shift)
         del logits
         total.add_(torch.where(counted, part - picked, 0.0).sum())
         lse[start:stop] = part
