@@ -267,3 +267,31 @@ def test_returned_logits_are_computed_once_and_predicted(held: bool) -> None:
     ref_loss, ref_logits = plain(x, y)
     assert torch.equal(logits, ref_logits)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
+
+
+def test_the_inductor_executor_runs_the_rewritten_head() -> None:
+    """Inductor compiles around the kernel's custom ops (one extern call each way)."""
+    model = HeadModel("hf_shift")
+    batch = _batch()
+    ref = _step(model, *batch)
+    wrapped = memfit.checkpoint(copy.deepcopy(model), "memory", executor="inductor")
+    _assert_close(_step(wrapped, *batch), ref)
+    (site,) = wrapped.memfit.plan.loss_heads
+    assert site.fused
+
+
+@pytest.mark.slow
+def test_a_head_under_autocast_is_left_alone() -> None:
+    """Under autocast the linear's bf16 output is not its fp32 inputs' dtype: the kernel would
+    compute another loss (in fp32), so the head stays as written, and the step as plain's."""
+    model = HeadModel("cross_entropy")
+    batch = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _step(model, *batch)
+    wrapped = memfit.checkpoint(copy.deepcopy(model), "memory")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = _step(wrapped, *batch)
+    (site,) = wrapped.memfit.plan.loss_heads
+    assert not site.fused and "autocast" in site.reason
+    assert torch.equal(loss, ref[0])
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref[1], strict=True))

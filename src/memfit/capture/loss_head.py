@@ -199,6 +199,9 @@ def _match(loss: fx.Node) -> _Head:
         torch.float32, torch.float64, torch.bfloat16, torch.float16,
     ):  # fmt: skip
         raise _Skip("a linear of mixed or non-float dtypes (autocast)")
+    out = value_of(linear)
+    if not isinstance(out, torch.Tensor) or out.dtype != values[0].dtype:
+        raise _Skip("a linear under autocast (its output's dtype is not its inputs')")
     if values[1].dim() != 2 or not isinstance(values[1].shape[1], int):
         raise _Skip("a linear weight that is not 2-D, of a fixed width")
     return _Head(loss, erased, linear, chain[::-1], target, ignore, reduction, value.dtype)
