@@ -163,7 +163,8 @@ def test_an_encoder_decoder_trains_without_its_cache_as_under_hf_checkpointing()
     out = t5(input_ids=ids, labels=labels)
     assert out.past_key_values is None
     expected = plain(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(out.loss, expected, rtol=0, atol=0)
+    # the loss head runs memfit.nn.linear_cross_entropy: plain's loss to fp tolerance
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
     with torch.no_grad():
         assert t5(input_ids=ids, labels=labels).past_key_values is not None
     gpt2 = memfit.checkpoint(tiny_hf("gpt2"), "memory")

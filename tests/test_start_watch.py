@@ -20,6 +20,11 @@ from memfit.execution.start_watch import StartWatch
 #: the engine's small buffers): bytes
 SLACK = 64
 
+#: LossLM's head as written: its cross-entropy keeps and builds logits-sized values in the
+#: backward, which is what makes held logits matter here (with the loss-head kernel they add
+#: nothing to the backward's peak: tests/test_loss_head.py)
+AS_WRITTEN = memfit.Options(loss_head="off")
+
 
 class LossLM(nn.Module):
     """A causal-LM shape: returns its loss and its logits, as Hugging Face models given
@@ -56,7 +61,7 @@ def test_logits_the_loop_drops_are_predicted_gone(policy: str) -> None:
     """``model(x, y)[0].backward()``, as ``Trainer`` runs it: the logits are gone before the
     backward and get no gradient, as memfit assumes of a model returning a scalar loss."""
     x, y = _batch()
-    model = memfit.checkpoint(LossLM(), policy)
+    model = memfit.checkpoint(LossLM(), policy, options=AS_WRITTEN)
 
     def step() -> None:
         model(x, y)[0].backward()
@@ -73,7 +78,7 @@ def test_logits_held_through_the_backward_are_planned_again(policy: str) -> None
     """``loss, logits = model(x, y)``: the logits live through the backward, which the plan
     assumed they would not; memfit plans again, and the step's peak is then predicted."""
     x, y = _batch()
-    model = memfit.checkpoint(LossLM(), policy)
+    model = memfit.checkpoint(LossLM(), policy, options=AS_WRITTEN)
 
     def step() -> None:
         loss, logits = model(x, y)
@@ -123,7 +128,7 @@ def test_gradients_stay_plain_pytorchs_under_either_loop() -> None:
     reference = LossLM()
     reference(x, y)[0].backward()
     for held in (False, True):
-        model = memfit.checkpoint(LossLM(), "memory")
+        model = memfit.checkpoint(LossLM(), "memory", options=AS_WRITTEN)
         for _ in range(3):  # the third step runs the plan made again
             model.zero_grad(set_to_none=True)
             out = model(x, y)

@@ -14,7 +14,7 @@ from memfit.capture.mark import mark
 from memfit.execution.largest_batch import BatchProbe, LargestBatch, largest_batch
 from memfit.execution.module import CheckpointedModule, Checkpointing, checkpoint, plan, remove
 from memfit.execution.offload import OffloadError
-from memfit.execution.options import Attention, Executor, OffloadTarget, Options
+from memfit.execution.options import Attention, Executor, LossHead, OffloadTarget, Options
 from memfit.execution.step import Step, step
 from memfit.fitting import FitReport, fit
 from memfit.measurement import Measurement, measure
@@ -27,6 +27,7 @@ __all__ = [
     "Options",
     "Executor",
     "Attention",
+    "LossHead",
     "OffloadTarget",
     "OffloadError",
     "checkpoint",

@@ -68,13 +68,17 @@ def _packet(node: fx.Node) -> Any:
 
 
 def _is_memfit_attention(node: fx.Node) -> bool:
-    """memfit's own attention kernels (``memfit.nn``): custom ops in the ``memfit`` namespace.
+    """memfit's own attention and loss-head kernels (``memfit.nn``): custom ops in the
+    ``memfit`` namespace.
 
     Their FLOP formulas are registered with ``torch.utils.flop_counter`` where they are defined,
     so ``node_flops`` prices them like SDPA; they are heavy for the same reason SDPA is.
     """
     target = node.target
-    return getattr(target, "namespace", None) == "memfit" and "attention" in str(target)
+    name = str(target)
+    return getattr(target, "namespace", None) == "memfit" and (
+        "attention" in name or "linear_cross_entropy" in name
+    )
 
 
 def is_compute_heavy(node: fx.Node) -> bool:

@@ -26,6 +26,7 @@ from memfit._compat import aot_autograd
 from memfit.analysis.graph import BackwardStart
 from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
+from memfit.capture.loss_head import LossHead, replace_loss_heads
 from memfit.execution.chain import chains
 from memfit.execution.executors import (
     EAGER,
@@ -87,6 +88,7 @@ def make_backend(
     backward_start: Callable[[str], BackwardStart | None] | None = None,
     on_backward_start: Callable[[str, BackwardStart, bool], None] | None = None,
     chain_mode: Callable[[], tuple[bool, int | None] | None] | None = None,
+    loss_head: str = "auto",
 ) -> Callable[..., Any]:
     """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
 
@@ -123,9 +125,12 @@ def make_backend(
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
-    graph's plan. A policy that offloads needs an ``offloader``.
+    graph's plan. With ``loss_head="auto"`` every ``cross_entropy(linear(h))`` is rewritten to
+    a kernel that never builds the logits for the loss (``capture.loss_head``), reported
+    likewise. A policy that offloads needs an ``offloader``.
     """
     Attention.parse(attention, "attention", "memfit.Attention")
+    LossHead.parse(loss_head, "loss_head", "memfit.LossHead")
     check_executor(executor)
     if policy.offload and offloader is None:
         offloader = Offloader(OffloadOptions())
@@ -200,6 +205,7 @@ def make_backend(
         if on_compile is not None:
             on_compile()
         partition.sites.clear()
+        partition.loss_heads.clear()
         partition.key = graph_key(gm, example_inputs)
         # AOTAutograd's primals: the module's parameters and buffers, then Dynamo's inputs
         # (aot_module_simplified, checked 2.13.0); real values, which the Inductor executor runs
@@ -212,6 +218,8 @@ def make_backend(
         remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
         if attention == "auto":
             partition.sites.extend(replace_attention(gm))
+        if loss_head == "auto":
+            partition.loss_heads.extend(replace_loss_heads(gm))
         return compile_joint(gm, example_inputs)
 
     return backend

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memfit.capture.attention import Attention
+from memfit.capture.loss_head import LossHead
 from memfit.execution.executors import Executor
 from memfit.execution.offload.options import OffloadOptions, OffloadTarget
 from memfit.planning.budget import Budget
@@ -27,6 +28,7 @@ from memfit.planning.policy import Policy, parse_policy
 __all__ = [
     "Attention",
     "Executor",
+    "LossHead",
     "OffloadTarget",
     "Options",
     "PolicyLike",
@@ -56,6 +58,12 @@ class Options(OffloadOptions):
     #: (outputs then equal plain PyTorch's to floating-point tolerance; ``plan.attention`` lists
     #: each site and its kernel). ``"off"``: leave attention as written.
     attention: Attention | str = Attention.AUTO
+    #: ``"auto"``: rewrite a language model's loss head, ``cross_entropy(linear(h))``, to a
+    #: kernel that computes the logits in chunks of tokens and keeps none of them for backward
+    #: (loss and gradients equal plain PyTorch's to floating-point tolerance; logits the model
+    #: returns are still returned; ``plan.loss_heads`` lists each head found). ``"off"``: leave
+    #: it as written.
+    loss_head: LossHead | str = LossHead.AUTO
     #: With a budget under ``executor="inductor"``: time the budget's plan against ``"speed"``'s
     #: on the first step and keep the faster (one more compile, some 60 more steps on the first
     #: call), like ``torch.compile``'s ``mode="max-autotune"``.
@@ -72,6 +80,7 @@ class Options(OffloadOptions):
         super().__post_init__()  # the offload fields, checked now, before any step runs
         set_ = object.__setattr__
         set_(self, "attention", Attention.parse(self.attention, "attention", "memfit.Attention"))
+        set_(self, "loss_head", LossHead.parse(self.loss_head, "loss_head", "memfit.LossHead"))
         for name in ("autotune", "measure_outside"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} is True or False, got {getattr(self, name)!r}")

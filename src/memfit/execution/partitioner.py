@@ -29,6 +29,7 @@ from memfit.analysis.graph import BackwardStart, JointGraph, activation_device
 from memfit.analysis.op_scratch import measure_op_scratch, modelled_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
+from memfit.capture.loss_head import LossHeadSite
 from memfit.capture.passes import prepare_joint_graph
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.fake_target import planning_target
@@ -156,6 +157,8 @@ class Partitioner:
     key: str = ""
     #: the attention sites rewritten in it, reported on its plan
     sites: list[AttentionSite] = dataclasses.field(default_factory=list)
+    #: the loss heads found in it (rewritten or not), reported on its plan
+    loss_heads: list[LossHeadSite] = dataclasses.field(default_factory=list)
     #: the real values of the joint graph's primals for the graph being captured
     primals: list[Any] | None = None
 
@@ -318,7 +321,9 @@ class Partitioner:
                 budget_bytes=g.refused,
                 frontier=(),
             )
-        return dataclasses.replace(graph_plan, attention=tuple(self.sites), key=g.key)
+        return dataclasses.replace(
+            graph_plan, attention=tuple(self.sites), loss_heads=tuple(self.loss_heads), key=g.key
+        )
 
     def refuse(self, g: _Partition, budget_bytes: int) -> GraphPlan:
         """A budget refused (by the simulation, or by every plan compiled from it down):
@@ -326,7 +331,12 @@ class Partitioner:
         g.refused = budget_bytes
         least = plan_graph(g.jg, Policy("memory"), cache=g.frontier)
         return dataclasses.replace(
-            least, policy=BUDGET, budget_bytes=budget_bytes, attention=tuple(self.sites), key=g.key
+            least,
+            policy=BUDGET,
+            budget_bytes=budget_bytes,
+            attention=tuple(self.sites),
+            loss_heads=tuple(self.loss_heads),
+            key=g.key,
         )
 
     def split(self, g: _Partition, graph_plan: GraphPlan) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -349,6 +359,7 @@ class Partitioner:
             budget_bytes=budget_plan.budget_bytes,
             frontier=budget_plan.frontier,
             attention=tuple(self.sites),
+            loss_heads=tuple(self.loss_heads),
             key=g.key,
         )
 

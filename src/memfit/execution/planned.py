@@ -179,6 +179,7 @@ class PlannedCall:
         self.offloader = Offloader(options) if policy.offload else None
         self._target = target
         self._attention = str(options.attention)
+        self._loss_head = str(options.loss_head)
         self._shapes: set[tuple[str, ...]] = set()  # what each capturing call planned
         self._keys: set[str] = set()  # every graph (and size range) planned
         self._made: list[GraphPlan] = []  # plans made during the current call
@@ -231,6 +232,7 @@ class PlannedCall:
             on_budget_miss=self._budget_missed,
             executor=self.executor,
             chain_mode=lambda: self.chain.mode(self._chains()),
+            loss_head=self._loss_head,
             **reports,
         )
         if self.regions is not None:
@@ -245,6 +247,7 @@ class PlannedCall:
                     self._attention,
                     None,
                     executor=self.executor,
+                    loss_head=self._loss_head,
                     **reports,
                 )
             )

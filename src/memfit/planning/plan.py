@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.capture.attention import AttentionSite
+from memfit.capture.loss_head import LossHeadSite
 from memfit.planning.chain import ChainSummary
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
@@ -103,6 +104,9 @@ class GraphPlan:
     frontier: tuple[FrontierPoint, ...] = ()
     #: Every attention the capture pass found in this graph, and the kernel it now runs.
     attention: tuple[AttentionSite, ...] = ()
+    #: Every loss head (``cross_entropy(linear(h))``) the capture pass found in this graph, and
+    #: whether it now runs memfit's chunked kernel.
+    loss_heads: tuple[LossHeadSite, ...] = ()
     #: the values decided ``OFFLOAD`` and where the executor moves them, in issue order
     transfers: tuple[TransferPlan, ...] = ()
     #: ``"host"`` or ``"disk"`` when anything is offloaded
@@ -280,6 +284,11 @@ class Plan:
     def attention(self) -> tuple[AttentionSite, ...]:
         """Every attention found (module and line), the kernel chosen, or why it was left alone."""
         return tuple(site for g in self.graphs for site in g.attention)
+
+    @property
+    def loss_heads(self) -> tuple[LossHeadSite, ...]:
+        """Every loss head found (module and line), rewritten or why it was left alone."""
+        return tuple(site for g in self.graphs for site in g.loss_heads)
 
     @property
     def kept_bytes(self) -> int:

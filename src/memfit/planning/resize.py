@@ -172,6 +172,7 @@ def plan_at(
         kept=plan.kept,
         recomputed=plan.recomputed,
         attention=plan.attention,
+        loss_heads=plan.loss_heads,
         key=plan.key,
         sizes=sizes.key,
         planned_sizes=plan.planned_sizes,
