@@ -31,7 +31,7 @@ from memfit.analysis.backward_start import (
     start_of,
 )
 from memfit.analysis.graph import JointGraph, node_tensors
-from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.analysis.op_scratch import measure_op_memory
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
 from memfit.capture.passes import prepare_joint_graph
@@ -233,7 +233,9 @@ class Partitioner:
         prepare_joint_graph(joint, inductor=executor == INDUCTOR)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.fused_elementwise = executor == INDUCTOR
-        jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=largest_value(jg) // 64)
+        ops = measure_op_memory(jg.nodes, min_bytes=largest_value(jg) // 64)
+        jg.op_scratch = ops.scratch
+        jg.hold_outputs(ops.outputs)
         key = self.key
         outside: Callable[[int], int] | None = None
         if self.outside_bytes is not None:
