@@ -14,7 +14,7 @@ directory for every process, so every Inductor configuration really compiles), `
 times, and the median is reported. A child times one training step from the first call to the
 end of ``backward()`` and, for memfit, each phase by wrapping the functions that do it:
 
-* ``op_scratch``: ``measure_op_scratch`` (running each distinct op signature once);
+* ``op_scratch``: ``measure_op_memory`` (running each distinct op signature once);
 * ``plan``: ``plan_graph`` (all of planning), of which ``frontier`` (``pareto_frontier``: the
   plans at every budget of the grid, each simulated) and ``simulate`` (the other simulations:
   the baseline and the chosen plan);
@@ -138,7 +138,7 @@ def child(model_name: str, config: str) -> dict[str, Any]:
 
         setattr(module, attr, wrapper)
 
-    timed(partitioner, "measure_op_scratch", "op_scratch")
+    timed(partitioner, "measure_op_memory", "op_scratch")
     timed(partitioner, "plan_graph", "plan")
     timed(planner, "pareto_frontier", "frontier")
     timed(planner, "simulate_step", "simulate")

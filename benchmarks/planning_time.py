@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from memfit.analysis.graph import JointGraph  # noqa: E402
-from memfit.analysis.op_scratch import measure_op_scratch  # noqa: E402
+from memfit.analysis.op_scratch import measure_op_memory  # noqa: E402
 from memfit.bench.graphs import joint_graphs  # noqa: E402
 from memfit.planning.frontier import choose, pareto_frontier  # noqa: E402
 
@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         capture_s = time.perf_counter() - t
         min_bytes = max(jg.storage_bytes.values()) // 64
         workspace_s, workspace = _median_time(
-            lambda jg=jg, min_bytes=min_bytes: measure_op_scratch(jg.nodes, min_bytes=min_bytes), 1
+            lambda jg=jg, min_bytes=min_bytes: measure_op_memory(jg.nodes, min_bytes=min_bytes), 1
         )
-        jg.op_scratch = workspace
+        jg.op_scratch = workspace.scratch
+        jg.hold_outputs(workspace.outputs)
 
         def plan(jg: JointGraph = jg) -> Any:
             points = pareto_frontier(jg)

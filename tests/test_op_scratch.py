@@ -17,7 +17,7 @@ from conftest import CUDA
 from measuring import FLOATS_PER_MB, MB
 from memfit._compat import cpu_memory_device_types, profiler_events
 from memfit.analysis import op_scratch
-from memfit.analysis.op_scratch import measure_op_scratch
+from memfit.analysis.op_scratch import measure_op_memory
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import case
 
@@ -31,7 +31,7 @@ def _conv_graph():
 def test_convolution_scratch_is_measured_and_rng_untouched() -> None:
     jg = _conv_graph()
     state = torch.get_rng_state()
-    scratch = measure_op_scratch(jg.nodes)
+    scratch = measure_op_memory(jg.nodes).scratch
     assert torch.equal(torch.get_rng_state(), state)
     assert all(v > 0 for v in scratch.values())
     assert not any(n.target is torch.ops.aten.native_dropout.default for n in scratch)
@@ -55,7 +55,7 @@ def test_attention_kernels_are_measured_unless_they_draw_dropout(monkeypatch, dr
 
     monkeypatch.setattr(op_scratch, "_scratch_of_calls", spy)
     state = torch.get_rng_state()
-    measure_op_scratch(jg.nodes)
+    measure_op_memory(jg.nodes)
     assert torch.equal(torch.get_rng_state(), state)
     attention = [op for op in ran if "scaled_dot_product" in op]
     if dropout_p:
@@ -75,7 +75,7 @@ def test_a_graph_with_symbolic_sizes_is_measured_at_its_hints() -> None:
     assert dynamic.symbols
 
     def by_op(jg) -> list[tuple[str, int]]:
-        return sorted((str(n.target), v) for n, v in measure_op_scratch(jg.nodes).items())
+        return sorted((str(n.target), v) for n, v in measure_op_memory(jg.nodes).scratch.items())
 
     measured = by_op(dynamic)
     assert measured and measured == by_op(static)
@@ -95,7 +95,7 @@ def test_inputs_are_materialised_one_op_at_a_time(monkeypatch) -> None:
         return t
 
     monkeypatch.setattr(op_scratch, "_materialize", watched)
-    assert measure_op_scratch(jg.nodes)
+    assert measure_op_memory(jg.nodes).scratch
 
     def input_bytes(node):
         return sum(
@@ -140,11 +140,11 @@ def _spy_on_subprocess(monkeypatch) -> list[int]:
 @pytest.mark.slow
 def test_inside_a_user_profiler_scratch_is_measured_in_another_process_alike(monkeypatch) -> None:
     jg = _conv_graph()
-    here = measure_op_scratch(jg.nodes)
+    here = measure_op_memory(jg.nodes).scratch
     sizes = _spy_on_subprocess(monkeypatch)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         kept = torch.empty(FLOATS_PER_MB)
-        there = measure_op_scratch(jg.nodes)
+        there = measure_op_memory(jg.nodes).scratch
     assert sizes == [3] and there == here
     assert _memory_peak(prof) == (MB, MB)  # the user's session saw its own tensor, and only it
     del kept
@@ -155,7 +155,7 @@ def test_a_failed_worker_warns_and_leaves_scratch_out(monkeypatch) -> None:
     jg = _conv_graph()
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]):
         with pytest.warns(RuntimeWarning, match="exit status 1: worker broke"):
-            assert measure_op_scratch(jg.nodes) == {}
+            assert measure_op_memory(jg.nodes).scratch == {}
 
 
 def _conv_net() -> tuple[nn.Module, torch.Tensor]:
@@ -226,12 +226,12 @@ def test_user_profiler_around_a_first_call_records_the_step(monkeypatch) -> None
 def test_cuda_scratch_nests_inside_measure() -> None:
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1)).cuda()
     (jg,) = joint_graphs(model, torch.randn(4, 8, 32, 32, device="cuda"))
-    alone = measure_op_scratch(jg.nodes)
+    alone = measure_op_memory(jg.nodes).scratch
 
     def outer():
         held = torch.empty(4 * FLOATS_PER_MB, device="cuda")
         del held  # the outer's peak so far: 4 MB, which the inner resets must not erase
-        return measure_op_scratch(jg.nodes)
+        return measure_op_memory(jg.nodes).scratch
 
     m = memfit.measure(outer, device="cuda")
     assert m.result == alone
@@ -304,7 +304,7 @@ def test_modelled_scratch_equals_the_measured_scratch_of_every_ruled_cpu_op(mode
     torch.manual_seed(0)
     (jg,) = joint_graphs(model(), torch.randn(*x))
     modelled = op_scratch.modelled_op_scratch(jg.nodes)
-    measured = measure_op_scratch(jg.nodes)
+    measured = measure_op_memory(jg.nodes).scratch
     ruled = [n for n in jg.nodes if str(n.target) in op_scratch.SCRATCH_RULES["cpu"]]
     assert ruled
     assert {n.name: modelled.get(n, 0) for n in ruled} == {
@@ -319,3 +319,49 @@ def test_modelled_scratch_for_cuda_is_zero_and_keeps_the_measured_ops_filter() -
     assert op_scratch.modelled_op_scratch(jg.nodes, device=torch.device("cuda")) == {}
     big = max(jg.storage_bytes.values())
     assert op_scratch.modelled_op_scratch(jg.nodes, min_bytes=big + 1) == {}
+
+
+class _Losses(nn.Module):
+    """A linear layer and six losses of its output, each returned: one graph for all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, y, index, probability):
+        o = self.linear(x)
+        F = nn.functional
+        return (
+            F.mse_loss(o, y),
+            F.smooth_l1_loss(o, y),
+            F.l1_loss(o, y),
+            F.cross_entropy(o, index),
+            F.nll_loss(o, index),
+            F.binary_cross_entropy_with_logits(o, probability),
+        )
+
+
+def test_outputs_are_counted_at_the_size_the_real_op_returns() -> None:
+    """A 0-dim loss whose op reduced in place keeps its unreduced buffer (CPU ``mse_loss``,
+    ``smooth_l1_loss``: 32x16 floats, fake tensors say 4 bytes); running the op shows it and the
+    graph then counts each loss's storage at what plain PyTorch's loss holds."""
+    inputs = (
+        torch.randn(32, 16),
+        torch.randn(32, 16),
+        torch.randint(0, 16, (32,)),
+        torch.rand(32, 16),
+    )
+    plain = [loss.untyped_storage().nbytes() for loss in _Losses()(*inputs)]
+    assert max(plain) == 32 * 16 * 4  # torch still reduces some in place: the case is real
+    (jg,) = joint_graphs(_Losses(), *inputs)
+    measured = measure_op_memory(jg.nodes)
+    jg.hold_outputs(measured.outputs)
+    counted = [jg.bytes_of([out]) for out in jg.fwd_outputs[: len(plain)]]
+    assert counted == plain
+    # while it runs the op holds its scratch on top of its output's real size, not more
+    mse = next(n for n in jg.nodes if n.target is torch.ops.aten.mse_loss.default)
+    a, b = torch.randn(32, 16), torch.randn(32, 16)
+    running = memfit.measure(lambda: torch.ops.aten.mse_loss.default(a, b, 1)).peak_bytes
+    assert measured.outputs[mse] == (32 * 16 * 4,)
+    assert measured.scratch[mse] + 32 * 16 * 4 == running

@@ -232,6 +232,9 @@ class JointGraph:
     storage_sizes: dict[Any, Any] = field(init=False)
     #: the device each storage lives on (its allocator rounds sizes: :func:`allocated_bytes`)
     storage_devices: dict[Any, torch.device] = field(init=False)
+    #: bytes a storage really holds beyond its fake size, at the hints, with the node that makes
+    #: it (``hold_outputs``: a CPU ``mse_loss``'s 0-dim loss keeps its unreduced buffer)
+    storage_surplus: dict[Any, tuple[fx.Node, int]] = field(init=False)
     #: the shape symbols the graph's sizes depend on (empty: static shapes)
     symbols: frozenset[Any] = field(init=False)
     #: the values ``storage_bytes`` and ``op_scratch`` are read at
@@ -306,6 +309,7 @@ class JointGraph:
                 keys.append(key)
             self.storages[n] = keys
         self._storage_ids = ids
+        self.storage_surplus = {}
         self.sizes = HINTS
         self.storage_bytes = self._bytes_at(HINTS)
         symbols: set[Any] = set()
@@ -338,12 +342,28 @@ class JointGraph:
         other.op_scratch = op_scratch if op_scratch is not None else self.scale_scratch(sizes)
         return other
 
+    def hold_outputs(self, outputs: dict[fx.Node, tuple[int, ...]]) -> None:
+        """Count each storage ``outputs`` names at its real size: the bytes of each output
+        tensor's storage (in ``node_tensors`` order) that running the node's op returned, where
+        that is more than its fake tensor says (``analysis.op_scratch``'s NOTE [Outputs larger
+        than their shape]). Storages of primals are not the graph's to count."""
+        for n, real in outputs.items():
+            for key, nbytes in zip(self.storages.get(n, ()), real):
+                surplus = nbytes - HINTS(self.storage_sizes[key])
+                if surplus > 0 and key not in self.primal_keys:
+                    self.storage_surplus[key] = (n, surplus)
+        self.storage_bytes = self._bytes_at(self.sizes)
+
     def _bytes_at(self, sizes: Sizes) -> dict[Any, int]:
         """Each storage's bytes at ``sizes``, as its device's allocator takes them."""
         return {
-            k: allocated_bytes(sizes(v), self.storage_devices[k])
+            k: allocated_bytes(sizes(v) + self._surplus_at(k, sizes), self.storage_devices[k])
             for k, v in self.storage_sizes.items()
         }
+
+    def _surplus_at(self, key: Any, sizes: Sizes) -> int:
+        made = self.storage_surplus.get(key)
+        return 0 if made is None else self._scaled(made[0], made[1], sizes)
 
     def scale_scratch(self, sizes: Sizes) -> dict[fx.Node, int]:
         """The measured op scratch (at the hints) scaled to ``sizes`` by the bytes each op reads
@@ -351,13 +371,17 @@ class JointGraph:
         convolutions and matrix products do. Exact where shapes are static."""
         if not self.symbols or sizes is self.sizes:
             return self.op_scratch
-        out = {}
-        for n, nbytes in self.op_scratch.items():
-            touched = [k for m in (n, *self.inputs[n]) for k in self.storages.get(m, ())]
-            at_hint = sum(HINTS(self.storage_sizes[k]) for k in touched)
-            there = sum(sizes(self.storage_sizes[k]) for k in touched)
-            out[n] = round(nbytes * there / at_hint) if at_hint else nbytes
-        return out
+        return {n: self._scaled(n, nbytes, sizes) for n, nbytes in self.op_scratch.items()}
+
+    def _scaled(self, node: fx.Node, nbytes: int, sizes: Sizes) -> int:
+        """``nbytes`` measured on ``node`` at the hints, scaled to ``sizes`` by the bytes the
+        node reads and writes (its fake sizes)."""
+        if not self.symbols or sizes is HINTS:
+            return nbytes
+        touched = [k for m in (node, *self.inputs[node]) for k in self.storages.get(m, ())]
+        at_hint = sum(HINTS(self.storage_sizes[k]) for k in touched)
+        there = sum(sizes(self.storage_sizes[k]) for k in touched)
+        return round(nbytes * there / at_hint) if at_hint else nbytes
 
     # ---- facts about single nodes -------------------------------------------------------------
 

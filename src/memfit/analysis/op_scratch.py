@@ -5,7 +5,9 @@ convolution allocates a second output-sized buffer in forward, its backward abou
 input, a transposed convolution three times its output; on CUDA, cuDNN picks workspaces at run
 time. A simulator that counted outputs alone mispredicted a U-Net's peak by 40%, and a planner
 that cannot see scratch memory happily recomputes a convolution at the very moment of the peak.
-No table of op costs stays true across libraries and devices, so memfit measures.
+No table of op costs stays true across libraries and devices, so memfit measures. Running the
+op also shows the real size of each output's storage, which for a few ops (CPU losses that
+reduce in place) is larger than its shape: see NOTE [Outputs larger than their shape].
 
 Each distinct signature (op, shapes, strides, dtypes, constant arguments) runs once (twice on
 CUDA, measured on the second: see ``_scratch_on_cuda``), on fresh
@@ -26,7 +28,8 @@ Where it runs
     is unsafe (see the NOTE in ``memfit/measurement/cpu.py``), so the ops run in a fresh Python
     process instead (``python -c`` importing this module; about 4 s, mostly importing torch and
     memfit). It receives each op's name, tensor specs and constant arguments, runs the same code
-    with the same private generator, and sends back scratch bytes, so the numbers are the same.
+    with the same private generator, and sends back scratch and output storage bytes, so the
+    numbers are the same.
     The enclosing session then sees only the step itself, which is the truth of this process.
 
 Symbolic sizes
@@ -63,7 +66,7 @@ from memfit.analysis.graph import allocated_bytes, is_random, is_view_op, node_t
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 
-__all__ = ["measure_op_scratch", "modelled_op_scratch", "SCRATCH_RULES"]
+__all__ = ["OpMemory", "measure_op_memory", "modelled_op_scratch", "SCRATCH_RULES"]
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,36 @@ class _OpCall:
     kwargs: dict[str, Any]
 
 
-def measure_op_scratch(
+@dataclass(frozen=True)
+class OpMemory:
+    """What running each op showed about its memory."""
+
+    #: bytes each node allocates while running beyond its outputs (nodes with 0 are left out)
+    scratch: dict[fx.Node, int]
+    #: the bytes of each output storage the real op returned, per output tensor in the order of
+    #: ``node_tensors``, for the nodes where one is larger than its fake tensor says: the storage
+    #: stays that large for as long as the output lives (see NOTE [Outputs larger than their
+    #: shape]); ``JointGraph.hold_outputs`` counts them
+    outputs: dict[fx.Node, tuple[int, ...]]
+
+
+# NOTE [Outputs larger than their shape]
+# Some ATen ops return a tensor whose storage is larger than its shape needs, and fake tensors
+# cannot tell. On CPU (torch 2.13) ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` and
+# ``binary_cross_entropy`` compute the unreduced loss into their output and reduce it in place,
+# so the 0-dim loss keeps the whole input-sized buffer: a 512x256 MSE's loss holds 524,288 bytes,
+# its fake tensor 4. The loss lives until the caller drops it, after the backward, so a step that
+# returned it measured one activation above its prediction (+5.9% on an 8-layer MLP) while the
+# same loss written as ``(o - y).pow(2).mean()`` was exact. Counting that buffer as the op's
+# scratch would free it too early; what is true is the storage's real size, which measuring the
+# op already sees.
+
+
+def measure_op_memory(
     nodes: Iterable[fx.Node], *, min_bytes: int = 0, device: torch.device | None = None
-) -> dict[fx.Node, int]:
-    """Bytes each node allocates while running beyond its outputs (nodes with 0 are left out).
+) -> OpMemory:
+    """Each node's scratch bytes and, where they are larger than its fake tensors say, the real
+    bytes of its output storages, from running one op per signature.
 
     Args:
         nodes: nodes of a traced graph whose values carry fake tensors (``meta["val"]``).
@@ -103,21 +132,29 @@ def measure_op_scratch(
             continue
         candidates.setdefault(_signature(n), []).append(n)
     if not candidates:
-        return {}
+        return OpMemory({}, {})
     first = next(iter(candidates.values()))[0]
     dev = device or node_tensors(first)[0].device
     calls = [_op_call(group[0]) for group in candidates.values()]
     if dev.type == "cpu" and cpu_recording_blocked() is not None:
-        scratch = _scratch_in_subprocess(calls)
+        measured = _scratch_in_subprocess(calls)
     else:
         with disable_current_modes(), torch.no_grad():
-            scratch = _scratch_of_calls(calls, dev)
-    out: dict[fx.Node, int] = {}
-    for group, nbytes in zip(candidates.values(), scratch):
-        if nbytes:
-            for n in group:
-                out[n] = nbytes
-    return out
+            measured = _scratch_of_calls(calls, dev)
+    scratch: dict[fx.Node, int] = {}
+    outputs: dict[fx.Node, tuple[int, ...]] = {}
+    for group, result in zip(candidates.values(), measured):
+        if result is None:
+            continue
+        nbytes, real = result
+        fake = tuple(_nbytes_hint_storage(t) for t in node_tensors(group[0]))
+        larger = len(real) == len(fake) and any(r > f for r, f in zip(real, fake))
+        for n in group:
+            if nbytes:
+                scratch[n] = nbytes
+            if larger:
+                outputs[n] = real
+    return OpMemory(scratch, outputs)
 
 
 # NOTE [Op scratch on fake tensors]
@@ -238,7 +275,7 @@ SCRATCH_RULES: dict[str, dict[str, Any]] = {
 def modelled_op_scratch(
     nodes: Iterable[fx.Node], *, min_bytes: int = 0, device: torch.device | None = None
 ) -> dict[fx.Node, int]:
-    """``measure_op_scratch``'s answer from ``SCRATCH_RULES`` instead of running the ops: for a
+    """``measure_op_memory``'s scratch from ``SCRATCH_RULES`` instead of running the ops: for a
     graph traced on fake tensors of a model that has no real ones (NOTE [Op scratch on fake
     tensors]). The same ops are considered as there (``min_bytes`` included), so an op the
     measurement would skip has no scratch here either."""
@@ -259,6 +296,14 @@ def modelled_op_scratch(
 
 def _nbytes_hint(t: torch.Tensor) -> int:
     return size_hint(t.numel()) * t.element_size()
+
+
+def _nbytes_hint_storage(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s fake storage at the hints (a view's whole base, as a real one)."""
+    try:
+        return size_hint(t.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return _nbytes_hint(t)
 
 
 def _hints(values: Any) -> tuple[int, ...]:
@@ -314,8 +359,13 @@ def _materialize(spec: _TensorSpec, device: torch.device, gen: torch.Generator) 
     return base.as_strided(spec.shape, spec.stride)
 
 
-def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[int | None]:
-    """Scratch bytes of each call, run one at a time; None where it could not run.
+#: what running one op measured: its scratch bytes, and the bytes of each output tensor's storage
+Measured = tuple[int, tuple[int, ...]]
+
+
+def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[Measured | None]:
+    """Scratch bytes and output storage bytes of each call, run one at a time; None where it
+    could not run.
 
     On CPU all calls share one recording, each op's scratch read from its own time window:
     a profiler session per op would cost a session start each (and kineto logs every one).
@@ -324,7 +374,7 @@ def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[int | Non
     if dev.type == "cuda":
         return [_scratch_on_cuda(call, dev, gen) for call in calls]
     windows: list[tuple[int, int] | None] = []
-    outputs: list[int] = []
+    outputs: list[tuple[int, ...]] = []
     with CpuRecording() as recording:
         for call in calls:
             prepared = _prepare(call, dev, gen)
@@ -338,11 +388,18 @@ def _scratch_of_calls(calls: list[_OpCall], dev: torch.device) -> list[int | Non
                 windows.append(None)
                 continue
             windows.append((start, end))
-            outputs.append(_nbytes(result))
+            outputs.append(_output_storages(result))
             del prepared, result
     peaks = iter(recording.window_peaks([w for w in windows if w is not None]))
-    out_bytes = iter(outputs)
-    return [None if w is None else max(0, next(peaks) - next(out_bytes)) for w in windows]
+    out_sizes = iter(outputs)
+    measured: list[Measured | None] = []
+    for w in windows:
+        if w is None:
+            measured.append(None)
+            continue
+        sizes = next(out_sizes)
+        measured.append((max(0, next(peaks) - _held(sizes, dev)), sizes))
+    return measured
 
 
 _FAILED = object()
@@ -360,7 +417,7 @@ def _prepare(call: _OpCall, dev: torch.device, gen: torch.Generator) -> tuple[An
         return None  # not materializable (exotic dtype or layout): counted as no scratch
 
 
-def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> int | None:
+def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> Measured | None:
     """The op's scratch on its second call: a first call may allocate what the process then keeps
     for good (the first matmul, cuBLAS's workspace: 32 MiB on an H200), which the step pays once,
     not on every call; counted as scratch it put 32 MiB in a 4 KiB MLP's first plan and none in
@@ -377,14 +434,21 @@ def _scratch_on_cuda(call: _OpCall, dev: torch.device, gen: torch.Generator) -> 
         result = _run(*prepared)
     if result is _FAILED:
         return None
-    return max(0, cuda.peak_bytes - _nbytes(result))
+    sizes = _output_storages(result)
+    return max(0, cuda.peak_bytes - _held(sizes, dev)), sizes
 
 
-def _nbytes(result: Any) -> int:
+def _output_storages(result: Any) -> tuple[int, ...]:
+    """The bytes of each output tensor's storage (its whole storage: see NOTE [Outputs larger
+    than their shape])."""
+    outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    return tuple(t.untyped_storage().nbytes() for t in outputs)
+
+
+def _held(sizes: tuple[int, ...], dev: torch.device) -> int:
     """What the allocator holds for an op's outputs: on CUDA whole 512-byte blocks, as the
     simulator counts them (``allocated_bytes``), so the rounding is not counted as scratch too."""
-    outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-    return sum(allocated_bytes(t.untyped_storage().nbytes(), t.device) for t in outputs)
+    return sum(allocated_bytes(n, dev) for n in sizes)
 
 
 def _run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -399,7 +463,7 @@ def _run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _WORKER = "from memfit.analysis.op_scratch import _serve; _serve()"
 
 
-def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
+def _scratch_in_subprocess(calls: list[_OpCall]) -> list[Measured | None]:
     """:func:`_scratch_of_calls` on CPU in a fresh process (see "Where it runs" above)."""
     sendable: list[int] = []
     payload = []
@@ -409,7 +473,7 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
         except Exception:  # a constant argument that does not pickle: counted as no scratch
             continue
         sendable.append(i)
-    out: list[int | None] = [None] * len(calls)
+    out: list[Measured | None] = [None] * len(calls)
     if not payload:
         return out
     src = str(Path(__file__).resolve().parents[2])  # the directory holding the memfit package
@@ -442,13 +506,14 @@ def _scratch_in_subprocess(calls: list[_OpCall]) -> list[int | None]:
             stacklevel=2,
         )
         return out
-    for i, nbytes in zip(sendable, results):
-        out[i] = nbytes
+    for i, measured in zip(sendable, results):
+        out[i] = measured
     return out
 
 
 def _serve() -> None:
-    """The worker: read settings and pickled calls on stdin, write scratch bytes to stdout."""
+    """The worker: read settings and pickled calls on stdin, write what each measured (scratch
+    and output storage bytes) to stdout."""
     result_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else printed to stdout (by torch, by C code) goes to stderr
     (threads, mkldnn, deterministic), blobs = pickle.load(sys.stdin.buffer)

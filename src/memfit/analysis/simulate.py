@@ -23,7 +23,7 @@ from typing import Any
 import torch.fx as fx
 
 from memfit.analysis.backward_start import running_backward, start_of
-from memfit.analysis.graph import JointGraph, ancestors
+from memfit.analysis.graph import JointGraph, ancestors, node_tensors
 from memfit.analysis.transfers import Transfer
 
 __all__ = ["Walk", "walk", "forward_order", "order_backward", "simulate_step", "StepSimulation"]
@@ -106,6 +106,12 @@ def walk(
         if record_curve:
             curve.append(current)
     return Walk(peak_bytes=peak, end_live=live, end_bytes=current, curve=curve, peak_live=peak_live)
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    """Whether ``node``'s value is one 0-dim tensor."""
+    tensors = node_tensors(node)
+    return len(tensors) == 1 and tensors[0].dim() == 0
 
 
 def forward_order(jg: JointGraph, saved: Iterable[fx.Node]) -> list[fx.Node]:
@@ -306,12 +312,18 @@ def simulate_step(
     )
     fw = walk_pass(fwd_run, fw_storages, keep=saved_keys | out_keys, inputs=fw_inputs)
     tangent_keys = {k for t in tangents for k in jg.storages[t]}
+    # A loss's gradient (a scalar tangent) is the one ``loss.backward()`` makes: the autograd
+    # engine's graph root holds it to the end of the backward, whatever reads it last. Freed
+    # after its last reader, it put a step 4 bytes above its prediction and a budget's measured
+    # peak 4 bytes over the budget. Other tangents come from the nodes after the graph and go
+    # when the graph's backward has read them (a 1 MiB one measured so).
+    root_keys = {k for t in tangents if _is_scalar(t) for k in jg.storages[t]}
     grad_keys = {k for n in grads for k in jg_storages(n)}
     bw = walk_pass(
         bwd_run,
         bw_storages,
         start_live=(fw.end_live - dropped_keys) | tangent_keys,
-        keep=held_keys | grad_keys,
+        keep=held_keys | grad_keys | root_keys,
         inputs=bw_inputs,
     )
     # Between forward and backward the step runs code outside the graph (the loss, when the

@@ -26,7 +26,7 @@ import torch.fx as fx
 from memfit._compat import is_fake
 from memfit.analysis.backward_start import assumed_start, returns_loss, start_of
 from memfit.analysis.graph import BackwardStart, JointGraph, activation_device
-from memfit.analysis.op_scratch import measure_op_scratch, modelled_op_scratch
+from memfit.analysis.op_scratch import measure_op_memory, modelled_op_scratch
 from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
 from memfit.capture.loss_head import LossHeadSite
@@ -251,7 +251,9 @@ class Partitioner:
             jg.place_on(target)
             jg.op_scratch = modelled_op_scratch(jg.nodes, min_bytes=min_bytes, device=target)
         else:
-            jg.op_scratch = measure_op_scratch(jg.nodes, min_bytes=min_bytes)
+            ops = measure_op_memory(jg.nodes, min_bytes=min_bytes)
+            jg.op_scratch = ops.scratch
+            jg.hold_outputs(ops.outputs)
         key = self.key
         outside: Callable[[int], int] | None = None
         if self.outside_bytes is not None:
