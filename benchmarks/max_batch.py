@@ -691,6 +691,7 @@ def markdown(rep: dict[str, Any]) -> str:
 
 def figure(rep: dict[str, Any], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -705,21 +706,25 @@ def figure(rep: dict[str, Any], path: Path) -> None:
                     [p["multiple"] for p in pts],
                     [p["time_per_sample_vs_plain_b0"] for p in pts],
                     marker="o",
+                    color=f"C{METHODS.index(r['method'])}",  # one colour a method in every panel
                     label=r["method"],
                 )
         ax.axhline(1.5, color="grey", ls=":", lw=1)
         ax.axvline(10, color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_title(m["model"], fontsize=10)
         ax.set_xlabel("batch / b0 (within plain's memory at b0)")
         ax.set_ylabel("time per sample / plain's at b0")
-    axes[0][0].legend(fontsize=7)
+    lines = [h for ax in axes[0] for h in ax.get_lines()]
+    handles = {str(h.get_label()): h for h in lines if not str(h.get_label()).startswith("_")}
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
     fig.suptitle(
         f"Largest batch in plain PyTorch's memory, {rep['parameters']['device']}, "
         f"{rep['date_utc'][:10]}",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
