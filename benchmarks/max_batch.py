@@ -43,8 +43,8 @@ sequence 1,024, ``b0`` 4), a ViT (12 layers, width 192, 32x32 images in 4x4 patc
 and the ResNet-50-like network of ``benchmarks/offload.py`` (base width 16, ``b0`` 32); batches
 searched in steps of ``b0``/4 up to 32 x ``b0``, 7 timing rounds, Inductor for ``torch.compile``.
 That is for an idle machine or a GPU: ``--device cuda`` runs the same script there
-(``benchmarks/device/max_batch_run.sh``). ``--quick`` (about 10 minutes on 2 idle cores, far
-more on loaded ones): 9 ResNet blocks of width 8, 2 Llama layers of width 64 with a vocabulary of
+(``benchmarks/device/max_batch_run.sh``). ``--quick`` (56 minutes on 2 cores at load average 12-18,
+2026-12-02): 9 ResNet blocks of width 8, 2 Llama layers of width 64 with a vocabulary of
 8,192 and sequence 128, 2 ViT layers of width 64, base width 8; steps of ``b0``/2 up to 8 x
 ``b0``; 3 rounds; four methods a model (``QUICK_METHODS``); ``torch.compile`` with the
 ``aot_eager_decomp_partition`` backend (the min-cut partition Inductor's is, under the same
