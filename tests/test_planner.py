@@ -11,7 +11,7 @@ from memfit.bench.zoo import cifar_resnet
 from memfit.planning import planner
 from memfit.planning.budget import Budget
 from memfit.planning.planner import FrontierCache, plan_graph
-from memfit.planning.policy import BUDGET, Policy
+from memfit.planning.policy import BUDGET, NAMED, Policy
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,21 @@ def test_under_inductor_a_roomy_budget_keeps_less_than_plain_autograd() -> None:
     assert chosen.kept_bytes < 0.7 * none.kept_bytes
     assert chosen.cost_seconds < none.cost_seconds
     assert not any(n.startswith("convolution") for n in chosen.recomputed)
+
+
+def test_every_policy_plans_from_its_entry_in_the_one_table() -> None:
+    torch.compiler.reset()
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
+    (jg,) = joint_graphs(torch.nn.Sequential(*layers), torch.randn(64, 64))
+    assert set(planner._PLANNERS) == set(NAMED) | {BUDGET}
+    link = Link(out_bytes_per_s=1e9, in_bytes_per_s=1e9)
+    plans = {name: plan_graph(jg, Policy(name), link=link, offload_to="cpu") for name in NAMED}
+    least = plans["memory"].predicted_peak_bytes
+    plans[BUDGET] = plan_graph(jg, Policy(BUDGET, budget=Budget(bytes=least)))
+    none = plans["none"]
+    assert none.predicted_peak_bytes == none.baseline_peak_bytes
+    assert none.recomputed == ()
+    for name, plan in plans.items():
+        assert plan.policy == name
+        assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes, name
+    assert plans[BUDGET].predicted_peak_bytes <= least < none.predicted_peak_bytes

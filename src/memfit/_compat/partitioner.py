@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -160,8 +160,33 @@ def min_cut_saved_values_at(
         )
     if len(node_info.required_bw_nodes) == 0:  # nothing to partition (networkx would fail)
         return [[] for _ in memory_budgets]
-    # How far each forward node is from the backward, as min_cut_rematerialization_partition
-    # computes it (an attribute the solver reads off every node).
+    _set_distance_from_backward(graph, node_info)
+    tags = {
+        **{n: CheckpointPolicy.MUST_SAVE for n in must_save},
+        **{n: CheckpointPolicy.MUST_RECOMPUTE for n in must_recompute},
+    }
+    options = _partitioners.MinCutOptions(
+        ban_if_used_far_apart=False,
+        ban_if_long_fusible_chains=False,
+        ban_if_materialized_backward=False,
+        ban_if_not_in_allowlist=functorch_config.ban_recompute_not_in_allowlist,
+        ban_if_reduction=functorch_config.ban_recompute_reductions,
+    )
+    once = _SolvedOnce(each_solve)
+    answers: list[list[fx.Node]] = []
+    with _solving_once(once, tags):
+        for budget in memory_budgets:
+            if budget is None:
+                saved, _ = once.solve_min_cut(graph, node_info, options)
+            else:
+                saved = _partitioners.choose_saved_values_set(graph, node_info, budget)
+            answers.append(list(saved))
+    return answers
+
+
+def _set_distance_from_backward(graph: fx.Graph, node_info: Any) -> None:
+    """How far each forward node is from the backward, as min_cut_rematerialization_partition
+    computes it (an attribute the solver reads off every node)."""
     distance: dict[fx.Node, int] = {}
     for node in reversed(graph.nodes):
         if node.op != "output" and not node_info.is_required_fw(node):
@@ -170,19 +195,40 @@ def min_cut_saved_values_at(
             users = node.users if node.op != "output" else ()
             distance[node] = min([int(1e9)] + [distance[u] + 1 for u in users])
         setattr(node, "dist_from_bw", distance[node])  # noqa: B010
-    tags = {
-        **{n: CheckpointPolicy.MUST_SAVE for n in must_save},
-        **{n: CheckpointPolicy.MUST_RECOMPUTE for n in must_recompute},
-    }
-    previous = {n: n.meta.get("recompute", _MISSING) for n in tags}
-    options = _partitioners.MinCutOptions(
-        ban_if_used_far_apart=False,
-        ban_if_long_fusible_chains=False,
-        ban_if_materialized_backward=False,
-        ban_if_not_in_allowlist=functorch_config.ban_recompute_not_in_allowlist,
-        ban_if_reduction=functorch_config.ban_recompute_reductions,
-    )
-    solve, estimate = _partitioners.solve_min_cut, _partitioners.estimate_runtime
+
+
+class _SolvedOnce:
+    """torch's ``solve_min_cut`` and ``estimate_runtime``, each answer computed once (a min-cut
+    by its options and the nodes it may not ban, a runtime by its node) while the budgets of one
+    ``min_cut_saved_values_at`` are solved."""
+
+    def __init__(self, each_solve: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.each_solve = each_solve
+        #: torch's own functions, restored once the budgets are solved
+        self.solve, self.estimate = _partitioners.solve_min_cut, _partitioners.estimate_runtime
+        self.cuts: dict[tuple[Any, ...], tuple[list[fx.Node], Any]] = {}
+        self.runtimes: dict[fx.Node, float] = {}
+
+    def solve_min_cut(
+        self, graph: fx.Graph, info: Any, cut_options: Any, dont_ban: Any = None
+    ) -> tuple[list[fx.Node], Any]:
+        key = (dataclasses.astuple(cut_options), frozenset(dont_ban or ()))
+        if key not in self.cuts:
+            with self.each_solve():
+                self.cuts[key] = self.solve(graph, info, cut_options, dont_ban)
+        saved, banned = self.cuts[key]
+        return list(saved), type(banned)(banned)  # callers get their own lists
+
+    def estimate_runtime(self, node: fx.Node) -> float:
+        if node not in self.runtimes:
+            self.runtimes[node] = self.estimate(node)
+        return self.runtimes[node]
+
+
+@contextlib.contextmanager
+def _solving_once(once: _SolvedOnce, tags: dict[fx.Node, Any]) -> Iterator[None]:
+    """Within: torch's partitioner solves through ``once``, networkx's minimum cut runs
+    ``MIN_CUT_MAX_FLOW``, and ``tags`` are the nodes' ``recompute`` tags; all put back after."""
     import networkx
     from networkx.algorithms import flow
 
@@ -193,43 +239,19 @@ def min_cut_saved_values_at(
         kwargs.setdefault("flow_func", max_flow)
         return minimum_cut(graph, source, sink, **kwargs)
 
-    cuts: dict[tuple[Any, ...], tuple[list[fx.Node], Any]] = {}
-    runtimes: dict[fx.Node, float] = {}
-
-    def solve_once(
-        graph: fx.Graph, info: Any, cut_options: Any, dont_ban: Any = None
-    ) -> tuple[list[fx.Node], Any]:
-        key = (dataclasses.astuple(cut_options), frozenset(dont_ban or ()))
-        if key not in cuts:
-            with each_solve():
-                cuts[key] = solve(graph, info, cut_options, dont_ban)
-        saved, banned = cuts[key]
-        return list(saved), type(banned)(banned)  # callers get their own lists
-
-    def estimate_once(node: fx.Node) -> float:
-        if node not in runtimes:
-            runtimes[node] = estimate(node)
-        return runtimes[node]
-
-    answers: list[list[fx.Node]] = []
+    previous = {n: n.meta.get("recompute", _MISSING) for n in tags}
     try:
         for n, tag in tags.items():
             n.meta["recompute"] = tag
-        _partitioners.solve_min_cut = solve_once  # type: ignore[assignment]
-        _partitioners.estimate_runtime = estimate_once
+        _partitioners.solve_min_cut = once.solve_min_cut  # type: ignore[assignment]
+        _partitioners.estimate_runtime = once.estimate_runtime
         networkx.minimum_cut = minimum_cut_with
-        for budget in memory_budgets:
-            if budget is None:
-                saved, _ = solve_once(graph, node_info, options)
-            else:
-                saved = _partitioners.choose_saved_values_set(graph, node_info, budget)
-            answers.append(list(saved))
+        yield
     finally:
-        _partitioners.solve_min_cut, _partitioners.estimate_runtime = solve, estimate
+        _partitioners.solve_min_cut, _partitioners.estimate_runtime = once.solve, once.estimate
         networkx.minimum_cut = minimum_cut
         for n, old in previous.items():
             if old is _MISSING:
                 n.meta.pop("recompute", None)
             else:
                 n.meta["recompute"] = old
-    return answers

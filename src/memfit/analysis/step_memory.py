@@ -119,18 +119,7 @@ def step_memory(
 
     Raises ``ValueError`` for an optimizer or implementation not modelled, naming those that are.
     """
-    name = optimizer.lower()
-    if name not in (*OPTIMIZERS, "none"):
-        raise ValueError(
-            f"optimizer {optimizer!r} is not modelled; memfit counts the state and step "
-            f"temporaries of {', '.join(OPTIMIZERS)} (or 'none': weights and gradients only)"
-        )
-    impl = default_implementation(device_type) if implementation is None else implementation
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"optimizer implementation {implementation!r} is not modelled; use one of "
-            f"{', '.join(IMPLEMENTATIONS)} (torch's foreach=True, fused=True, or neither)"
-        )
+    name, impl = _checked(optimizer, implementation, device_type)
     decay = OPTIMIZERS.get(name, 0.0) if weight_decay is None else weight_decay
     size = round_bytes or (lambda n: n)
     if isinstance(model, nn.Module):
@@ -152,17 +141,53 @@ def step_memory(
 
     if name == "sgd":
         state = grads  # one momentum buffer per parameter
-        if decay == 0 or impl == "fused":
-            temps = 0
-        elif impl == "foreach":
-            temps = max(group_sums)
-        else:
-            temps = max(per_param)
-        return StepMemory(weights, grads, state, temps, name, impl)
+        temps = _sgd_temps(decay, impl, group_sums, per_param)
+    else:
+        state, temps = _adam_state_temps(
+            name, decay, impl, device_type, per_param, group_sums, size
+        )
+    return StepMemory(weights, grads, state, temps, name, impl)
 
-    # Adam, AdamW
+
+def _checked(optimizer: str, implementation: str | None, device_type: str) -> tuple[str, str]:
+    """The optimizer's name and implementation, checked to be modelled."""
+    name = optimizer.lower()
+    if name not in (*OPTIMIZERS, "none"):
+        raise ValueError(
+            f"optimizer {optimizer!r} is not modelled; memfit counts the state and step "
+            f"temporaries of {', '.join(OPTIMIZERS)} (or 'none': weights and gradients only)"
+        )
+    impl = default_implementation(device_type) if implementation is None else implementation
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"optimizer implementation {implementation!r} is not modelled; use one of "
+            f"{', '.join(IMPLEMENTATIONS)} (torch's foreach=True, fused=True, or neither)"
+        )
+    return name, impl
+
+
+def _sgd_temps(decay: float, impl: str, group_sums: list[int], per_param: list[int]) -> int:
+    """SGD's step temporaries: a weight-decayed gradient, per parameter or per dtype group."""
+    if decay == 0 or impl == "fused":
+        return 0
+    if impl == "foreach":
+        return max(group_sums)
+    return max(per_param)
+
+
+def _adam_state_temps(
+    name: str,
+    decay: float,
+    impl: str,
+    device_type: str,
+    per_param: list[int],
+    group_sums: list[int],
+    size: Callable[[int], int],
+) -> tuple[int, int]:
+    """Adam's and AdamW's state (two moments, and the step scalars where they live on the
+    device) and step temporaries."""
     steps_on_device = impl == "fused" or device_type != "cuda"
-    state = 2 * grads + (len(trained) * size(4) if steps_on_device else 0)
+    state = 2 * sum(per_param) + (len(per_param) * size(4) if steps_on_device else 0)
     coupled_decay = name == "adam" and decay != 0
     if impl == "fused":
         temps = 0
@@ -174,4 +199,4 @@ def step_memory(
             (per_param[i - 1] if i else 0) + (2 + extra) * per_param[i]
             for i in range(len(per_param))
         )
-    return StepMemory(weights, grads, state, temps, name, impl)
+    return state, temps

@@ -174,18 +174,52 @@ def schedule_transfers(
     if not chosen:
         return TransferSchedule((), 0.0, 0.0, _total(forward, backward, seconds))
     fwd_pos = {n: i for i, n in enumerate(forward)}
-    last_reader = {v: fwd_pos.get(v, -1) for v in chosen}
-    for i, n in enumerate(forward):
-        for a in jg.inputs[n]:
-            if a in chosen:
-                last_reader[a] = i
 
     def nbytes(v: fx.Node) -> int:
         return value_bytes(jg, v)
 
     order = sorted(chosen, key=lambda v: fwd_pos.get(v, -1))
-    # A first run of the forward without waits says when each copy out completes; each wait
-    # goes after the first node that ends by then (and not before the value's last reader).
+    wait_pos, stall = _place_waits(jg, forward, order, fwd_pos, link, seconds, nbytes)
+    first_reader, prefetch_pos = _place_prefetches(jg, backward, chosen, link, seconds, nbytes)
+    stall = _backward_stall(backward, first_reader, prefetch_pos, link, seconds, nbytes, stall)
+    transfers = tuple(
+        Transfer(
+            value=v,
+            nbytes=nbytes(v),
+            wait_after=forward[wait_pos[v]],
+            prefetch_before=backward[prefetch_pos[v]],
+        )
+        for v in order
+        if v in prefetch_pos  # a saved value no backward node reads needs no transfer back
+    )
+    return TransferSchedule(
+        transfers=transfers,
+        transfer_seconds=sum(
+            link.out_seconds(t.nbytes) + link.in_seconds(t.nbytes) for t in transfers
+        ),
+        stall_seconds=stall,
+        compute_seconds=_total(forward, backward, seconds),
+    )
+
+
+def _place_waits(
+    jg: JointGraph,
+    forward: Sequence[fx.Node],
+    order: list[fx.Node],
+    fwd_pos: dict[fx.Node, int],
+    link: Link,
+    seconds: dict[fx.Node, float],
+    nbytes: Callable[[fx.Node], int],
+) -> tuple[dict[fx.Node, int], float]:
+    """Where in ``forward`` each copy out of ``order`` is waited for, and the forward's stall.
+
+    A first run of the forward without waits says when each copy out completes; each wait goes
+    after the first node that ends by then (and not before the value's last reader)."""
+    last_reader = {v: fwd_pos.get(v, -1) for v in order}
+    for i, n in enumerate(forward):
+        for a in jg.inputs[n]:
+            if a in last_reader:
+                last_reader[a] = i
     done_at, ends, _ = _run_forward(forward, order, fwd_pos, {}, link, seconds, nbytes)
     wait_pos: dict[fx.Node, int] = {}
     for v in order:
@@ -195,9 +229,20 @@ def schedule_transfers(
     for v, pos in wait_pos.items():
         waits_at.setdefault(pos, []).append(v)
     _, _, stall = _run_forward(forward, order, fwd_pos, waits_at, link, seconds, nbytes)
+    return wait_pos, stall
 
-    # Copies back: each issued at the latest node that leaves it its transfer time before its
-    # first backward reader (by the estimated, unstalled clock), then run in issue order.
+
+def _place_prefetches(
+    jg: JointGraph,
+    backward: Sequence[fx.Node],
+    chosen: set[fx.Node],
+    link: Link,
+    seconds: dict[fx.Node, float],
+    nbytes: Callable[[fx.Node], int],
+) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Each chosen value's first reader in ``backward`` and where its copy back is issued: at
+    the latest node that leaves it its transfer time before that reader (by the estimated,
+    unstalled clock). A value no backward node reads has neither."""
     starts: list[float] = []
     clock = 0.0
     for n in backward:
@@ -214,6 +259,19 @@ def schedule_transfers(
         # compute's own time when the copy is issued, so an earlier start only holds memory.
         wanted = starts[r] - link.split(link.in_seconds(nbytes(v)))[1]
         prefetch_pos[v] = max(bisect.bisect_right(starts, wanted, 0, r + 1) - 1, 0)
+    return first_reader, prefetch_pos
+
+
+def _backward_stall(
+    backward: Sequence[fx.Node],
+    first_reader: dict[fx.Node, int],
+    prefetch_pos: dict[fx.Node, int],
+    link: Link,
+    seconds: dict[fx.Node, float],
+    nbytes: Callable[[fx.Node], int],
+    stall: float,
+) -> float:
+    """``stall`` (the forward's) plus the backward's, running the copies back in issue order."""
     issued = sorted(first_reader, key=lambda v: (prefetch_pos[v], first_reader[v]))
     issue_at: dict[int, list[fx.Node]] = {}
     for v in issued:
@@ -235,25 +293,7 @@ def schedule_transfers(
                 stall += arrived[v] - clock
                 clock = arrived[v]
         clock += seconds.get(n, 0.0)
-
-    transfers = tuple(
-        Transfer(
-            value=v,
-            nbytes=nbytes(v),
-            wait_after=forward[wait_pos[v]],
-            prefetch_before=backward[prefetch_pos[v]],
-        )
-        for v in order
-        if v in prefetch_pos  # a saved value no backward node reads needs no transfer back
-    )
-    return TransferSchedule(
-        transfers=transfers,
-        transfer_seconds=sum(
-            link.out_seconds(t.nbytes) + link.in_seconds(t.nbytes) for t in transfers
-        ),
-        stall_seconds=stall,
-        compute_seconds=_total(forward, backward, seconds),
-    )
+    return stall
 
 
 def _issue(link: Link, copy_s: float, clock: float, free: float) -> tuple[float, float]:

@@ -50,7 +50,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -344,21 +344,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
         "software": software_info(),
-        "parameters": {
-            "model": "memfit.bench.resnet.cifar_resnet (pre-activation CIFAR ResNet v2, BatchNorm)",
-            "input": [args.batch, 3, 32, 32],
-            "batch": args.batch,
-            "width": args.width,
-            "blocks_per_stage": list(depths),
-            "repeats": args.repeats,
-            "device": str(device),
-            "dtype": "float32",
-            "step": "forward + cross_entropy + backward; grads set to None before each step",
-            "peak": "memfit.measure, one run (exact, deterministic)",
-            "time": "median of repeats, memfit.measure(profile_memory=False), round-robin",
-            "checkpoint_sequential": "model.blocks, round(sqrt(blocks)) segments, "
-            "use_reentrant=False",
-        },
+        "parameters": _parameters(args, depths, device),
         "load_average": {"start": load_start, "end": load_average()},
         "total_runtime_s": round(total, 1),
         "results": results,
@@ -371,15 +357,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         f" ({report['machine'].get('gpu') or report['machine'].get('cpu_model', '')})"
     )
     table = markdown_table(results)
-    md = (
-        f"# Depth sweep ({report['date_utc']})\n\n{title}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. Ratios are to plain eager "
-        f"PyTorch; peak is "
-        f"measured tensor memory of one training step; time is the median of {args.repeats}; "
-        f'"first step" includes memfit\'s capture and planning.\n\n{table}\n\n'
-        f"Total runtime {total:.0f} s.\n"
-    )
+    md = _markdown(report, title, table, args.repeats, total)
     stem.with_suffix(".md").write_text(md)
     write_plot(results, stem.with_suffix(".png"), title)
     print()
@@ -390,3 +368,36 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     )
 
     return report
+
+
+def _parameters(
+    args: argparse.Namespace, depths: Sequence[int], device: torch.device
+) -> dict[str, Any]:
+    """The report's ``parameters``: what was run, and how peak and time were measured."""
+    return {
+        "model": "memfit.bench.resnet.cifar_resnet (pre-activation CIFAR ResNet v2, BatchNorm)",
+        "input": [args.batch, 3, 32, 32],
+        "batch": args.batch,
+        "width": args.width,
+        "blocks_per_stage": list(depths),
+        "repeats": args.repeats,
+        "device": str(device),
+        "dtype": "float32",
+        "step": "forward + cross_entropy + backward; grads set to None before each step",
+        "peak": "memfit.measure, one run (exact, deterministic)",
+        "time": "median of repeats, memfit.measure(profile_memory=False), round-robin",
+        "checkpoint_sequential": "model.blocks, round(sqrt(blocks)) segments, use_reentrant=False",
+    }
+
+
+def _markdown(report: dict[str, Any], title: str, table: str, repeats: int, total: float) -> str:
+    """The Markdown page of the sweep: what ran, how it was measured, and the table."""
+    return (
+        f"# Depth sweep ({report['date_utc']})\n\n{title}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. Ratios are to plain eager "
+        f"PyTorch; peak is "
+        f"measured tensor memory of one training step; time is the median of {repeats}; "
+        f'"first step" includes memfit\'s capture and planning.\n\n{table}\n\n'
+        f"Total runtime {total:.0f} s.\n"
+    )

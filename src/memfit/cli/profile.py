@@ -19,6 +19,7 @@ directory), and the paths are printed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -91,6 +92,16 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
+    _add_target_arguments(p)
+    _add_policy_arguments(p)
+    _add_batch_arguments(p)
+    _add_output_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """What model is profiled, on what inputs, device and dtype."""
     p.add_argument(
         "target", metavar="TARGET", help="path/to/file.py:factory or package.module:factory"
     )
@@ -108,6 +119,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         help="cast parameters and floating inputs: float32, bfloat16, "
         "float16, float64 (default: as the factory made them)",
     )
+
+
+def _add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """Which policies run, and how memfit runs their plans (executor, offload)."""
     p.add_argument(
         "--policies",
         default="none,speed,memory",
@@ -140,6 +155,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         metavar="DIR",
         help="directory for disk offload files (a private subdirectory is made and removed)",
     )
+
+
+def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The largest-batch search under ``--budget``."""
     p.add_argument(
         "--budget",
         metavar="BYTES",
@@ -168,6 +187,10 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         metavar="N",
         help="largest batch the search tries (default 65536)",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """How much is measured and what is written where."""
     p.add_argument(
         "--timing-runs",
         type=int,
@@ -194,8 +217,6 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.Arg
         "the temporary directory, so nothing is written to the working "
         "directory)",
     )
-    p.set_defaults(run=run)
-    return p
 
 
 def _check_ints(args: argparse.Namespace) -> None:
@@ -244,6 +265,23 @@ def _options(args: argparse.Namespace) -> memfit.Options:
         raise CliError(f"--offload-dir/--offload-to: {err}") from None
 
 
+@dataclasses.dataclass
+class _Profiled:
+    """The model a factory built, moved and cast, and what ``run`` measured of it."""
+
+    model: torch.nn.Module
+    work: Workload
+    #: the model's class name, and its parameters' dtypes
+    name: str
+    dtypes: list[str]
+    n_params: int
+    param_bytes: int
+    acts: Any = None
+    results: list[PolicyResult] = dataclasses.field(default_factory=list)
+    frontier: list[Any] | None = None
+    searches: list[Any] = dataclasses.field(default_factory=list)
+
+
 def run(args: argparse.Namespace, console: Any) -> int:
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype)
@@ -263,87 +301,131 @@ def run(args: argparse.Namespace, console: Any) -> int:
     work = Workload(
         model, tuple(inputs[0]), dict(inputs[1]), options=options, executor=args.executor
     )
-    name = type(model).__name__
     weights, batch_bytes = resident_bytes(model, work.args, work.kwargs)
-    n_params = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batch = batch_size_of(work.args, work.kwargs, args.batch_dim) if budget else None
     if budget is not None:
-        if budget < weights:
-            raise CliError(
-                f"--budget {args.budget} ({format_bytes(budget)}) is smaller than the "
-                f"model's parameters and buffers ({format_bytes(weights)}), which every "
-                "training step holds; give a larger budget"
-            )
-        total = _device_memory(device)
-        if total is not None and budget > total:
-            raise CliError(
-                f"--budget {args.budget} ({format_bytes(budget)}) is more than this "
-                f"{device.type} device has ({format_bytes(total)}); the search would "
-                "run out of memory before reaching it"
-            )
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        _check_budget(args.budget, budget, weights, device)
+    profiled = _Profiled(
+        model,
+        work,
+        name=type(model).__name__,
+        dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
+        n_params=sum(p.numel() for p in model.parameters()),
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+    )
     console.print(
-        f"[bold]memfit profile[/bold] {args.target}: {name}, {n_params:,} parameters "
-        f"({mib(param_bytes)}, {', '.join(dtypes) or '-'}), inputs "
+        f"[bold]memfit profile[/bold] {args.target}: {profiled.name}, {profiled.n_params:,} "
+        f"parameters ({mib(profiled.param_bytes)}, {', '.join(profiled.dtypes) or '-'}), inputs "
         f"{mib(batch_bytes)}, on {device}"
     )
-
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("activations: one eager step with saved-tensor hooks", total=1)
-        try:
-            acts = saved_activations(model, work.args, work.kwargs, work.loss)
-        except Exception as err:
-            raise CliError(
-                f"{args.target}: a training step of the model on its example inputs "
-                f"raised {first_line(err)}"
-            ) from err
-        progress.update(task, advance=1, description="activations attributed")
-        results = run_policies(work, policies, device, args.timing_runs, progress)
-        frontier = None
-        if args.pareto:
-            task = progress.add_task("pareto: planning with budget 100%", total=1)
-            plan = memfit.plan(model, *work.args, policy=1.0, **work.kwargs)
-            frontier = list(plan.pareto())
-            progress.update(task, advance=1, description="pareto frontier planned")
-        searches = []
+        _measure(args, profiled, policies, device, progress)
         if budget is not None:
-            for policy in policies:
-                task = progress.add_task(
-                    f"{policy.label}: largest batch within {args.budget}", total=None
-                )
+            profiled.searches = _search_batches(
+                args, work, policies, device, budget, batch or 1, progress
+            )
+    _print_tables(args, console, profiled)
+    written = _write_files(args, profiled, device, budget)
+    console.print(
+        f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
+        f"({time.perf_counter() - started:.0f} s)."
+    )
+    console.print(_next_step(profiled.results, budget is not None, args.executor))
+    return 0
 
-                def on_probe(p: Any, task: Any = task, policy: Policy = policy) -> None:
-                    state = "fits" if p.fits else "over"
-                    progress.update(task, description=f"{policy.label}: batch {p.batch} {state}")
 
-                def probe(batch: int, policy: Policy = policy, budget: int = budget) -> Probe:
-                    return measure_probe(work, policy, device, budget, args.batch_dim, batch)
+def _check_budget(written: str, budget: int, weights: int, device: torch.device) -> None:
+    """``--budget`` (``written`` as given) must hold the model's weights and fit the device."""
+    if budget < weights:
+        raise CliError(
+            f"--budget {written} ({format_bytes(budget)}) is smaller than the "
+            f"model's parameters and buffers ({format_bytes(weights)}), which every "
+            "training step holds; give a larger budget"
+        )
+    total = _device_memory(device)
+    if total is not None and budget > total:
+        raise CliError(
+            f"--budget {written} ({format_bytes(budget)}) is more than this "
+            f"{device.type} device has ({format_bytes(total)}); the search would "
+            "run out of memory before reaching it"
+        )
 
-                searches.append(
-                    search_max_batch(
-                        probe,
-                        label=policy.label,
-                        budget_bytes=budget,
-                        start=batch or 1,
-                        step=args.batch_step,
-                        limit=args.max_batch,
-                        on_probe=on_probe,
-                    )
-                )
-                progress.update(
-                    task,
-                    total=1,
-                    completed=1,
-                    description=f"{policy.label}: largest batch {searches[-1].max_batch}",
-                )
 
+def _measure(
+    args: argparse.Namespace,
+    profiled: _Profiled,
+    policies: list[Policy],
+    device: torch.device,
+    progress: Progress,
+) -> None:
+    """Activations by submodule, one step per policy, and with ``--pareto`` the frontier."""
+    work = profiled.work
+    task = progress.add_task("activations: one eager step with saved-tensor hooks", total=1)
+    try:
+        profiled.acts = saved_activations(profiled.model, work.args, work.kwargs, work.loss)
+    except Exception as err:
+        raise CliError(
+            f"{args.target}: a training step of the model on its example inputs "
+            f"raised {first_line(err)}"
+        ) from err
+    progress.update(task, advance=1, description="activations attributed")
+    profiled.results = run_policies(work, policies, device, args.timing_runs, progress)
+    if args.pareto:
+        task = progress.add_task("pareto: planning with budget 100%", total=1)
+        plan = memfit.plan(profiled.model, *work.args, policy=1.0, **work.kwargs)
+        profiled.frontier = list(plan.pareto())
+        progress.update(task, advance=1, description="pareto frontier planned")
+
+
+def _search_batches(
+    args: argparse.Namespace,
+    work: Workload,
+    policies: list[Policy],
+    device: torch.device,
+    budget: int,
+    start: int,
+    progress: Progress,
+) -> list[Any]:
+    """The largest batch within ``budget`` for each policy, found by real steps from ``start``."""
+    searches = []
+    for policy in policies:
+        task = progress.add_task(f"{policy.label}: largest batch within {args.budget}", total=None)
+
+        def on_probe(p: Any, task: Any = task, policy: Policy = policy) -> None:
+            state = "fits" if p.fits else "over"
+            progress.update(task, description=f"{policy.label}: batch {p.batch} {state}")
+
+        def probe(batch: int, policy: Policy = policy, budget: int = budget) -> Probe:
+            return measure_probe(work, policy, device, budget, args.batch_dim, batch)
+
+        searches.append(
+            search_max_batch(
+                probe,
+                label=policy.label,
+                budget_bytes=budget,
+                start=start,
+                step=args.batch_step,
+                limit=args.max_batch,
+                on_probe=on_probe,
+            )
+        )
+        progress.update(
+            task,
+            total=1,
+            completed=1,
+            description=f"{policy.label}: largest batch {searches[-1].max_batch}",
+        )
+    return searches
+
+
+def _print_tables(args: argparse.Namespace, console: Any, profiled: _Profiled) -> None:
+    """The activation, tensor, policy and batch tables, and recapture warnings."""
+    acts, name, results = profiled.acts, profiled.name, profiled.results
     console.print(module_table(acts, name))
-    none_kept = results[0].plan.kept_bytes
     console.print(
         f"Plain autograd saves {mib(acts.total_bytes)} for backward; memfit's 'none' "
-        f"plan keeps {mib(none_kept)}.",
+        f"plan keeps {mib(results[0].plan.kept_bytes)}.",
         highlight=False,
     )
     console.print(tensor_table(acts, name))
@@ -356,10 +438,16 @@ def run(args: argparse.Namespace, console: Any) -> int:
                 f"[yellow]warning: {r.label} was captured again while being measured; "
                 "its numbers include a recompilation[/yellow]"
             )
-    if searches:
-        console.print(batch_table(searches, f"{args.budget}"))
+    if profiled.searches:
+        console.print(batch_table(profiled.searches, f"{args.budget}"))
 
+
+def _write_files(
+    args: argparse.Namespace, profiled: _Profiled, device: torch.device, budget: int | None
+) -> list[Path]:
+    """The timeline PNG, with ``--pareto`` the frontier's, with ``--json`` the report."""
     args.out.mkdir(parents=True, exist_ok=True)
+    name, results, frontier = profiled.name, profiled.results, profiled.frontier
     title = f"{name} ({args.target}), one training step on {device.type}"
     png = timeline_figure(results, args.out / "timeline.png", title)
     pareto_png = None
@@ -369,55 +457,65 @@ def run(args: argparse.Namespace, console: Any) -> int:
         )
     written = [png] + ([pareto_png] if pareto_png else [])
     if args.json:
-        base = results[0]
-        report = {
-            "schema": rep.SCHEMA_ID,
-            "memfit_version": memfit.__version__,
-            "torch_version": torch.__version__,
-            "target": args.target,
-            "model": name,
-            "device": str(device),
-            "dtype": dtypes[0] if len(dtypes) == 1 else None,
-            "batch_dim": args.batch_dim,
-            "batch_size": _batch_or_none(work, args.batch_dim),
-            "parameters": {"count": n_params, "bytes": param_bytes},
-            "buffers_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
-            "inputs": _input_entries(work.args, work.kwargs),
-            "activations": rep.activations_entry(acts, ACTIVATIONS_METHOD, none_kept),
-            "policies": [rep.policy_entry(r, base, args.executor) for r in results],
-            "max_batch": None
-            if budget is None
-            else {
-                "budget_bytes": budget,
-                "covers": BUDGET_COVERS,
-                "batch_step": args.batch_step,
-                "limit": args.max_batch,
-                "results": [rep.search_entry(s) for s in searches],
-            },
-            "pareto": None
-            if frontier is None
-            else [
-                {
-                    "peak_bytes": int(p.peak_bytes),
-                    "recompute_flops": int(p.recompute_flops),
-                    "recompute_seconds": float(p.recompute_seconds),
-                }
-                for p in frontier
-            ],
-            "figures": {"timeline": str(png), "pareto": str(pareto_png) if pareto_png else None},
-        }
+        figures = {"timeline": str(png), "pareto": str(pareto_png) if pareto_png else None}
+        report = _report(args, profiled, device, budget, figures)
         problems = rep.validate(report)
         if problems:  # a bug in memfit, not in the user's input
             raise RuntimeError("the report does not match its schema: " + "; ".join(problems[:3]))
         json_path = args.out / "profile.json"
         json_path.write_text(json.dumps(report, indent=2) + "\n")
         written.append(json_path)
-    console.print(
-        f"\nWrote {', '.join(f'[bold]{p}[/bold]' for p in written)} "
-        f"({time.perf_counter() - started:.0f} s)."
-    )
-    console.print(_next_step(results, budget is not None, args.executor))
-    return 0
+    return written
+
+
+def _report(
+    args: argparse.Namespace,
+    profiled: _Profiled,
+    device: torch.device,
+    budget: int | None,
+    figures: dict[str, str | None],
+) -> dict[str, Any]:
+    """``profile.json``'s content (``memfit.cli.report.REPORT_SCHEMA``)."""
+    work, results, frontier = profiled.work, profiled.results, profiled.frontier
+    base = results[0]
+    return {
+        "schema": rep.SCHEMA_ID,
+        "memfit_version": memfit.__version__,
+        "torch_version": torch.__version__,
+        "target": args.target,
+        "model": profiled.name,
+        "device": str(device),
+        "dtype": profiled.dtypes[0] if len(profiled.dtypes) == 1 else None,
+        "batch_dim": args.batch_dim,
+        "batch_size": _batch_or_none(work, args.batch_dim),
+        "parameters": {"count": profiled.n_params, "bytes": profiled.param_bytes},
+        "buffers_bytes": sum(b.numel() * b.element_size() for b in profiled.model.buffers()),
+        "inputs": _input_entries(work.args, work.kwargs),
+        "activations": rep.activations_entry(
+            profiled.acts, ACTIVATIONS_METHOD, base.plan.kept_bytes
+        ),
+        "policies": [rep.policy_entry(r, base, args.executor) for r in results],
+        "max_batch": None
+        if budget is None
+        else {
+            "budget_bytes": budget,
+            "covers": BUDGET_COVERS,
+            "batch_step": args.batch_step,
+            "limit": args.max_batch,
+            "results": [rep.search_entry(s) for s in profiled.searches],
+        },
+        "pareto": None
+        if frontier is None
+        else [
+            {
+                "peak_bytes": int(p.peak_bytes),
+                "recompute_flops": int(p.recompute_flops),
+                "recompute_seconds": float(p.recompute_seconds),
+            }
+            for p in frontier
+        ],
+        "figures": figures,
+    }
 
 
 def _next_step(results: list[PolicyResult], searched: bool, executor: str = "eager") -> str:

@@ -115,60 +115,6 @@ def fit_schedule(
     and the faster kept (``_faster``). Last in the result: whether the kept plan's peaks were
     measured (not read from the schedule), and the limit the plans were held to.
     """
-    by_name = {n.name: n for n in jg.nodes}
-
-    def peaks(fw: fx.GraphModule, pair: CompiledPair) -> tuple[int, int]:
-        """The scheduled forward's and backward's peaks. A saved value is the buffer Inductor's
-        forward returns it in (views of one buffer are one allocation); the user's outputs are
-        held while the backward runs; other inputs count as memfit's storages, parameters and
-        user inputs not at all."""
-        output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-        outs = list(output.args[0])
-        buffer_of = {
-            out.name: buffer
-            for out, buffer in zip(outs, pair.forward_schedule.outputs)
-            if isinstance(out, fx.Node)
-        }
-        allocated = pair.forward_schedule.output_bytes(list(buffer_of.values()))
-        held = {
-            buffer_of[out.name]
-            for out in outs[:user_outputs]
-            if isinstance(out, fx.Node) and buffer_of.get(out.name) in allocated
-        }
-
-        def storages(name: str) -> list[tuple[Any, int]]:
-            buffer = buffer_of.get(name)
-            if buffer is not None:
-                if buffer not in allocated or buffer in held:
-                    return []
-                return [(buffer, allocated[buffer])]
-            node = by_name[name]  # KeyError: a name memfit does not know, at Inductor's size
-            return [(k, jg.storage_bytes[k]) for k in jg.storages[node] if k not in jg.primal_keys]
-
-        return (
-            scheduled_peak(pair.forward_schedule.buffers, storages),
-            scheduled_peak(
-                pair.backward_schedule.buffers, storages, sum(allocated[b] for b in held)
-            ),
-        )
-
-    def predicted(
-        graph_plan: GraphPlan, fw: fx.GraphModule, bw: fx.GraphModule, pair: CompiledPair
-    ) -> tuple[GraphPlan, bool]:
-        measured = calibrate(fw, bw, user_outputs, primals)
-        if measured is None and limit_bytes is not None:
-            warn_user(UNMEASURED_BUDGET_WARNING)
-        if measured is not None:
-            plan = with_executor_peaks(
-                graph_plan,
-                measured.forward_peak_bytes,
-                measured.backward_peak_bytes,
-                forward_end=measured.forward_end_bytes,
-                source="the compiled graphs, measured once",
-            )
-            return plan, True
-        scheduled = peaks(fw, pair)
-        return with_executor_peaks(graph_plan, *scheduled, source="Inductor's schedule"), False
 
     def measured(graph_plan: GraphPlan) -> Tried[tuple[fx.GraphModule, fx.GraphModule, bool]]:
         fw, bw = split(graph_plan)
@@ -176,7 +122,9 @@ def fit_schedule(
         fw.meta[COMPILED_META] = pair.forward
         bw.meta[COMPILED_META] = pair.backward
         bw.meta[EXAMPLES_META] = Shared(pair.backward_examples)
-        plan, was_measured = predicted(graph_plan, fw, bw, pair)
+        plan, was_measured = _predicted(
+            jg, graph_plan, fw, bw, pair, user_outputs, primals, limit_bytes
+        )
         return Tried(plan, (fw, bw, was_measured))
 
     done, limit_bytes = search_plans(
@@ -197,8 +145,19 @@ def fit_schedule(
             least = _faster(least, rival(), measured, within, primals)
         return (*least, limit_bytes)
     assert limit_bytes is not None  # nothing fits: ``least`` is the least peak
+    return (*_over_budget(least, len(made), limit_bytes, strict), limit_bytes)
+
+
+def _over_budget(
+    least: tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool],
+    tried: int,
+    limit_bytes: int,
+    strict: bool,
+) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool]:
+    """Where none of the ``tried`` compiled plans fits ``limit_bytes``: ``BudgetError`` naming
+    the least peak, or (not ``strict``) ``least``, its note saying so."""
     note = (
-        f"compiled by Inductor, the least peak of the {len(made)} plans tried is "
+        f"compiled by Inductor, the least peak of the {tried} plans tried is "
         f"{format_bytes(least[0].predicted_peak_bytes)}, above the budget of "
         f"{format_bytes(limit_bytes)}"
     )
@@ -209,10 +168,72 @@ def fit_schedule(
             budget_bytes=limit_bytes,
             least_bytes=least[0].predicted_peak_bytes,
         )
+    return (dataclasses.replace(least[0], note=f"{least[0].note}; {note}"), *least[1:])
+
+
+def _predicted(
+    jg: JointGraph,
+    graph_plan: GraphPlan,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    pair: CompiledPair,
+    user_outputs: int,
+    primals: Sequence[Any] | None,
+    limit_bytes: int | None,
+) -> tuple[GraphPlan, bool]:
+    """``graph_plan`` predicted from its compiled graphs: their peaks measured once on
+    ``primals``, or where they cannot be, read from Inductor's schedule (warning once when a
+    budget then rests on the schedule); and whether they were measured."""
+    measured = calibrate(fw, bw, user_outputs, primals)
+    if measured is None and limit_bytes is not None:
+        warn_user(UNMEASURED_BUDGET_WARNING)
+    if measured is not None:
+        plan = with_executor_peaks(
+            graph_plan,
+            measured.forward_peak_bytes,
+            measured.backward_peak_bytes,
+            forward_end=measured.forward_end_bytes,
+            source="the compiled graphs, measured once",
+        )
+        return plan, True
+    scheduled = _scheduled_peaks(jg, fw, pair, user_outputs)
+    return with_executor_peaks(graph_plan, *scheduled, source="Inductor's schedule"), False
+
+
+def _scheduled_peaks(
+    jg: JointGraph, fw: fx.GraphModule, pair: CompiledPair, user_outputs: int
+) -> tuple[int, int]:
+    """The scheduled forward's and backward's peaks. A saved value is the buffer Inductor's
+    forward returns it in (views of one buffer are one allocation); the user's outputs are
+    held while the backward runs; other inputs count as memfit's storages, parameters and
+    user inputs not at all."""
+    by_name = {n.name: n for n in jg.nodes}
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    outs = list(output.args[0])
+    buffer_of = {
+        out.name: buffer
+        for out, buffer in zip(outs, pair.forward_schedule.outputs)
+        if isinstance(out, fx.Node)
+    }
+    allocated = pair.forward_schedule.output_bytes(list(buffer_of.values()))
+    held = {
+        buffer_of[out.name]
+        for out in outs[:user_outputs]
+        if isinstance(out, fx.Node) and buffer_of.get(out.name) in allocated
+    }
+
+    def storages(name: str) -> list[tuple[Any, int]]:
+        buffer = buffer_of.get(name)
+        if buffer is not None:
+            if buffer not in allocated or buffer in held:
+                return []
+            return [(buffer, allocated[buffer])]
+        node = by_name[name]  # KeyError: a name memfit does not know, at Inductor's size
+        return [(k, jg.storage_bytes[k]) for k in jg.storages[node] if k not in jg.primal_keys]
+
     return (
-        dataclasses.replace(least[0], note=f"{least[0].note}; {note}"),
-        *least[1:],
-        limit_bytes,
+        scheduled_peak(pair.forward_schedule.buffers, storages),
+        scheduled_peak(pair.backward_schedule.buffers, storages, sum(allocated[b] for b in held)),
     )
 
 

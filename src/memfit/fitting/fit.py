@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -238,83 +238,134 @@ def fit(
     )
     meta = is_meta(model, inputs, kwargs)
     batch = size_of(inputs, kwargs, batch_dim)
-    seq = size_of(inputs, kwargs, seq_dim) if seq_dim is not None else None
+    steps = _Steps(
+        model,
+        inputs,
+        kwargs,
+        memory,
+        target.type,
+        autocast,
+        batch_dim,
+        seq_dim,
+        batch,
+        size_of(inputs, kwargs, seq_dim) if seq_dim is not None else None,
+        on_plan,
+        shapes=_as_meta((inputs, kwargs)),
+    )
     compute = compute_dtype_name(_param_dtype(model), autocast)
-    plans: dict[tuple[str, int, int], Plan] = {}
-    shapes = _as_meta((inputs, kwargs))
-
-    def sized(value: Any, b: int, s: int | None) -> Any:
-        value = with_size(value, batch_dim, batch, b)
-        if seq_dim is not None and seq is not None and s is not None:
-            value = with_size(value, seq_dim, seq, s)
-        return value
-
-    def planned(policy: Policy, b: int, s: int | None) -> StepPeak:
-        args, kw = sized((inputs, kwargs), b, s)
-        key = (policy.label, b, s or 0)
-        made = len(plans)
-        if key not in plans:
-            plans[key] = plan_step(model, args, kw, policy, target.type, autocast)
-        step = StepPeak(memory, input_bytes(args, kw), plans[key].predicted_peak_bytes)
-        if on_plan is not None and len(plans) > made:
-            on_plan(policy.label, b, s, step.peak_bytes)
-        return step
-
-    def optimizer_moment(b: int, s: int | None) -> int:
-        """The peak while ``optimizer.step()`` runs at this size: no plan needed."""
-        args, kw = sized(shapes, b, s)
-        return StepPeak(memory, input_bytes(args, kw), 0).peak_bytes
-
-    rows = []
-    for policy in wanted:
-        before = len(plans)
-        peak = planned(policy, batch, seq)
-        p = plans[(policy.label, batch, seq or 0)]
-        largest_batch = largest_seq = None
-        exact = True
-        if search:
-            largest_batch, exact = _largest(
-                functools.partial(planned, policy, s=seq),
-                functools.partial(optimizer_moment, s=seq),
-                target.usable_bytes,
-                batch,
-                limit,
-            )
-            if seq_dim is not None and seq is not None:
-                largest_seq, seq_exact = _largest(
-                    functools.partial(planned, policy, batch),
-                    functools.partial(optimizer_moment, batch),
-                    target.usable_bytes,
-                    seq,
-                    limit if seq_limit is None else seq_limit,
-                )
-                exact = exact and seq_exact
-        try:
-            seconds: float | None = estimate_step_seconds(p, memory, target, compute)
-        except ValueError:
-            seconds = None
-        rows.append(
-            FitRow(
-                policy=policy.label,
-                batch=batch,
-                seq=seq,
-                weights_bytes=memory.weights_bytes,
-                gradient_bytes=memory.gradient_bytes,
-                optimizer_bytes=memory.optimizer_state_bytes,
-                optimizer_temp_bytes=memory.optimizer_temp_bytes,
-                activation_bytes=peak.activation_bytes,
-                input_bytes=peak.input_bytes,
-                peak_bytes=peak.peak_bytes,
-                fits=peak.peak_bytes <= target.usable_bytes,
-                largest_batch=largest_batch,
-                largest_seq=largest_seq,
-                exact=exact,
-                step_seconds=seconds,
-                plans=len(plans) - before,
-            )
+    rows = [
+        _row(
+            steps, policy, target, compute, search, limit if seq_limit is None else seq_limit, limit
         )
+        for policy in wanted
+    ]
     where = f"{target.type} (meta)" if meta else _where(model)
     return FitReport(target, tuple(rows), memory.optimizer, memory.implementation, where)
+
+
+@dataclass
+class _Steps:
+    """One step's inputs resized along the batch and sequence dimensions, and each size's plan
+    under each policy, made once (``plans``) however often the search asks for it."""
+
+    model: nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    memory: StepMemory
+    device_type: str
+    autocast: torch.dtype | None
+    batch_dim: int
+    seq_dim: int | None
+    #: the sizes the inputs were given at
+    batch: int
+    seq: int | None
+    on_plan: Callable[[str, int, int | None, int], None] | None
+    #: the inputs as meta tensors, for the optimizer's moment (no plan needed)
+    shapes: Any
+    plans: dict[tuple[str, int, int], Plan] = field(default_factory=dict)
+
+    def sized(self, value: Any, b: int, s: int | None) -> Any:
+        value = with_size(value, self.batch_dim, self.batch, b)
+        if self.seq_dim is not None and self.seq is not None and s is not None:
+            value = with_size(value, self.seq_dim, self.seq, s)
+        return value
+
+    def planned(self, policy: Policy, b: int, s: int | None) -> StepPeak:
+        """The step's peak at batch ``b`` and sequence ``s`` under ``policy``."""
+        args, kw = self.sized((self.inputs, self.kwargs), b, s)
+        key = (policy.label, b, s or 0)
+        made = len(self.plans)
+        if key not in self.plans:
+            self.plans[key] = plan_step(
+                self.model, args, kw, policy, self.device_type, self.autocast
+            )
+        step = StepPeak(self.memory, input_bytes(args, kw), self.plans[key].predicted_peak_bytes)
+        if self.on_plan is not None and len(self.plans) > made:
+            self.on_plan(policy.label, b, s, step.peak_bytes)
+        return step
+
+    def optimizer_moment(self, b: int, s: int | None) -> int:
+        """The peak while ``optimizer.step()`` runs at this size: no plan needed."""
+        args, kw = self.sized(self.shapes, b, s)
+        return StepPeak(self.memory, input_bytes(args, kw), 0).peak_bytes
+
+
+def _row(
+    steps: _Steps,
+    policy: Policy,
+    target: Device,
+    compute: str,
+    search: bool,
+    seq_limit: int,
+    limit: int,
+) -> FitRow:
+    """``policy``'s row: its peak at the asked size, with ``search`` the largest batch (and
+    sequence) that fits, and its roofline step time."""
+    batch, seq, memory = steps.batch, steps.seq, steps.memory
+    before = len(steps.plans)
+    peak = steps.planned(policy, batch, seq)
+    p = steps.plans[(policy.label, batch, seq or 0)]
+    largest_batch = largest_seq = None
+    exact = True
+    if search:
+        largest_batch, exact = _largest(
+            functools.partial(steps.planned, policy, s=seq),
+            functools.partial(steps.optimizer_moment, s=seq),
+            target.usable_bytes,
+            batch,
+            limit,
+        )
+        if steps.seq_dim is not None and seq is not None:
+            largest_seq, seq_exact = _largest(
+                functools.partial(steps.planned, policy, batch),
+                functools.partial(steps.optimizer_moment, batch),
+                target.usable_bytes,
+                seq,
+                seq_limit,
+            )
+            exact = exact and seq_exact
+    try:
+        seconds: float | None = estimate_step_seconds(p, memory, target, compute)
+    except ValueError:
+        seconds = None
+    return FitRow(
+        policy=policy.label,
+        batch=batch,
+        seq=seq,
+        weights_bytes=memory.weights_bytes,
+        gradient_bytes=memory.gradient_bytes,
+        optimizer_bytes=memory.optimizer_state_bytes,
+        optimizer_temp_bytes=memory.optimizer_temp_bytes,
+        activation_bytes=peak.activation_bytes,
+        input_bytes=peak.input_bytes,
+        peak_bytes=peak.peak_bytes,
+        fits=peak.peak_bytes <= target.usable_bytes,
+        largest_batch=largest_batch,
+        largest_seq=largest_seq,
+        exact=exact,
+        step_seconds=seconds,
+        plans=len(steps.plans) - before,
+    )
 
 
 def _largest(

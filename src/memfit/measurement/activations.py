@@ -181,6 +181,13 @@ def saved_activations(
         key=lambda s: (-s.bytes, s.module),
     )
     saved.clear()  # drop the references to the saved tensors
+    modules = _by_module(tensors, names)
+    return Activations(sum(s.bytes for s in tensors), tuple(modules), tuple(tensors))
+
+
+def _by_module(tensors: list[SavedTensor], names: dict[str, nn.Module]) -> list[ModuleActivations]:
+    """Each submodule's (and the loss's) saved bytes, its own and with its children's, largest
+    own first; submodules that saved nothing are left out."""
     self_bytes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
     for s in tensors:
@@ -204,4 +211,4 @@ def saved_activations(
                 ModuleActivations(name, kind, self_bytes.get(name, 0), total, counts.get(name, 0))
             )
     modules.sort(key=lambda m: (-m.self_bytes, -m.total_bytes, m.module))
-    return Activations(sum(s.bytes for s in tensors), tuple(modules), tuple(tensors))
+    return modules

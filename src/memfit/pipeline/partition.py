@@ -146,36 +146,14 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
         with preserved(model.buffers()), torch.enable_grad():
             out = compiled(*example_inputs)
     except Exception as exc:
-        reasons: list[str] = []
-        cause: BaseException | None = exc
-        while cause is not None and len(reasons) < 4:
-            text = str(cause).strip()
-            if text:
-                reasons.append(text.splitlines()[0])
-            cause = cause.__cause__
-        hint = (
-            "; Dynamo compiled this forward too many times in this process (a new model or "
-            "shape each time): call torch.compiler.reset() before planning again"
-            if any("recompile limit" in r.lower() or "recompile_limit" in r for r in reasons)
-            else ""
-        )
-        raise PipelineCaptureError(
-            f"memfit.pipeline needs {type(model).__name__}'s forward as one graph to cut it into "
-            f"stages, and Dynamo could not capture it whole: {' <- '.join(reasons)}{hint}"
-        ) from exc
+        raise _capture_error(model, exc) from exc
     if "gm" not in captured:
         raise PipelineCaptureError(
             "Dynamo reused an earlier compilation of this model instead of capturing it; "
             "call torch.compiler.reset() before planning a pipeline"
         )
     gm: fx.GraphModule = captured["gm"]
-    names: dict[int, str] = {}
-    parameter_names = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-        parameter_names.add(names[id(p)])
-    for name, b in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), name)
+    names, parameter_names = _state_names(model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     state: dict[fx.Node, str] = {}
     inputs: list[fx.Node] = []
@@ -186,7 +164,59 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
             tensors[names[id(value)]] = value
         else:
             inputs.append(node)
-    flat_out = captured.get("outputs", ())
+    output_leaves, constants, spec = _output_leaves(out, captured.get("outputs", ()))
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    return CapturedForward(
+        graph=gm,
+        nodes=nodes,
+        inputs=inputs,
+        state=state,
+        tensors=tensors,
+        output_spec=spec,
+        output_leaves=output_leaves,
+        output_constants=constants,
+        parameter_names=frozenset(parameter_names),
+        placeholder_values=captured["example"],
+    )
+
+
+def _capture_error(model: nn.Module, exc: BaseException) -> PipelineCaptureError:
+    """Why Dynamo could not capture ``model``'s forward whole: the first lines of ``exc`` and
+    its causes, and what to do when the reason is Dynamo's recompile limit."""
+    reasons: list[str] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(reasons) < 4:
+        text = str(cause).strip()
+        if text:
+            reasons.append(text.splitlines()[0])
+        cause = cause.__cause__
+    hint = (
+        "; Dynamo compiled this forward too many times in this process (a new model or "
+        "shape each time): call torch.compiler.reset() before planning again"
+        if any("recompile limit" in r.lower() or "recompile_limit" in r for r in reasons)
+        else ""
+    )
+    return PipelineCaptureError(
+        f"memfit.pipeline needs {type(model).__name__}'s forward as one graph to cut it into "
+        f"stages, and Dynamo could not capture it whole: {' <- '.join(reasons)}{hint}"
+    )
+
+
+def _state_names(model: nn.Module) -> tuple[dict[int, str], set[str]]:
+    """Each parameter's and buffer's first name by the tensor's id, and the parameters' names."""
+    names: dict[int, str] = {}
+    parameter_names = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+        parameter_names.add(names[id(p)])
+    for name, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), name)
+    return names, parameter_names
+
+
+def _output_leaves(out: Any, flat_out: Any) -> tuple[list[int | None], list[Any], Any]:
+    """Where each leaf of what the model returned (``out``) is among the captured graph's
+    outputs (``flat_out``), the leaves that are no tensor as constants, and ``out``'s spec."""
     positions = {id(t): i for i, t in enumerate(flat_out)}
     leaves, spec = tree_flatten(out)
     output_leaves: list[int | None] = []
@@ -203,19 +233,7 @@ def capture_forward(model: nn.Module, example_inputs: tuple[Any, ...]) -> Captur
         else:
             output_leaves.append(None)
             constants.append(leaf)
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    return CapturedForward(
-        graph=gm,
-        nodes=nodes,
-        inputs=inputs,
-        state=state,
-        tensors=tensors,
-        output_spec=spec,
-        output_leaves=output_leaves,
-        output_constants=constants,
-        parameter_names=frozenset(parameter_names),
-        placeholder_values=captured["example"],
-    )
+    return output_leaves, constants, spec
 
 
 def _is_constant(value: Any) -> bool:
@@ -390,73 +408,74 @@ def split_stages(captured: CapturedForward, cuts: Sequence[int]) -> list[StageGr
     pos = _positions(captured)
     last = _last_reader(captured, pos)
     order = [*captured.inputs, *captured.nodes]
-    output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
-    stages = []
-    for s, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        receives = [
-            v for v in order if pos[v] < start <= last[v] and isinstance(_value(v), torch.Tensor)
-        ]
-        is_last = end == n
-        sends = (
-            []
-            if is_last
-            else [
-                v for v in order if pos[v] < end <= last[v] and isinstance(_value(v), torch.Tensor)
-            ]
-        )
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for v in receives:
-            env[v] = graph.placeholder(v.name)
-        state_names: list[str] = []
 
-        def arg(
-            a: fx.Node,
-            env: dict[fx.Node, fx.Node] = env,
-            names: list[str] = state_names,
-            graph: fx.Graph = graph,
-        ) -> fx.Node:
-            if a in env:
-                return env[a]
-            if a in captured.state:
-                env[a] = graph.get_attr(captured.state[a])
-                names.append(captured.state[a])
-                return env[a]
-            value = _value(a)
-            if _is_constant(value):
-                return value
-            raise ValueError(f"value {a.name} is needed by a stage it does not reach")
+    def crossing(at: int) -> list[fx.Node]:
+        """The tensors computed before ``at`` and read at or after it."""
+        return [v for v in order if pos[v] < at <= last[v] and isinstance(_value(v), torch.Tensor)]
 
-        for node in captured.nodes[start:end]:
-            env[node] = graph.node_copy(node, arg)
-        if is_last:
-            graph.output(fx.map_arg(output_node.args[0], arg))
-        else:
-            graph.output(tuple(graph.call_method("contiguous", (arg(v),)) for v in sends))
-        attrs = {
-            node.target
-            for node in captured.nodes[start:end]
-            if node.op == "get_attr" and isinstance(node.target, str)
-        }
-        root = _root(state_names, captured)
-        for target in attrs:  # Dynamo's own constants
-            root.register_buffer(target, getattr(captured.graph, target))
-        module = fx.GraphModule(root, graph, class_name=f"Stage{s}")
-        seen: list[str] = []
-        for node in captured.nodes[start:end]:
-            path = module_path(node)
-            if path and path not in seen:
-                seen.append(path)
-        stages.append(
-            StageGraph(
-                index=s,
-                start=start,
-                end=end,
-                module=module,
-                receives=receives,
-                sends=sends,
-                state_names=state_names,
-                modules=seen,
-            )
-        )
-    return stages
+    return [
+        _stage(captured, s, start, end, crossing(start), [] if end == n else crossing(end))
+        for s, (start, end) in enumerate(zip(bounds, bounds[1:]))
+    ]
+
+
+def _stage(
+    captured: CapturedForward,
+    s: int,
+    start: int,
+    end: int,
+    receives: list[fx.Node],
+    sends: list[fx.Node],
+) -> StageGraph:
+    """Stage ``s``: nodes ``[start, end)`` as a module of their own that takes ``receives`` and
+    returns ``sends`` (the last stage: the model's outputs), with the state it reads."""
+    is_last = end == len(captured.nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for v in receives:
+        env[v] = graph.placeholder(v.name)
+    state_names: list[str] = []
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a in captured.state:
+            env[a] = graph.get_attr(captured.state[a])
+            state_names.append(captured.state[a])
+            return env[a]
+        value = _value(a)
+        if _is_constant(value):
+            return value
+        raise ValueError(f"value {a.name} is needed by a stage it does not reach")
+
+    for node in captured.nodes[start:end]:
+        env[node] = graph.node_copy(node, arg)
+    if is_last:
+        output_node = next(iter(captured.graph.graph.find_nodes(op="output")))
+        graph.output(fx.map_arg(output_node.args[0], arg))
+    else:
+        graph.output(tuple(graph.call_method("contiguous", (arg(v),)) for v in sends))
+    attrs = {
+        node.target
+        for node in captured.nodes[start:end]
+        if node.op == "get_attr" and isinstance(node.target, str)
+    }
+    root = _root(state_names, captured)
+    for target in attrs:  # Dynamo's own constants
+        root.register_buffer(target, getattr(captured.graph, target))
+    module = fx.GraphModule(root, graph, class_name=f"Stage{s}")
+    seen: list[str] = []
+    for node in captured.nodes[start:end]:
+        path = module_path(node)
+        if path and path not in seen:
+            seen.append(path)
+    return StageGraph(
+        index=s,
+        start=start,
+        end=end,
+        module=module,
+        receives=receives,
+        sends=sends,
+        state_names=state_names,
+        modules=seen,
+    )

@@ -20,6 +20,7 @@ planner fits is found (``search_stages``, the one loop both ``plan`` and ``Pipel
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,11 +72,8 @@ def choose_cuts(
         )
     bounds = costs.boundaries
     last = bounds[-1]
-    fwd = [0.0]
-    act = [0]
-    for f, a in zip(costs.forward_seconds, costs.activation_bytes):
-        fwd.append(fwd[-1] + f)
-        act.append(act[-1] + a)
+    fwd = list(itertools.accumulate(costs.forward_seconds, initial=0.0))
+    act = list(itertools.accumulate(costs.activation_bytes, initial=0))
 
     def sent(j: int) -> int:
         return search.crossing[bounds[j]] if bounds[j] < last else search.output_bytes
@@ -128,11 +126,7 @@ def choose_cuts(
         )
     except CapacityError as exc:
         raise _no_split_fits(stages, budget, len(refused), exc.least_capacity) from None
-    cuts, pos = [], 0
-    for size in sizes[:-1]:
-        pos += size
-        cuts.append(bounds[pos])
-    return cuts
+    return [bounds[pos] for pos in itertools.accumulate(sizes[:-1])]
 
 
 def _held_state(

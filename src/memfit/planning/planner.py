@@ -40,19 +40,11 @@ from memfit.planning.keep_rules import keep_all, keep_heavy, keep_marked
 from memfit.planning.offload import MIN_OFFLOAD_BYTES, swap, with_offload
 from memfit.planning.paused_gc import paused_gc
 from memfit.planning.plan import FrontierPoint, GraphPlan, TransferPlan
-from memfit.planning.policy import Policy
+from memfit.planning.policy import BUDGET, Policy
 from memfit.planning.step_budget import GraphShare
 from memfit.units import format_bytes
 
 __all__ = ["FrontierCache", "plan_graph", "with_executor_peaks"]
-
-#: The named policies the planner answers with one keep-set rule ("memory" and budgets use the
-#: frontier instead).
-_KEEP_RULES: dict[str, Callable[[JointGraph], set[fx.Node]]] = {
-    "none": keep_all,
-    "speed": keep_heavy,
-    "collection": keep_marked,
-}
 
 
 class FrontierCache:
@@ -70,6 +62,62 @@ class FrontierCache:
         self.jg = jg
         #: the frontier by whether it includes offload plans
         self.points: dict[bool, list[Candidate]] = {}
+
+
+@dataclasses.dataclass
+class _Request:
+    """What ``plan_graph`` was asked, with plain autograd's plan of ``jg``: the one argument of
+    every policy kind's planner (``_PLANNERS``)."""
+
+    jg: JointGraph
+    policy: Policy
+    spent_bytes: int
+    link: Link | None
+    offload_min_bytes: int
+    offload_limit_bytes: int | None
+    share: GraphShare | None
+    first_plan: bool
+    headroom_bytes: int
+    cache: FrontierCache | None
+    least_kept: bool
+    #: plain autograd's kept set and its simulation
+    baseline: set[fx.Node]
+    base_sim: StepSimulation
+    #: each node's modelled seconds, which offload hides transfers behind (empty without offload)
+    seconds: dict[fx.Node, float]
+
+    def frontier_points(self) -> list[Candidate]:
+        """The graph's frontier, with offload plans added when the policy offloads."""
+        offload, cache = self.policy.offload, self.cache
+        if cache is not None and offload in cache.points:
+            return cache.points[offload]
+        points = pareto_frontier(self.jg)
+        if offload:
+            assert self.link is not None
+            points = with_offload(
+                self.jg,
+                points,
+                self.link,
+                self.seconds,
+                min_bytes=self.offload_min_bytes,
+                limit_bytes=self.offload_limit_bytes,
+            )
+        if cache is not None:
+            cache.points[offload] = points
+        return points
+
+
+@dataclasses.dataclass
+class _Chosen:
+    """What a policy kind's planner chose: the kept set, its simulation and transfers, and what
+    the plan reports beside them."""
+
+    kept: set[fx.Node]
+    sim: StepSimulation
+    schedule: TransferSchedule | None = None
+    note: str = ""
+    budget_bytes: int | None = None
+    frontier: tuple[FrontierPoint, ...] = ()
 
 
 @paused_gc()  # planning's garbage collected once, as it ends (planning.paused_gc)
@@ -111,157 +159,193 @@ def plan_graph(
     if policy.offload and link is None:
         raise ValueError(f"policy {policy.label!r} offloads: plan_graph needs the link's bandwidth")
     baseline = keep_all(jg)
-    base_sim = simulate_step(jg, baseline)
-    note = ""
-    frontier: tuple[FrontierPoint, ...] = ()
-    budget_bytes: int | None = None
-    schedule: TransferSchedule | None = None
-    seconds = {n: node_seconds(n, jg.sizes) for n in jg.nodes} if policy.offload else {}
-
-    def frontier_points() -> list[Candidate]:
-        """The graph's frontier, with offload plans added when the policy offloads."""
-        if cache is not None and policy.offload in cache.points:
-            return cache.points[policy.offload]
-        points = pareto_frontier(jg)
-        if policy.offload:
-            assert link is not None
-            points = with_offload(
-                jg,
-                points,
-                link,
-                seconds,
-                min_bytes=offload_min_bytes,
-                limit_bytes=offload_limit_bytes,
-            )
-        if cache is not None:
-            cache.points[policy.offload] = points
-        return points
-
-    if policy.budget is not None:
-        points = frontier_points()
-        frontier = tuple(
-            FrontierPoint(
-                p.peak_bytes,
-                p.recompute_flops,
-                p.recompute_seconds,
-                _reported_bytes(jg, set(p.kept), _offloaded(p)),
-                offloaded_bytes=p.schedule.offloaded_bytes if p.schedule else 0,
-                stall_seconds=p.stall_seconds,
-                keep_seconds=p.keep_seconds,
-            )
-            for p in points
-        )
-        fraction = policy.budget.fraction if share is None else None
-        if share is not None:
-            budget_bytes = share.peak_bytes
-            allowed_points = [
-                p for p, q in zip(points, frontier) if q.kept_bytes <= share.kept_bytes
-            ]
-        else:
-            budget_bytes = policy.budget.resolve(
-                base_sim.peak_bytes, _activation_bytes(jg, baseline)
-            )
-            allowed_points = points
-        if fraction is not None:
-            budget_bytes = _fraction_reach(jg, points, fraction, budget_bytes)
-        # A fraction is of this graph's own activations; bytes are shared with earlier graphs.
-        allowed = budget_bytes if fraction is not None or share else budget_bytes - spent_bytes
-        allowed -= headroom_bytes
-        try:
-            chosen = choose(allowed_points or points, allowed)
-        except BudgetError as err:
-            if share is not None or (first_plan and (fraction is not None or spent_bytes)):
-                chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
-                note = f"{err}; planned at its least peak until the step is checked as a whole"
-                return describe_plan(
-                    jg,
-                    policy,
-                    set(chosen.kept),
-                    chosen.simulation,
-                    base_sim,
-                    baseline,
-                    note=note,
-                    budget_bytes=budget_bytes,
-                    step_budget_bytes=share.step_budget_bytes if share else None,
-                    frontier=frontier,
-                    schedule=chosen.schedule
-                    if chosen.schedule and chosen.schedule.transfers
-                    else None,
-                    offload_to=offload_to,
-                )
-            if policy.offload and offload_limit_bytes is not None:
-                raise _explained(
-                    err,
-                    f"offload was limited to {format_bytes(offload_limit_bytes)} per step by the "
-                    f"host budget or the free space of the offload disk",
-                ) from None
-            if jg.outside_bytes:
-                raise _explained(
-                    err,
-                    f"including {format_bytes(jg.outside_bytes)} the step was measured to hold "
-                    f"outside memfit's graphs between forward and backward, e.g. a loss computed "
-                    f"outside the model; memfit.step plans the loss too",
-                ) from None
-            if spent_bytes and fraction is None:
-                raise _explained(
-                    err,
-                    f"{spent_bytes} bytes of the budget are already kept by earlier graphs of "
-                    f"this step: the model has graph breaks",
-                ) from None
-            raise
-        kept, sim, schedule = set(chosen.kept), chosen.simulation, chosen.schedule
-    elif policy.least_memory:
-        # The least peak on the frontier: the cut heuristic ("keep_min_peak") is one of its
-        # candidates, and the segment programme often finds a lower peak for less recompute.
-        # Under Inductor, the cheapest within the frontier's gap of it.
-        points = frontier_points()
-        if least_kept:
-            lowest = least_kept_point(jg, points)
-        else:
-            lowest = least_peak_point(points, base_sim.peak_bytes, estimate=jg.fused_elementwise)
-        kept, sim, schedule = set(lowest.kept), lowest.simulation, lowest.schedule
-    elif policy.swaps:
-        assert link is not None
-        swapped = swap(
-            jg,
-            baseline,
-            base_sim,
-            link,
-            seconds,
-            min_bytes=offload_min_bytes,
-            limit_bytes=offload_limit_bytes,
-        )
-        kept, sim, schedule = set(baseline), swapped.simulation, swapped.schedule
-    else:
-        kept = _KEEP_RULES[policy.name](jg)
-        if policy.name == "speed" and jg.fused_elementwise:
-            # Under Inductor, "recompute only cheap ops" includes what fuses into the backward's
-            # kernels (``planning.fusion``), as torch.compile's partitioner does.
-            kept = fused_plan(jg, kept)
-        sim = simulate_step(jg, kept)
-    # A graph of a chain is judged by the step's peak (planning.chain), not by its own.
-    if policy.never_worse_than_none and not least_kept and sim.peak_bytes > base_sim.peak_bytes:
-        note = (
-            f"{policy.name!r} would peak above plain autograd here "
-            f"({sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead"
-        )
-        kept, sim, schedule = baseline, base_sim, None
-    if schedule is not None and not schedule.transfers:
-        schedule = None
+    request = _Request(
+        jg,
+        policy,
+        spent_bytes,
+        link,
+        offload_min_bytes,
+        offload_limit_bytes,
+        share,
+        first_plan,
+        headroom_bytes,
+        cache,
+        least_kept,
+        baseline=baseline,
+        base_sim=simulate_step(jg, baseline),
+        seconds={n: node_seconds(n, jg.sizes) for n in jg.nodes} if policy.offload else {},
+    )
+    chosen = _never_worse_than_none(request, _PLANNERS[policy.name](request))
     return describe_plan(
         jg,
         policy,
-        kept,
-        sim,
-        base_sim,
+        chosen.kept,
+        chosen.sim,
+        request.base_sim,
         baseline,
-        note=note,
-        budget_bytes=budget_bytes,
-        frontier=frontier,
-        schedule=schedule,
+        note=chosen.note,
+        budget_bytes=chosen.budget_bytes,
+        frontier=chosen.frontier,
+        schedule=chosen.schedule if chosen.schedule and chosen.schedule.transfers else None,
         offload_to=offload_to,
         step_budget_bytes=share.step_budget_bytes if share else None,
     )
+
+
+def _never_worse_than_none(request: _Request, chosen: _Chosen) -> _Chosen:
+    """``chosen``, or plain autograd's plan where ``chosen`` would peak above it under a policy
+    that must never do so. A graph of a chain is judged by the step's peak (``planning.chain``),
+    not by its own."""
+    base_sim = request.base_sim
+    if (
+        not request.policy.never_worse_than_none
+        or request.least_kept
+        or chosen.sim.peak_bytes <= base_sim.peak_bytes
+    ):
+        return chosen
+    note = (
+        f"{request.policy.name!r} would peak above plain autograd here "
+        f"({chosen.sim.peak_bytes} > {base_sim.peak_bytes} B): kept everything instead"
+    )
+    return _Chosen(request.baseline, base_sim, None, note, chosen.budget_bytes, chosen.frontier)
+
+
+def _plan_budget(request: _Request) -> _Chosen:
+    """A budget: the cheapest frontier point within it (less what earlier graphs keep and the
+    executor's headroom), or, while the step is not yet checked as a whole, the least peak."""
+    jg, share = request.jg, request.share
+    points = request.frontier_points()
+    frontier = _frontier(jg, points)
+    budget = request.policy.budget
+    assert budget is not None
+    fraction = budget.fraction if share is None else None
+    if share is not None:
+        budget_bytes = share.peak_bytes
+        allowed_points = [p for p, q in zip(points, frontier) if q.kept_bytes <= share.kept_bytes]
+    else:
+        budget_bytes = budget.resolve(
+            request.base_sim.peak_bytes, _activation_bytes(jg, request.baseline)
+        )
+        allowed_points = points
+    if fraction is not None:
+        budget_bytes = _fraction_reach(jg, points, fraction, budget_bytes)
+    # A fraction is of this graph's own activations; bytes are shared with earlier graphs.
+    allowed = budget_bytes if fraction is not None or share else budget_bytes - request.spent_bytes
+    allowed -= request.headroom_bytes
+    try:
+        chosen = choose(allowed_points or points, allowed)
+        note = ""
+    except BudgetError as err:
+        if not (
+            share is not None
+            or (request.first_plan and (fraction is not None or request.spent_bytes))
+        ):
+            raise _budget_error(request, err, fraction) from None
+        chosen = min(points, key=lambda p: (p.peak_bytes, p.cost_seconds))
+        note = f"{err}; planned at its least peak until the step is checked as a whole"
+    return _Chosen(
+        set(chosen.kept), chosen.simulation, chosen.schedule, note, budget_bytes, frontier
+    )
+
+
+def _frontier(jg: JointGraph, points: list[Candidate]) -> tuple[FrontierPoint, ...]:
+    """The frontier as the plan reports it."""
+    return tuple(
+        FrontierPoint(
+            p.peak_bytes,
+            p.recompute_flops,
+            p.recompute_seconds,
+            _reported_bytes(jg, set(p.kept), _offloaded(p)),
+            offloaded_bytes=p.schedule.offloaded_bytes if p.schedule else 0,
+            stall_seconds=p.stall_seconds,
+            keep_seconds=p.keep_seconds,
+        )
+        for p in points
+    )
+
+
+def _budget_error(request: _Request, err: BudgetError, fraction: float | None) -> BudgetError:
+    """``err`` with the reason the budget could not be met, where the request tells one."""
+    jg = request.jg
+    if request.policy.offload and request.offload_limit_bytes is not None:
+        return _explained(
+            err,
+            f"offload was limited to {format_bytes(request.offload_limit_bytes)} per step by the "
+            f"host budget or the free space of the offload disk",
+        )
+    if jg.outside_bytes:
+        return _explained(
+            err,
+            f"including {format_bytes(jg.outside_bytes)} the step was measured to hold "
+            f"outside memfit's graphs between forward and backward, e.g. a loss computed "
+            f"outside the model; memfit.step plans the loss too",
+        )
+    if request.spent_bytes and fraction is None:
+        return _explained(
+            err,
+            f"{request.spent_bytes} bytes of the budget are already kept by earlier graphs of "
+            f"this step: the model has graph breaks",
+        )
+    return err
+
+
+def _plan_least_memory(request: _Request) -> _Chosen:
+    """``"memory"``: the least peak on the frontier. The cut heuristic ("keep_min_peak") is one
+    of its candidates, and the segment programme often finds a lower peak for less recompute.
+    Under Inductor, the cheapest within the frontier's gap of it; in a chain of graphs, the point
+    that keeps the least."""
+    jg = request.jg
+    points = request.frontier_points()
+    if request.least_kept:
+        lowest = least_kept_point(jg, points)
+    else:
+        lowest = least_peak_point(
+            points, request.base_sim.peak_bytes, estimate=jg.fused_elementwise
+        )
+    return _Chosen(set(lowest.kept), lowest.simulation, lowest.schedule)
+
+
+def _plan_swap(request: _Request) -> _Chosen:
+    """``"swap"``: keep everything, recompute nothing, offload what hides behind compute."""
+    assert request.link is not None
+    swapped = swap(
+        request.jg,
+        request.baseline,
+        request.base_sim,
+        request.link,
+        request.seconds,
+        min_bytes=request.offload_min_bytes,
+        limit_bytes=request.offload_limit_bytes,
+    )
+    return _Chosen(set(request.baseline), swapped.simulation, swapped.schedule)
+
+
+def _keep_heavy_fused(jg: JointGraph) -> set[fx.Node]:
+    """``"speed"``'s rule. Under Inductor, "recompute only cheap ops" includes what fuses into
+    the backward's kernels (``planning.fusion``), as torch.compile's partitioner does."""
+    kept = keep_heavy(jg)
+    return fused_plan(jg, kept) if jg.fused_elementwise else kept
+
+
+def _keeping(rule: Callable[[JointGraph], set[fx.Node]]) -> Callable[[_Request], _Chosen]:
+    """The planner of a policy answered by one keep-set rule."""
+
+    def plan(request: _Request) -> _Chosen:
+        kept = rule(request.jg)
+        return _Chosen(kept, simulate_step(request.jg, kept))
+
+    return plan
+
+
+#: How each policy kind plans, by the policy's name: the planner's one dispatch on it.
+_PLANNERS: dict[str, Callable[[_Request], _Chosen]] = {
+    BUDGET: _plan_budget,
+    "memory": _plan_least_memory,
+    "swap": _plan_swap,
+    "none": _keeping(keep_all),
+    "speed": _keeping(_keep_heavy_fused),
+    "collection": _keeping(keep_marked),
+}
 
 
 def _fraction_reach(jg: JointGraph, points: list[Candidate], fraction: float, resolved: int) -> int:

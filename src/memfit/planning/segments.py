@@ -65,26 +65,8 @@ class SegmentModel:
         n_fwd = len(fwd)
         primal_keys = {k for p in jg.primals for k in jg.storages[p]}
 
-        # Last forward position reading each node's value (-1: read by nothing in forward).
-        last_read = np.full(n_fwd, -1, dtype=np.int64)
-        for i, n in enumerate(fwd):
-            readers = [pos[u] for u in jg.users_in_forward(n) if u in pos]
-            if readers:
-                last_read[i] = max(readers)
-        # Nodes the backward needs if everything is recomputed: ancestors of what it reads.
-        need = np.zeros(n_fwd, dtype=bool)
-        stack = [n for n in bw_read if n in pos]
-        while stack:
-            n = stack.pop()
-            if need[pos[n]]:
-                continue
-            need[pos[n]] = True
-            stack.extend(a for a in n.all_input_nodes if a in pos)
-
-        largest = max(
-            (jg.storage_bytes[k] for n in fwd for k in jg.storages[n] if k not in primal_keys),
-            default=0,
-        )
+        last_read = _last_read(jg, fwd, pos)
+        need = _needed_if_recomputed(bw_read, pos, n_fwd)
         node_secs = np.array(
             [
                 seconds[n]
@@ -95,11 +77,7 @@ class SegmentModel:
             dtype=np.float64,
         )
         always = np.array([n in always_kept for n in fwd], dtype=bool)
-        heavy = np.zeros(n_fwd, dtype=bool)
-        for i, n in enumerate(fwd):
-            src = n.args[0] if jg.is_getitem(n) and isinstance(n.args[0], fx.Node) else n
-            small = jg.is_tensor_value(n) and jg.bytes_of([n]) <= small_fraction * largest
-            heavy[i] = is_compute_heavy(src) or small
+        heavy = _heavy(jg, fwd, primal_keys, small_fraction)
         bw = np.array([n in bw_read for n in fwd], dtype=bool)
 
         # Storages: born at the first forward node producing them; they cross a cut if any node
@@ -300,3 +278,44 @@ class SegmentModel:
                 elif SEGMENT_KINDS[m] == "heavy" and self.n_heavy[p]:
                     kept.add(n)
         return kept
+
+
+def _last_read(jg: JointGraph, fwd: list[fx.Node], pos: dict[fx.Node, int]) -> np.ndarray:
+    """The last forward position reading each node's value (-1: read by nothing in forward)."""
+    last_read = np.full(len(fwd), -1, dtype=np.int64)
+    for i, n in enumerate(fwd):
+        readers = [pos[u] for u in jg.users_in_forward(n) if u in pos]
+        if readers:
+            last_read[i] = max(readers)
+    return last_read
+
+
+def _needed_if_recomputed(bw_read: set[fx.Node], pos: dict[fx.Node, int], n_fwd: int) -> np.ndarray:
+    """The forward nodes the backward needs if everything is recomputed: the ancestors of what
+    it reads, by forward position."""
+    need = np.zeros(n_fwd, dtype=bool)
+    stack = [n for n in bw_read if n in pos]
+    while stack:
+        n = stack.pop()
+        if need[pos[n]]:
+            continue
+        need[pos[n]] = True
+        stack.extend(a for a in n.all_input_nodes if a in pos)
+    return need
+
+
+def _heavy(
+    jg: JointGraph, fwd: list[fx.Node], primal_keys: set[object], small_fraction: float
+) -> np.ndarray:
+    """Whether each forward node is compute-heavy (a getitem: its source) or small (at most
+    ``small_fraction`` of the largest forward storage): what the "heavy" segment kind keeps."""
+    largest = max(
+        (jg.storage_bytes[k] for n in fwd for k in jg.storages[n] if k not in primal_keys),
+        default=0,
+    )
+    heavy = np.zeros(len(fwd), dtype=bool)
+    for i, n in enumerate(fwd):
+        src = n.args[0] if jg.is_getitem(n) and isinstance(n.args[0], fx.Node) else n
+        small = jg.is_tensor_value(n) and jg.bytes_of([n]) <= small_fraction * largest
+        heavy[i] = is_compute_heavy(src) or small
+    return heavy

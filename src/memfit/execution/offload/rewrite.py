@@ -63,16 +63,7 @@ def insert_transfers(
         val = value.meta["val"]
         with _fake_mode_of(val):
             fake_handle = torch.empty((), dtype=torch.int64)
-        with fw.graph.inserting_after(value):
-            handle = fw.graph.call_function(torch.ops.memfit.offload.default, (value, store.id))
-        handle.meta["val"] = fake_handle
-        after = anchor if fw_index[anchor] > fw_index[value] else handle
-        with fw.graph.inserting_after(after):
-            done = fw.graph.call_function(
-                torch.ops.memfit.offload_wait.default, (value, handle, store.id)
-            )
-        done.meta["val"] = fake_handle
-        saved[position] = done
+        saved[position] = _insert_offload(fw, value, anchor, fw_index, store, fake_handle)
 
         # The backward receives the saved value under its joint-graph name (by position only
         # if the split ever renamed it).
@@ -81,6 +72,40 @@ def insert_transfers(
         placeholder.meta["val"] = fake_handle
         if readers:
             reloads.append((placeholder, readers, bw_nodes.get(prefetch_before), val, fake_handle))
+    _insert_reloads(bw, reloads, store)
+    fw_output.args = (tuple(outputs[:num_fwd_outputs]) + tuple(saved),)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _insert_offload(
+    fw: fx.GraphModule,
+    value: fx.Node,
+    anchor: fx.Node,
+    fw_index: dict[fx.Node, int],
+    store: OffloadStore,
+    fake_handle: torch.Tensor,
+) -> fx.Node:
+    """The copy out of ``value``, started right after it, and its wait after ``anchor`` (the
+    schedule's ``wait_after``, or the copy itself where that comes first): the wait's node, which
+    the forward returns in ``value``'s place."""
+    with fw.graph.inserting_after(value):
+        handle = fw.graph.call_function(torch.ops.memfit.offload.default, (value, store.id))
+    handle.meta["val"] = fake_handle
+    after = anchor if fw_index[anchor] > fw_index[value] else handle
+    with fw.graph.inserting_after(after):
+        done = fw.graph.call_function(
+            torch.ops.memfit.offload_wait.default, (value, handle, store.id)
+        )
+    done.meta["val"] = fake_handle
+    return done
+
+
+def _insert_reloads(bw: fx.GraphModule, reloads: list[Any], store: OffloadStore) -> None:
+    """Each ``(placeholder, readers, prefetch, val, fake_handle)`` reload into ``bw``: its start
+    before ``prefetch`` (or its first reader, where that comes first), its wait before the first
+    reader, which with the other readers then reads the reloaded value."""
     # Reloads start in the order the schedule issues them: by prefetch node, then by first
     # reader (the one queue reads them one after another, as the simulator assumes).
     order = _order_in(bw.graph)
@@ -115,10 +140,6 @@ def insert_transfers(
         reloaded.meta["val"] = val
         for r in readers:
             r.replace_input_with(placeholder, reloaded)
-    fw_output.args = (tuple(outputs[:num_fwd_outputs]) + tuple(saved),)
-    for gm in (fw, bw):
-        gm.graph.lint()
-        gm.recompile()
 
 
 def _fake_mode_of(val: torch.Tensor) -> Any:
