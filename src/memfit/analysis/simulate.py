@@ -208,6 +208,112 @@ def _with_markers(
     return out
 
 
+def _running_graph(
+    jg: JointGraph, view: Any
+) -> tuple[
+    list[fx.Node],
+    Callable[[fx.Node], bool],
+    Callable[[Any], Sequence[fx.Node]],
+    Sequence[fx.Node],
+    Callable[[Any], Sequence[Any]],
+]:
+    """``(nodes, is_backward, inputs, gradients, storages)`` of the joint graph that runs: ``jg``
+    itself, or its backward specialized to the tangents that arrive as None (``view``)."""
+    if view is None:
+        nodes = [n for n in jg.nodes if n.op != "placeholder" and n.op != "output"]
+        return (
+            nodes,
+            jg.is_backward,
+            jg.inputs.__getitem__,
+            jg.bwd_outputs,
+            jg.storages.__getitem__,
+        )
+    made, known = view.storages, jg.storages
+
+    def storages(n: Any) -> Sequence[Any]:
+        return made[n] if n in made else known[n]
+
+    return view.nodes, view.backward.__contains__, view.inputs.__getitem__, view.outputs, storages
+
+
+@dataclass
+class _Passes:
+    """What the forward and backward walks run over: the ops in order, with offloaded values'
+    copy-out waits and prefetches as markers among them, and each run item's storages and
+    inputs. ``moved``: the storages offloaded, not kept on the device between the passes."""
+
+    fwd_run: list[Any]
+    bwd_run: list[Any]
+    fw_storages: Callable[[Any], Sequence[Any]]
+    bw_storages: Callable[[Any], Sequence[Any]]
+    fw_inputs: Callable[[Any], Sequence[fx.Node]]
+    bw_inputs: Callable[[Any], Sequence[fx.Node]]
+    storage_bytes: dict[Any, int]
+    moved: set[Any]
+
+    @classmethod
+    def of(
+        cls,
+        jg: JointGraph,
+        fwd: list[fx.Node],
+        bwd: list[fx.Node],
+        jg_storages: Callable[[Any], Sequence[Any]],
+        joint_inputs: Callable[[Any], Sequence[fx.Node]],
+        transfers: Sequence[Transfer],
+    ) -> _Passes:
+        if not transfers:
+            return cls(
+                list(fwd),
+                list(bwd),
+                jg.storages.__getitem__,
+                jg_storages,
+                jg.inputs.__getitem__,
+                joint_inputs,
+                jg.storage_bytes,
+                set(),
+            )
+        # Each offloaded storage leaves the forward at its wait and comes back as a new storage
+        # (the reload buffer) at its prefetch.
+        storage_bytes = dict(jg.storage_bytes)
+        moved: dict[Any, Any] = {}
+        waits: dict[fx.Node, list[_Marker]] = {}
+        starts: dict[fx.Node, list[_Marker]] = {}
+        for t in transfers:
+            (key,) = jg.storages[t.value]
+            moved[key] = ("reloaded", key)
+            storage_bytes[moved[key]] = storage_bytes[key]
+            waits.setdefault(t.wait_after, []).append(_Marker([t.value], []))
+            starts.setdefault(t.prefetch_before, []).append(_Marker([], [moved[key]]))
+        placed = set(bwd)
+        # a prefetch before an op the specialized backward does not run: at its start
+        first = [m for n, ms in starts.items() if n not in placed for m in ms]
+
+        def fw_storages(n: Any) -> Sequence[Any]:
+            return n.creates if isinstance(n, _Marker) else jg.storages[n]
+
+        def fw_inputs(n: Any) -> Sequence[fx.Node]:
+            return n.reads if isinstance(n, _Marker) else jg.inputs[n]
+
+        def bw_storages(n: Any) -> Sequence[Any]:
+            if isinstance(n, _Marker):
+                return n.creates
+            return [moved.get(k, k) for k in jg_storages(n)]
+
+        def bw_inputs(n: Any) -> Sequence[fx.Node]:
+            return n.reads if isinstance(n, _Marker) else joint_inputs(n)
+
+        return cls(
+            _with_markers(fwd, waits, after=True),
+            first + _with_markers(bwd, starts, after=False),
+            fw_storages,
+            bw_storages,
+            fw_inputs,
+            bw_inputs,
+            storage_bytes,
+            set(moved),
+        )
+
+
 def simulate_step(
     jg: JointGraph,
     saved: Iterable[fx.Node],
@@ -230,22 +336,7 @@ def simulate_step(
     view = running_backward(jg)
     tangents = [t for t in jg.tangents if t.name not in start.missing]
     available = set(saved_needed) | set(jg.primals) | set(tangents)
-    if view is None:
-        joint_nodes = [n for n in jg.nodes if n.op != "placeholder" and n.op != "output"]
-        is_backward: Callable[[fx.Node], bool] = jg.is_backward
-        joint_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
-        grads = jg.bwd_outputs
-        jg_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
-    else:
-        joint_nodes = view.nodes
-        is_backward = view.backward.__contains__
-        joint_inputs = view.inputs.__getitem__
-        grads = view.outputs
-        made, known = view.storages, jg.storages
-
-        def jg_storages(n: Any) -> Sequence[Any]:
-            return made[n] if n in made else known[n]
-
+    joint_nodes, is_backward, joint_inputs, grads, jg_storages = _running_graph(jg, view)
     bwd = order_backward(
         [n for n in joint_nodes if is_backward(n) or n not in available],
         is_backward,
@@ -260,57 +351,20 @@ def simulate_step(
     # backward reads them (then after their last reader).
     held_keys = {k for n in jg.fwd_outputs if n.name not in start.dropped for k in jg.storages[n]}
     dropped_keys = out_keys - held_keys - saved_keys
-    storage_bytes = jg.storage_bytes
-    fw_storages: Callable[[Any], Sequence[Any]] = jg.storages.__getitem__
-    bw_storages: Callable[[Any], Sequence[Any]] = jg_storages
-    fw_inputs: Callable[[Any], Sequence[fx.Node]] = jg.inputs.__getitem__
-    bw_inputs: Callable[[Any], Sequence[fx.Node]] = joint_inputs
-    fwd_run: list[Any] = fwd
-    bwd_run: list[Any] = bwd
-    if transfers:
-        # Each offloaded storage leaves the forward at its wait and comes back as a new storage
-        # (the reload buffer) at its prefetch.
-        storage_bytes = dict(storage_bytes)
-        moved: dict[Any, Any] = {}
-        waits: dict[fx.Node, list[_Marker]] = {}
-        starts: dict[fx.Node, list[_Marker]] = {}
-        for t in transfers:
-            (key,) = jg.storages[t.value]
-            moved[key] = ("reloaded", key)
-            storage_bytes[moved[key]] = storage_bytes[key]
-            saved_keys.discard(key)
-            waits.setdefault(t.wait_after, []).append(_Marker([t.value], []))
-            starts.setdefault(t.prefetch_before, []).append(_Marker([], [moved[key]]))
-        fwd_run = _with_markers(fwd, waits, after=True)
-        placed = set(bwd)
-        # a prefetch before an op the specialized backward does not run: at its start
-        first = [m for n, ms in starts.items() if n not in placed for m in ms]
-        bwd_run = first + _with_markers(bwd, starts, after=False)
-
-        def fw_storages(n: Any) -> Sequence[Any]:
-            return n.creates if isinstance(n, _Marker) else jg.storages[n]
-
-        def fw_inputs(n: Any) -> Sequence[fx.Node]:
-            return n.reads if isinstance(n, _Marker) else jg.inputs[n]
-
-        def bw_storages(n: Any) -> Sequence[Any]:
-            if isinstance(n, _Marker):
-                return n.creates
-            return [moved.get(k, k) for k in jg_storages(n)]
-
-        def bw_inputs(n: Any) -> Sequence[fx.Node]:
-            return n.reads if isinstance(n, _Marker) else joint_inputs(n)
-
+    passes = _Passes.of(jg, fwd, bwd, jg_storages, joint_inputs, transfers)
+    saved_keys -= passes.moved
     # Both passes: the same storage sizes, uncounted inputs, op scratch and recording.
     walk_pass = functools.partial(
         walk,
-        storage_bytes=storage_bytes,
+        storage_bytes=passes.storage_bytes,
         uncounted=primal_keys,
         op_scratch=jg.op_scratch,
         record_curve=record_curve,
         record_peak=record_peak,
     )
-    fw = walk_pass(fwd_run, fw_storages, keep=saved_keys | out_keys, inputs=fw_inputs)
+    fw = walk_pass(
+        passes.fwd_run, passes.fw_storages, keep=saved_keys | out_keys, inputs=passes.fw_inputs
+    )
     tangent_keys = {k for t in tangents for k in jg.storages[t]}
     # A loss's gradient (a scalar tangent) is the one ``loss.backward()`` makes: the autograd
     # engine's graph root holds it to the end of the backward, whatever reads it last. Freed
@@ -320,11 +374,11 @@ def simulate_step(
     root_keys = {k for t in tangents if _is_scalar(t) for k in jg.storages[t]}
     grad_keys = {k for n in grads for k in jg_storages(n)}
     bw = walk_pass(
-        bwd_run,
-        bw_storages,
+        passes.bwd_run,
+        passes.bw_storages,
         start_live=(fw.end_live - dropped_keys) | tangent_keys,
         keep=held_keys | grad_keys | root_keys,
-        inputs=bw_inputs,
+        inputs=passes.bw_inputs,
     )
     # Between forward and backward the step runs code outside the graph (the loss, when the
     # model alone is captured) on top of everything the forward left alive.
