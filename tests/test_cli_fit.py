@@ -120,14 +120,30 @@ def test_a_config_is_built_on_meta_and_planned_for_the_device(
     assert "'none' batch" in out.err
 
 
-@pytest.mark.slow  # imports transformers
-def test_a_config_without_meta_planning_says_why(
+@pytest.mark.slow  # imports transformers, plans twice on fake tensors
+def test_a_config_is_planned_on_meta_tensors_for_the_device(
     llama_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if step_plan._plans_meta():
-        pytest.skip("memfit.plan plans meta models: the lead's end-to-end test covers this")
-    assert main(["fit", str(llama_config), "--batch", "2", "--seq", "16"]) == 2
-    assert "cannot plan a meta model yet" in capsys.readouterr().err
+    """No stand-in: the config's model is built on the meta device and planned by memfit.plan on
+    fake tensors for an H100; the weights, gradients and AdamW's state are the model's own in
+    bf16 (the weights with its buffers), and the least-memory plan is no larger than keeping
+    everything."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(llama_config.parent)
+    params = list(transformers.AutoModelForCausalLM.from_config(config).parameters())
+    # bf16, each tensor in whole 512-byte blocks of the CUDA caching allocator
+    blocks = sum(-(-2 * p.numel() // 512) * 512 for p in params)
+    args = ["fit", str(llama_config), "--device", "h100-80gb", "--batch", "2", "--seq", "16"]
+    assert main([*args, "--dtype", "bfloat16", "--policies", "none,memory", "--no-search",
+                 "--json"]) == 0  # fmt: skip
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == {"none", "memory"}
+    for row in rows.values():
+        assert row["gradient_bytes"] == blocks
+        assert row["weights_bytes"] > row["gradient_bytes"]  # and the rotary buffer
+        assert row["optimizer_bytes"] >= 2 * blocks  # exp_avg and exp_avg_sq (and steps)
+        assert row["activation_bytes"] > 0 and row["fits"]
+    assert rows["memory"]["peak_bytes"] <= rows["none"]["peak_bytes"]
 
 
 def test_help_lists_the_devices(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,7 @@ from memfit.cli.errors import CliError, first_line
 from memfit.cli.options import HelpFormatter, parse_dtype, parse_policies
 from memfit.cli.tables import mib
 from memfit.cli.target import build_target, move_inputs
-from memfit.fitting import FitReport, MetaPlanningError, fit
+from memfit.fitting import FitReport, fit
 from memfit.fitting.step_plan import size_of, with_size
 from memfit.planning.budget import parse_budget
 
@@ -281,25 +281,22 @@ def run(args: argparse.Namespace, console: Any) -> int:
             at = f"batch {batch}" + (f", seq {seq}" if seq is not None else "")
             progress.update(task, description=f"{policy}: {at}: {mib(peak)}")
 
-        try:
-            report = fit(
-                model,
-                *call_args,
-                device=device,
-                policies=policies,
-                optimizer=optimizer,
-                implementation=args.implementation,
-                autocast=autocast,
-                batch_dim=batch_dim,
-                seq_dim=seq_dim if seq_dim >= 0 else None,
-                search=not args.no_search,
-                limit=args.max_batch,
-                seq_limit=min(args.max_batch, longest) if longest else None,
-                on_plan=planned,
-                **kwargs,
-            )
-        except MetaPlanningError as err:
-            raise CliError(f"{args.target}: {err}") from err
+        report = fit(
+            model,
+            *call_args,
+            device=device,
+            policies=policies,
+            optimizer=optimizer,
+            implementation=args.implementation,
+            autocast=autocast,
+            batch_dim=batch_dim,
+            seq_dim=seq_dim if seq_dim >= 0 else None,
+            search=not args.no_search,
+            limit=args.max_batch,
+            seq_limit=min(args.max_batch, longest) if longest else None,
+            on_plan=planned,
+            **kwargs,
+        )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

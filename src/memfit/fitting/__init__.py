@@ -16,7 +16,7 @@ Modules: ``step_plan`` (the one call of ``memfit.plan``, and inputs at another s
 
 from memfit.fitting.fit import DEFAULT_POLICIES, FitReport, FitRow, StepPeak, fit
 from memfit.fitting.search import SizeSearch, largest_fitting
-from memfit.fitting.step_plan import MetaPlanningError, plan_step
+from memfit.fitting.step_plan import plan_step
 
 __all__ = [
     "fit",
@@ -26,6 +26,5 @@ __all__ = [
     "DEFAULT_POLICIES",
     "SizeSearch",
     "largest_fitting",
-    "MetaPlanningError",
     "plan_step",
 ]

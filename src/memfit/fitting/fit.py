@@ -222,7 +222,7 @@ def fit(
     ``autocast``: the compute dtype under ``torch.autocast`` (weights stay in theirs; for pure
     bf16 put the model in bf16 instead). ``on_plan(policy, batch, seq, peak)`` is called after
     each new plan (progress). Raises ``ValueError`` for an unknown device or an optimizer not
-    modelled; ``fitting.step_plan.MetaPlanningError`` where meta planning is not available.
+    modelled.
     """
     target = get_device(device)
     wanted = [parse_policy(p) for p in policies]

@@ -3,9 +3,7 @@
 Why one function: ``plan_step`` is the only place the fit search calls ``memfit.plan``. A model
 built under ``torch.device("meta")`` (a 7B model in under a second, no memory) is planned on
 fake tensors for the target's device type, ``memfit.plan(..., device="cuda")``; a real model is
-planned where it lives, as ``memfit.plan`` plans it today. Until memfit's planner takes
-``device=`` (meta planning), a meta model is refused here with that reason, and everything
-above this function works unchanged once it does.
+planned where it lives.
 
 ``with_size`` makes the inputs of another batch size or sequence length from the example
 inputs, along one dimension: a real tensor's rows are repeated (``index_select``), a meta tensor
@@ -16,7 +14,6 @@ is made empty at the new shape; tensors whose size along that dimension is not t
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,11 +25,7 @@ from memfit.execution.module import plan as memfit_plan
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
-__all__ = ["plan_step", "is_meta", "with_size", "size_of", "input_bytes", "MetaPlanningError"]
-
-
-class MetaPlanningError(RuntimeError):
-    """A model on the meta device, and a ``memfit.plan`` that cannot plan one yet."""
+__all__ = ["plan_step", "is_meta", "with_size", "size_of", "input_bytes"]
 
 
 def is_meta(model: nn.Module, args: Any = (), kwargs: Any = None) -> bool:
@@ -40,10 +33,6 @@ def is_meta(model: nn.Module, args: Any = (), kwargs: Any = None) -> bool:
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
     return any(t.is_meta for t in tensors)
-
-
-def _plans_meta() -> bool:
-    return "device" in inspect.signature(memfit_plan).parameters
 
 
 def plan_step(
@@ -61,12 +50,6 @@ def plan_step(
     this compute dtype (weights stay in theirs).
     """
     meta = is_meta(model, args, kwargs)
-    if meta and not _plans_meta():
-        raise MetaPlanningError(
-            "this model is on the meta device, and this memfit's memfit.plan cannot plan a "
-            "meta model yet (it takes no device=); build the model with real parameters (a "
-            "smaller configuration, on cpu) to plan it here"
-        )
     where = device_type if meta else _device_type_of(model, args, kwargs)
     cast: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if autocast is not None:
