@@ -12,7 +12,6 @@ from torch import nn
 import memfit
 from memfit.analysis.devices import Device
 from memfit.analysis.step_memory import step_memory
-from memfit.fitting import MetaPlanningError
 from memfit.fitting.fit import StepPeak
 from memfit.fitting.step_plan import plan_step
 from memfit.planning.policy import parse_policy
@@ -103,10 +102,6 @@ def test_fit_refuses_what_it_cannot_plan() -> None:
         memfit.fit(_mlp(), torch.randn(2, 128), device="tpu-v9")
     with pytest.raises(ValueError, match="optimizer 'lamb' is not modelled"):
         memfit.fit(_mlp(), torch.randn(2, 128), optimizer="lamb")
-    with torch.device("meta"):
-        meta = _mlp()
-    with pytest.raises(MetaPlanningError, match="meta device"):
-        memfit.fit(meta, torch.empty(2, 128, device="meta"), policies=["none"])
 
 
 def test_a_part_of_a_device() -> None:
