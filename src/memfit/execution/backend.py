@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +70,95 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
         else:
             parts.append(repr(t))
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(eq=False)  # hashed by identity, as the functions Dynamo and AOTAutograd keep
+class _RunReports:
+    """How the compiled forward and backward of a planned graph report each run: the plan at
+    the sizes the call ran (a symbolic capture), what it keeps spent from the step's budget and
+    the offloader's, the wrapper told (``on_run``, ``on_backward``, ``on_budget_miss``)."""
+
+    executor: str
+    chained: bool
+    step_budget: StepBudget | None
+    offloader: Offloader | None
+    on_run: Callable[[GraphPlan], None] | None
+    on_budget_miss: Callable[[GraphPlan], None] | None
+    on_backward: Callable[[GraphPlan], None] | None
+
+    def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        planned: GraphPlan | None = gm.meta.get(PLAN_META)
+        if planned is None:  # not partitioned by memfit: no plan to report
+            return boxed_forward(gm, example_inputs, executor=self.executor)
+        plan: GraphPlan = planned
+        by_size: PlansBySize | None = gm.meta.get(SIZES_META)
+        read_sizes = by_size.reader(gm) if by_size is not None else None
+        step_budget, offloader = self.step_budget, self.offloader
+        on_run, on_budget_miss = self.on_run, self.on_budget_miss
+
+        def ran(args: list[Any]) -> None:
+            this = plan
+            if by_size is not None and read_sizes is not None:
+                this = by_size.at(read_sizes(args))
+                spent = step_budget.spent if step_budget is not None else 0
+                if on_budget_miss is not None and by_size.over_budget(this, spent_bytes=spent):
+                    on_budget_miss(this)
+            # What this graph keeps (and offloads) is alive while the step's later graphs run.
+            if step_budget is not None:
+                step_budget.spent += this.kept_bytes
+            if offloader is not None and this.transfers:
+                offloader.spent += this.offloaded_bytes
+            if on_run is not None:
+                on_run(this)
+
+        return boxed_forward(
+            gm, example_inputs, on_run=ran, executor=self.executor, chained=self.chained
+        )
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        planned: GraphPlan | None = gm.meta.get(PLAN_META)
+        if planned is None or self.on_backward is None:
+            return boxed_backward(gm, example_inputs, executor=self.executor)
+        plan: GraphPlan = planned
+        report = self.on_backward
+        return boxed_backward(
+            gm, example_inputs, on_run=lambda args: report(plan), executor=self.executor
+        )
+
+
+@dataclass(eq=False)  # hashed by identity, as Dynamo keeps backends
+class _Backend:
+    """The Dynamo backend ``make_backend`` returns: each graph Dynamo hands it is named, its
+    attention and loss head rewritten, then planned and compiled by AOTAutograd."""
+
+    partition: Partitioner
+    compile_joint: Callable[..., Any]
+    attention: str
+    loss_head: str
+    on_compile: Callable[[], None] | None
+    #: what Dynamo's logs call the backend
+    __name__ = "memfit"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Any:
+        if self.on_compile is not None:
+            self.on_compile()
+        self.partition.sites.clear()
+        self.partition.loss_heads.clear()
+        self.partition.key = graph_key(gm, example_inputs)
+        # AOTAutograd's primals: the module's parameters and buffers, then Dynamo's inputs
+        # (aot_module_simplified, checked 2.13.0); real values, which the Inductor executor runs
+        # its compiled graphs on once to measure them.
+        self.partition.primals = [
+            *dict(gm.named_parameters(remove_duplicate=False)).values(),
+            *dict(gm.named_buffers(remove_duplicate=False)).values(),
+            *example_inputs,
+        ]
+        remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
+        if self.attention == "auto":
+            self.partition.sites.extend(replace_attention(gm))
+        if self.loss_head == "auto":
+            self.partition.loss_heads.extend(replace_loss_heads(gm))
+        return self.compile_joint(gm, example_inputs)
 
 
 def make_backend(
@@ -149,47 +239,16 @@ def make_backend(
         chain_mode=chain_mode,
     )
 
-    def compile_forward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        planned: GraphPlan | None = gm.meta.get(PLAN_META)
-        if planned is None:  # not partitioned by memfit: no plan to report
-            return boxed_forward(gm, example_inputs, executor=executor)
-        plan: GraphPlan = planned
-        by_size: PlansBySize | None = gm.meta.get(SIZES_META)
-        read_sizes = by_size.reader(gm) if by_size is not None else None
-
-        def ran(args: list[Any]) -> None:
-            this = plan
-            if by_size is not None and read_sizes is not None:
-                this = by_size.at(read_sizes(args))
-                spent = step_budget.spent if step_budget is not None else 0
-                if on_budget_miss is not None and by_size.over_budget(this, spent_bytes=spent):
-                    on_budget_miss(this)
-            # What this graph keeps (and offloads) is alive while the step's later graphs run.
-            if step_budget is not None:
-                step_budget.spent += this.kept_bytes
-            if offloader is not None and this.transfers:
-                offloader.spent += this.offloaded_bytes
-            if on_run is not None:
-                on_run(this)
-
-        return boxed_forward(gm, example_inputs, on_run=ran, executor=executor, chained=chained)
-
-    def compile_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        planned: GraphPlan | None = gm.meta.get(PLAN_META)
-        if planned is None or on_backward is None:
-            return boxed_backward(gm, example_inputs, executor=executor)
-        plan: GraphPlan = planned
-        report = on_backward
-        return boxed_backward(
-            gm, example_inputs, on_run=lambda args: report(plan), executor=executor
-        )
+    runs = _RunReports(
+        executor, chained, step_budget, offloader, on_run, on_budget_miss, on_backward
+    )
 
     def compile_inference(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return boxed(gm, example_inputs, executor=executor)
 
     compile_joint = aot_autograd(
-        fw_compiler=compile_forward,
-        bw_compiler=compile_backward,
+        fw_compiler=runs.forward,
+        bw_compiler=runs.backward,
         inference_compiler=compile_inference,
         partition_fn=partition,
         decompositions=decompositions(executor),
@@ -201,25 +260,4 @@ def make_backend(
         keep_inference_input_mutations=executor == INDUCTOR,
     )
 
-    def backend(gm: fx.GraphModule, example_inputs: Any) -> Any:
-        if on_compile is not None:
-            on_compile()
-        partition.sites.clear()
-        partition.loss_heads.clear()
-        partition.key = graph_key(gm, example_inputs)
-        # AOTAutograd's primals: the module's parameters and buffers, then Dynamo's inputs
-        # (aot_module_simplified, checked 2.13.0); real values, which the Inductor executor runs
-        # its compiled graphs on once to measure them.
-        partition.primals = [
-            *dict(gm.named_parameters(remove_duplicate=False)).values(),
-            *dict(gm.named_buffers(remove_duplicate=False)).values(),
-            *example_inputs,
-        ]
-        remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
-        if attention == "auto":
-            partition.sites.extend(replace_attention(gm))
-        if loss_head == "auto":
-            partition.loss_heads.extend(replace_loss_heads(gm))
-        return compile_joint(gm, example_inputs)
-
-    return backend
+    return _Backend(partition, compile_joint, attention, loss_head, on_compile)
