@@ -176,7 +176,7 @@ def test_a_meta_model_without_a_device_asks_for_one() -> None:
 @pytest.mark.parametrize(
     "device, error, match",
     [
-        ("h100-80gb", ValueError, "not a device torch knows"),
+        ("tpu-v9", ValueError, "not a device torch knows nor a named one"),
         ("mps", ValueError, "memfit plans for cpu or cuda"),
         (3, TypeError, "a string or a torch.device"),
     ],
@@ -185,6 +185,14 @@ def test_a_device_memfit_cannot_plan_for_is_refused(device: Any, error: type, ma
     model, args, kwargs = _meta_case("mlp")
     with pytest.raises(error, match=match):
         memfit.plan(model, *args, device=device, **kwargs)
+
+
+def test_a_named_gpu_is_planned_for_its_type() -> None:
+    model, args, kwargs = _meta_case("mlp")
+    by_type = memfit.plan(model, *args, device="cuda", **kwargs).predicted_peak_bytes
+    by_name = memfit.plan(model, *args, device="H100-80GB", **kwargs).predicted_peak_bytes
+    by_device = memfit.plan(model, *args, device=memfit.Device.named("l4"), **kwargs)
+    assert by_name == by_type == by_device.predicted_peak_bytes
 
 
 def test_what_needs_this_machines_measurements_is_refused_on_meta() -> None:

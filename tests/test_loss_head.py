@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import memfit
 from hf_models import tiny_hf
+from memfit.capture import loss_head
 
 VOCAB, HIDDEN = 256, 32
 
@@ -52,6 +53,30 @@ class HeadModel(nn.Module):
         if self.form == "scaled_logits":
             return F.cross_entropy((self.head(h) * 2).view(-1, v), y.view(-1))
         raise ValueError(self.form)
+
+
+@pytest.fixture(autouse=True)
+def chunk_small_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models here are tiny: their logits fit in one chunk, which the pass leaves alone in
+    use (nothing to save); these tests rewrite them anyway, to check the rewrite itself."""
+    monkeypatch.setattr(loss_head, "CHUNK_SMALL_HEADS", True)
+
+
+def test_a_head_whose_logits_fit_in_one_chunk_is_left_alone_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loss_head, "CHUNK_SMALL_HEADS", False)
+    torch.manual_seed(0)
+    head = nn.Linear(16, 4)  # a classifier: 8 tokens x 4 classes, far within one chunk
+
+    @memfit.step(policy="none")
+    def train_step(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(h), y)
+
+    h, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    train_step(h, y).backward()
+    (site,) = train_step.plan.loss_heads
+    assert not site.fused and "within one chunk" in site.reason, site
 
 
 def _batch(vocab: int = VOCAB, shape: tuple[int, int] = (2, 24)) -> tuple[torch.Tensor, ...]:

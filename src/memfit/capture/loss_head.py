@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from memfit._compat import size_hint
 from memfit.capture.attention.graph import (
     LINEAR,
     Calls,
@@ -47,7 +48,7 @@ from memfit.capture.attention.graph import (
     value_of,
 )
 from memfit.choice import Choice
-from memfit.nn.linear_cross_entropy import linear_cross_entropy
+from memfit.nn.linear_cross_entropy import default_token_chunk, linear_cross_entropy
 
 __all__ = ["LossHead", "LossHeadSite", "replace_loss_heads"]
 
@@ -147,6 +148,15 @@ def _rows_only(index: Any, dim: int) -> bool:
     return len(items) < dim or items[-1] == whole
 
 
+#: Rewrite heads whose logits fit in one chunk too (tests of the rewrite on tiny models set it).
+CHUNK_SMALL_HEADS = False
+
+
+def _compute_size(dtype: torch.dtype) -> int:
+    """Bytes of an element of the kernel's compute dtype (half types compute in float32)."""
+    return 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize
+
+
 def _match(loss: fx.Node) -> _Head:
     x, target, ignore, reduction = _loss_arguments(loss)
     erased = [loss]
@@ -204,6 +214,13 @@ def _match(loss: fx.Node) -> _Head:
         raise _Skip("a linear under autocast (its output's dtype is not its inputs')")
     if values[1].dim() != 2 or not isinstance(values[1].shape[1], int):
         raise _Skip("a linear weight that is not 2-D, of a fixed width")
+    tokens, hidden = size_hint(value.shape[0]), values[1].shape[1]
+    size = _compute_size(value.dtype)
+    if tokens <= default_token_chunk(tokens, hidden, vocab, size) and not CHUNK_SMALL_HEADS:
+        # One chunk holds every token: the kernel would build the whole logits block in forward
+        # and again in backward, which saves nothing over plain autograd and costs its own
+        # buffers (a tiny ViT's classifier peaked 16 KiB above plain's step when rewritten).
+        raise _Skip(f"logits within one chunk ({tokens * vocab * size} bytes): nothing to save")
     return _Head(loss, erased, linear, chain[::-1], target, ignore, reduction, value.dtype)
 
 
