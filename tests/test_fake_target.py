@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import memfit
 from memfit.bench.zoo import MLP, ZOO, case
+from memfit.execution.fake_target import is_meta
 
 
 def _meta(value: Any) -> Any:
@@ -220,3 +221,12 @@ def test_a_model_that_reads_a_value_says_it_cannot_be_planned_on_meta() -> None:
     with pytest.raises(ValueError, match=r"reads a tensor's value .* plan the real model"):
         memfit.plan(model, torch.empty(8, 64, device="meta"), device="cpu")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_what_is_meta() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    x = torch.empty(2, 4, device="meta")
+    assert is_meta(model) and is_meta(nn.Linear(4, 4), ((x,), {}))
+    assert is_meta(nn.Linear(4, 4), ((), {"x": x}))
+    assert not is_meta(nn.Linear(4, 4), ((torch.randn(2, 4),), {}))

@@ -1,4 +1,4 @@
-"""memfit.fitting.step_plan: inputs at another size (real and meta), their bytes, and the one
+"""memfit.fitting.step_plan: inputs at another size (real and meta), and the one
 call of memfit.plan, which refuses a meta model until memfit.plan takes device=."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memfit.fitting import step_plan
-from memfit.fitting.step_plan import input_bytes, is_meta, size_of, with_size
+from memfit.fitting.step_plan import size_of, with_size
 from memfit.planning.policy import parse_policy
 
 
@@ -27,20 +27,6 @@ def test_inputs_at_another_size_repeat_rows_and_leave_shared_tensors() -> None:
     assert both["labels"] is both["input_ids"]
     with pytest.raises(ValueError, match="no input tensor has a dimension 2"):
         size_of((ids,), {}, 2)
-
-
-def test_input_bytes_count_each_storage_once() -> None:
-    x = torch.randn(4, 8)
-    assert input_bytes((x, x[:2]), {"y": torch.zeros(3, dtype=torch.int64)}) == 4 * 8 * 4 + 24
-    assert input_bytes((torch.empty(5, 2, device="meta", dtype=torch.bfloat16),), {}) == 20
-
-
-def test_what_is_meta() -> None:
-    with torch.device("meta"):
-        model = nn.Linear(4, 4)
-    x = torch.empty(2, 4, device="meta")
-    assert is_meta(model) and is_meta(nn.Linear(4, 4), (x,))
-    assert not is_meta(nn.Linear(4, 4), (torch.randn(2, 4),))
 
 
 def test_a_meta_model_goes_to_memfit_plan_with_the_target_device(

@@ -41,7 +41,14 @@ from memfit.analysis.devices import Device, get_device, known_devices
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.options import Options
 
-__all__ = ["DEVICE_TYPES", "fake_target", "on_fake_target", "parse_device", "planning_target"]
+__all__ = [
+    "DEVICE_TYPES",
+    "fake_target",
+    "is_meta",
+    "on_fake_target",
+    "parse_device",
+    "planning_target",
+]
 
 #: The device types a plan can be made for (planning on fake tensors included).
 DEVICE_TYPES = ("cpu", "cuda")
@@ -101,6 +108,12 @@ def _tensors(model: nn.Module, inputs: Any) -> list[torch.Tensor]:
     ]
 
 
+def is_meta(model: nn.Module, inputs: Any = ()) -> bool:
+    """Whether any of ``model``'s parameters and buffers or the tensors in ``inputs`` (any
+    pytree) is on the meta device: no storage, so the model is planned on fake tensors."""
+    return any(t.is_meta for t in _tensors(model, inputs))
+
+
 def fake_target(
     model: nn.Module, inputs: Any, device: str | torch.device | Device | None
 ) -> torch.device | None:
@@ -111,8 +124,7 @@ def fake_target(
     A real model with no ``device``, or one naming where it lives, is planned as today.
     """
     target = parse_device(device) if device is not None else None
-    tensors = _tensors(model, inputs)
-    if any(t.is_meta for t in tensors):
+    if is_meta(model, inputs):
         if target is None:
             raise ValueError(
                 f"this {type(model).__name__} has parameters, buffers or inputs on the meta "
@@ -121,6 +133,7 @@ def fake_target(
                 f"device='cuda')"
             )
         return target
+    tensors = _tensors(model, inputs)
     if any(is_fake(t) for t in tensors):
         raise ValueError(
             "memfit.plan takes a model and inputs on a real device or on meta, not fake "

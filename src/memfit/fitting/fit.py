@@ -31,9 +31,11 @@ from torch import nn
 from memfit._compat import tree_map
 from memfit.analysis.devices import Device, get_device
 from memfit.analysis.step_memory import StepMemory, step_memory
+from memfit.execution.fake_target import is_meta
 from memfit.fitting.search import largest_fitting
-from memfit.fitting.step_plan import input_bytes, is_meta, plan_step, size_of, with_size
+from memfit.fitting.step_plan import plan_step, size_of, with_size
 from memfit.fitting.step_time import compute_dtype_name, estimate_step_seconds
+from memfit.measurement.resident import input_bytes
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy, parse_policy
@@ -236,7 +238,7 @@ def fit(
         device_type=target.type,
         round_bytes=round_bytes,
     )
-    meta = is_meta(model, inputs, kwargs)
+    meta = is_meta(model, (inputs, kwargs))
     batch = size_of(inputs, kwargs, batch_dim)
     steps = _Steps(
         model,

@@ -3,7 +3,8 @@
 Why one function: ``plan_step`` is the only place the fit search calls ``memfit.plan``. A model
 built under ``torch.device("meta")`` (a 7B model in under a second, no memory) is planned on
 fake tensors for the target's device type, ``memfit.plan(..., device="cuda")``; a real model is
-planned where it lives.
+planned where it lives. Whether a model is meta is ``execution.fake_target.is_meta``, the same
+test ``memfit.plan`` makes; the bytes of the inputs, ``measurement.resident.input_bytes``.
 
 ``with_size`` makes the inputs of another batch size or sequence length from the example
 inputs, along one dimension: a real tensor's rows are repeated (``index_select``), a meta tensor
@@ -21,18 +22,12 @@ import torch
 from torch import nn
 
 from memfit._compat import tree_flatten, tree_map
+from memfit.execution.fake_target import is_meta
 from memfit.execution.module import plan as memfit_plan
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
-__all__ = ["plan_step", "is_meta", "with_size", "size_of", "input_bytes"]
-
-
-def is_meta(model: nn.Module, args: Any = (), kwargs: Any = None) -> bool:
-    """Whether the model's parameters or the inputs are meta tensors (no storage)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-    return any(t.is_meta for t in tensors)
+__all__ = ["plan_step", "with_size", "size_of"]
 
 
 def plan_step(
@@ -49,7 +44,7 @@ def plan_step(
     is planned on the device it is on. ``autocast``: the step runs under ``torch.autocast`` with
     this compute dtype (weights stay in theirs).
     """
-    meta = is_meta(model, args, kwargs)
+    meta = is_meta(model, (args, kwargs))
     where = device_type if meta else _device_type_of(model, args, kwargs)
     cast: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if autocast is not None:
@@ -125,20 +120,3 @@ def with_size(value: Any, dim: int, old: int, new: int) -> Any:
         return made[id(t)]
 
     return tree_map(resize, value)
-
-
-def input_bytes(args: Any, kwargs: Any) -> int:
-    """Bytes of the step's input tensors (alive through the step), one count per storage."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tree_flatten((args, kwargs))[0]:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if t.is_meta:
-            total += t.numel() * t.element_size()
-            continue
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total

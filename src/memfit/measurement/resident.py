@@ -3,12 +3,14 @@
 ``memfit.measure`` reports the peak *above* what was live when the call began, so a question
 about the whole device ("does batch n fit in 16 GiB?") adds these bytes back. Each storage is
 counted once: tied weights, views of one input, and an input that is a parameter are not counted
-twice, and a meta tensor (no memory) not at all.
+twice. A meta tensor holds no memory here; where it stands for a tensor of the device planned for
+(``memfit.fit`` on a model built under ``torch.device("meta")``), ``meta=True`` counts the bytes
+it will take there, once per tensor (a meta tensor has no storage that could tell two apart).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,15 +18,22 @@ from torch import nn
 
 from memfit._compat import tree_flatten
 
-__all__ = ["resident_bytes"]
+__all__ = ["input_bytes", "resident_bytes"]
 
 
-def _storages(tensors: Iterable[Any]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            out[s.data_ptr()] = s.nbytes()
+def _storages(values: Any, meta: bool) -> dict[Hashable, int]:
+    """Bytes of each storage of the tensors in ``values`` (any pytree), keyed by device and
+    address; with ``meta``, each meta tensor's own size under a key of its own."""
+    out: dict[Hashable, int] = {}
+    for i, t in enumerate(tree_flatten(values)[0]):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.is_meta:
+            if meta:
+                out[("meta", i)] = t.numel() * t.element_size()
+            continue
+        s = t.untyped_storage()
+        out[(str(t.device), s.data_ptr())] = s.nbytes()
     return out
 
 
@@ -36,6 +45,12 @@ def resident_bytes(
     These are live before a step starts, so ``memfit.measure``'s peak (which is *above* what was
     live at entry) does not include them.
     """
-    weights = _storages([*model.parameters(), *model.buffers()])
-    inputs = _storages(tree_flatten((tuple(args), dict(kwargs or {})))[0])
+    weights = _storages([*model.parameters(), *model.buffers()], meta=False)
+    inputs = _storages((tuple(args), dict(kwargs or {})), meta=False)
     return sum(weights.values()), sum(n for p, n in inputs.items() if p not in weights)
+
+
+def input_bytes(args: Any, kwargs: Any, *, meta: bool = True) -> int:
+    """Bytes of a step's input tensors (alive through the step), one count per storage; a meta
+    tensor counts the bytes it stands for unless ``meta=False`` (see the module docstring)."""
+    return sum(_storages((args, kwargs), meta).values())
