@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ import memfit
 from memfit._compat import tree_flatten
 from memfit.bench.runner import Method, Snapshot, first_step, measure_peak, time_interleaved
 from memfit.cli.errors import CliError
+from memfit.execution.largest_batch import model_loss
 from memfit.measurement.resident import resident_bytes
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
@@ -46,13 +47,12 @@ def default_loss(output: Any) -> torch.Tensor:
     """The scalar a generic training step backpropagates from the model's output.
 
     A scalar output is the loss; else a ``loss`` attribute or key holding a scalar (HuggingFace
-    models given labels); else the sum of every floating-point output tensor that requires grad
-    (which backpropagates a gradient of ones of each output's shape, as large as a real loss's).
+    models given labels), as ``memfit.largest_batch`` reads it (``model_loss``); else the sum of
+    every floating-point output tensor that requires grad (which backpropagates a gradient of
+    ones of each output's shape, as large as a real loss's).
     """
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+    loss = model_loss(output)
+    if loss is not None:
         return loss
     tensors = [
         t

@@ -48,7 +48,7 @@ from memfit.measurement.resident import resident_bytes
 from memfit.planning.budget import BudgetError, parse_budget
 from memfit.planning.plan import Plan
 
-__all__ = ["BatchProbe", "LargestBatch", "bisect_largest", "largest_batch"]
+__all__ = ["BatchProbe", "LargestBatch", "bisect_largest", "largest_batch", "model_loss"]
 
 #: The policy that lets the planner recompute and offload per value, the least time that fits.
 AUTO = "auto"
@@ -174,12 +174,20 @@ def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    """The model's own loss: a scalar output, or a scalar ``loss`` (HF models given labels)."""
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The model's own loss in its output: a scalar output, or a scalar ``loss`` attribute or
+    key (HF models given labels); None where it has none. ``memfit profile``'s step reads it too
+    (``cli.steps.default_loss``)."""
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The model's own loss (``model_loss``), or why a step cannot be made without ``loss=``."""
+    loss = model_loss(output)
+    if loss is not None:
         return loss
     raise ValueError(
         f"memfit.largest_batch: the model returned {type(output).__name__}, not a scalar loss "
