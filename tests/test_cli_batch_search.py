@@ -14,7 +14,6 @@ from memfit.cli.batch_search import (
     Probe,
     batch_size_of,
     measure_probe,
-    resize_batch,
     search_max_batch,
 )
 from memfit.cli.errors import CliError
@@ -25,7 +24,7 @@ from memfit.planning.policy import Policy
 def threshold_probe(limit: int, calls: list[int]):
     def probe(batch: int) -> Probe:
         calls.append(batch)
-        return Probe(batch, 100 * batch, batch <= limit)
+        return Probe(batch, fits=batch <= limit, total_bytes=100 * batch, peak_bytes=None)
 
     return probe
 
@@ -68,12 +67,8 @@ def test_search_stops_at_the_limit_and_when_nothing_fits() -> None:
     assert r.max_batch == 0 and r.first_not_fitting == 1 and r.total_bytes is None
 
 
-def test_resize_batch_repeats_rows_and_leaves_other_tensors() -> None:
+def test_the_batch_size_is_read_along_batch_dim_and_a_missing_dim_named_as_the_flag() -> None:
     x = torch.arange(6.0).reshape(3, 2)
-    mask = torch.ones(2)
-    args = resize_batch((x, mask, 5), 0, 3, 7)
-    assert args[0].shape == (7, 2) and torch.equal(args[0][3:6], x)
-    assert args[1] is mask and args[2] == 5
     assert batch_size_of(((torch.ones(2, 9),), {}), {}, 1) == 9
     with pytest.raises(CliError, match="--batch-dim 3"):
         batch_size_of((x,), {}, 3)

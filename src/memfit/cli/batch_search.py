@@ -7,50 +7,43 @@ state is not included. So a budget below the parameters can never fit, and is re
 
 How: the batch is a multiple of ``step`` (default 1). Starting at the example batch, the batch is
 doubled while it fits (halved while it does not), then bisected between the largest batch that fit
-and the smallest that did not, until they are one ``step`` apart. Every probe is a real step: the
-model is wrapped afresh in the policy (shapes are static, so each batch size is captured and planned
-for itself), run once to compile, then run once under ``memfit.measure``. So the result ``b`` was
-measured to fit and ``b + step`` was measured not to, assuming memory grows with the batch. A probe
-that runs out of device memory (CUDA) counts as not fitting. Inputs of another batch size are made
-from the example inputs by repeating their rows along ``batch_dim``; tensors whose size along that
+and the smallest that did not, until they are one ``step`` apart. Every probe is a real step,
+tried as ``memfit.largest_batch`` tries its batches (``execution.largest_batch.probe_batch``):
+the model and its loss as one ``memfit.step`` under the policy (shapes are static, so each batch
+size is captured and planned for itself), run once to compile, then run once under
+``memfit.measure``. So the result ``b`` was measured to fit and ``b + step`` was measured not to,
+assuming memory grows with the batch. A probe that runs out of device memory (CUDA), for which the
+policy's budget has no plan, or whose weights and batch alone exceed the budget counts as not
+fitting. Inputs of another batch size are made from the example inputs by repeating their rows
+along ``batch_dim`` (``memfit.fitting.step_plan.with_size``); tensors whose size along that
 dimension is not the example batch size (a mask shared by all rows, a scalar) are left alone.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-import memfit
-from memfit._compat import tree_flatten, tree_map
 from memfit.cli.errors import CliError
 from memfit.cli.steps import Workload
-from memfit.execution.largest_batch import bisect_largest
-from memfit.measurement.resident import resident_bytes
+from memfit.execution.largest_batch import BatchProbe, bisect_largest, probe_batch
+from memfit.fitting.step_plan import size_of, with_size
 from memfit.planning.policy import Policy
 
 __all__ = [
     "Probe",
     "SearchResult",
     "batch_size_of",
-    "resize_batch",
     "measure_probe",
     "search_max_batch",
 ]
 
 
-@dataclass(frozen=True)
-class Probe:
-    """One measured step at one batch size."""
-
-    batch: int
-    total_bytes: int | None  # resident (weights, batch) + measured peak; None if it ran out
-    fits: bool
-    error: str | None = None
+#: One measured step at one batch size: ``memfit.largest_batch``'s record of a probe.
+Probe = BatchProbe
 
 
 @dataclass(frozen=True)
@@ -69,27 +62,13 @@ class SearchResult:
 
 def batch_size_of(args: Any, kwargs: Any, batch_dim: int) -> int:
     """Size along ``batch_dim`` of the first input tensor that has that dimension."""
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
-            return int(t.shape[batch_dim])
-    raise CliError(
-        f"--batch-dim {batch_dim}: no example input has a dimension {batch_dim}, so "
-        "the batch size cannot be changed; pass --batch-dim for your inputs' layout"
-    )
-
-
-def resize_batch(value: Any, batch_dim: int, old: int, new: int) -> Any:
-    """``value`` with every tensor of size ``old`` along ``batch_dim`` given ``new`` rows."""
-    if new == old:
-        return value
-
-    def resize(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == old:
-            index = torch.arange(new, device=t.device) % old
-            return t.index_select(batch_dim, index).requires_grad_(t.requires_grad)
-        return t
-
-    return tree_map(resize, value)
+    try:
+        return size_of(args, kwargs, batch_dim)
+    except ValueError:
+        raise CliError(
+            f"--batch-dim {batch_dim}: no example input has a dimension {batch_dim}, so "
+            "the batch size cannot be changed; pass --batch-dim for your inputs' layout"
+        ) from None
 
 
 def measure_probe(
@@ -100,34 +79,26 @@ def measure_probe(
     batch_dim: int,
     batch: int,
 ) -> Probe:
-    """Wrap ``work.model`` with ``policy``, compile at ``batch`` rows, measure one step's total."""
+    """One step of ``work`` at ``batch`` rows under ``policy``, measured (``probe_batch``)."""
     old = batch_size_of(work.args, work.kwargs, batch_dim)
-    probe_work = Workload(
+    args, kwargs = with_size((work.args, work.kwargs), batch_dim, old, batch)
+
+    def train_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return work.loss(work.model(*args, **kwargs))
+
+    probe, _ = probe_batch(
         work.model,
-        resize_batch(work.args, batch_dim, old, batch),
-        resize_batch(work.kwargs, batch_dim, old, batch),
-        work.loss,
+        train_step,
+        batch,
+        tuple(args),
+        dict(kwargs),
+        budget_bytes,
+        policy=policy,
+        executor=work.executor,
+        options=work.options if policy.offload else None,
+        device=device,
     )
-    torch.compiler.reset()
-    wrapped = work.wrap(policy)
-    try:
-        work.model.zero_grad(set_to_none=True)
-        probe_work.step(wrapped)()
-        work.model.zero_grad(set_to_none=True)
-        m = memfit.measure(probe_work.step(wrapped), device=device)
-    except torch.OutOfMemoryError as err:
-        return Probe(batch, None, False, f"out of memory: {str(err).splitlines()[0]}")
-    except memfit.BudgetError as err:  # a budget policy with no plan at this batch size
-        return Probe(batch, None, False, f"no plan within the policy's budget: {err}")
-    finally:
-        work.model.zero_grad(set_to_none=True)
-        del wrapped
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    weights, inputs = resident_bytes(work.model, probe_work.args, probe_work.kwargs)
-    total = weights + inputs + int(m.peak_bytes or 0)
-    return Probe(batch, total, total <= budget_bytes)
+    return probe
 
 
 def search_max_batch(

@@ -21,6 +21,8 @@ does each sample cost?". It is answered with real steps, measured, not with a fo
   one ``multiple_of`` apart: both were measured. A probe that runs out of device memory (CUDA) or
   for which no plan fits the budget counts as not fitting. Memory is assumed to grow with the
   batch.
+* **One way to try a batch** (``probe_batch``): the step captured, planned and run once, then
+  measured; ``memfit profile --budget`` tries its batches with it too.
 * **Time per sample**: once found, the answer is captured again and timed over ``timing_steps``
   steps (median), without the memory profiler, which slows CPU steps.
 
@@ -48,7 +50,14 @@ from memfit.measurement.resident import resident_bytes
 from memfit.planning.budget import BudgetError, parse_budget
 from memfit.planning.plan import Plan
 
-__all__ = ["BatchProbe", "LargestBatch", "bisect_largest", "largest_batch", "model_loss"]
+__all__ = [
+    "BatchProbe",
+    "LargestBatch",
+    "bisect_largest",
+    "largest_batch",
+    "model_loss",
+    "probe_batch",
+]
 
 #: The policy that lets the planner recompute and offload per value, the least time that fits.
 AUTO = "auto"
@@ -238,8 +247,8 @@ class _Search:
     options: Options | None
     uses_target: bool  # loss= given: a batch is (inputs, target)
 
-    def batch_args(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-        """The call's arguments for ``n`` rows, and the bytes of the batch's tensors."""
+    def batch_args(self, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments for ``n`` rows."""
         batch = self.make_batch(n)
         if self.uses_target:
             if not (isinstance(batch, tuple) and len(batch) == 2):
@@ -251,64 +260,94 @@ class _Search:
             kwargs: dict[str, Any] = {}
         else:
             args, kwargs = _call_args(batch)
-        _, batch_bytes = resident_bytes(self.model, args, kwargs)
-        return args, kwargs, batch_bytes
+        return args, kwargs
 
-    def stepper(self, room: int) -> Step:
-        if self.policy == AUTO:
-            return step(
-                self.function,
-                policy=room,
-                offload=True,
-                executor=self.executor,
-                options=self.options,
-            )
-        return step(
+    def run(self, n: int) -> tuple[BatchProbe, Step | None, Any]:
+        """``probe_batch`` at ``n`` rows of ``make_batch``; the call's arguments with it."""
+        args, kwargs = self.batch_args(n)
+        probe, stepper = probe_batch(
+            self.model,
             self.function,
+            n,
+            args,
+            kwargs,
+            self.budget,
             policy=self.policy,
             offload=self.offload,
             executor=self.executor,
             options=self.options,
         )
+        return probe, stepper, (args, kwargs)
 
-    def run(self, n: int) -> tuple[BatchProbe, Step | None, Any]:
-        """Capture, plan and run one step at ``n`` rows, then measure a second one."""
-        weights, _ = resident_bytes(self.model)
-        args, kwargs, batch_bytes = self.batch_args(n)
-        room = self.budget - weights - batch_bytes
-        if room <= 0:
-            why = f"weights and batch alone take {weights + batch_bytes:,} bytes"
-            return BatchProbe(n, False, None, None, why), None, None
-        torch.compiler.reset()
-        stepper = self.stepper(room)
-        device = _device_of(self.model)
-        try:
-            self.model.zero_grad(set_to_none=True)
-            stepper(*args, **kwargs).backward()
-            self.model.zero_grad(set_to_none=True)
-            m = measure(lambda: stepper(*args, **kwargs).backward(), device=device)
-        except torch.OutOfMemoryError as err:
-            first = str(err).splitlines()[0] if str(err) else "out of memory"
-            return BatchProbe(n, False, None, None, f"out of memory: {first}"), None, None
-        except BudgetError as err:
-            return (
-                BatchProbe(
-                    n,
-                    False,
-                    None,
-                    None,
-                    f"no plan fits: {err.least_bytes:,} bytes at least, {room:,} left",
-                ),
-                None,
-                None,
-            )
-        finally:
-            self.model.zero_grad(set_to_none=True)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        total = weights + batch_bytes + int(m.peak_bytes or 0)
-        return BatchProbe(n, total <= self.budget, total, m.peak_bytes), stepper, (args, kwargs)
+
+def _stepper(
+    function: Callable[..., torch.Tensor],
+    room: int,
+    policy: PolicyLike,
+    offload: bool,
+    executor: Executor | str,
+    options: Options | None,
+) -> Step:
+    """``memfit.step`` of ``function`` under ``policy``; ``"auto"``: ``room`` bytes, offloading."""
+    if policy == AUTO:
+        return step(function, policy=room, offload=True, executor=executor, options=options)
+    return step(function, policy=policy, offload=offload, executor=executor, options=options)
+
+
+def probe_batch(
+    model: nn.Module,
+    function: Callable[..., torch.Tensor],
+    batch: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    budget: int,
+    *,
+    policy: PolicyLike = AUTO,
+    offload: bool = False,
+    executor: Executor | str = Executor.EAGER,
+    options: Options | None = None,
+    device: torch.device | None = None,
+) -> tuple[BatchProbe, Step | None]:
+    """Try one batch of ``batch`` rows: ``function(*args, **kwargs)`` (``model``'s step, returning
+    the loss) as a ``memfit.step`` under ``policy``, captured, planned and run once, then run
+    again under ``memfit.measure`` on ``device`` (default: where ``model``'s parameters are).
+    Returns the probe (weights + batch + measured peak against ``budget``) and the step that ran
+    (None when it did not: the weights and batch alone exceed the budget, no plan fits, out of
+    memory).
+
+    The one way memfit tries a batch: ``memfit.largest_batch`` and ``memfit profile --budget``
+    both probe with it. Dynamo is reset first, and ``model``'s ``.grad`` set to None around it.
+    """
+    weights, batch_bytes = resident_bytes(model, args, kwargs)
+    room = budget - weights - batch_bytes
+    if room <= 0:
+        why = f"weights and batch alone take {weights + batch_bytes:,} bytes"
+        return BatchProbe(batch, False, None, None, why), None
+    torch.compiler.reset()
+    stepper = _stepper(function, room, policy, offload, executor, options)
+    device = device or _device_of(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        stepper(*args, **kwargs).backward()
+        model.zero_grad(set_to_none=True)
+        m = measure(lambda: stepper(*args, **kwargs).backward(), device=device)
+    except torch.OutOfMemoryError as err:
+        first = str(err).splitlines()[0] if str(err) else "out of memory"
+        return BatchProbe(batch, False, None, None, f"out of memory: {first}"), None
+    except BudgetError as err:
+        why = (
+            f"no plan fits: {err.least_bytes:,} bytes at least, {room:,} left"
+            if policy == AUTO
+            else f"no plan within the policy's budget: {err}"
+        )
+        return BatchProbe(batch, False, None, None, why), None
+    finally:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    total = weights + batch_bytes + int(m.peak_bytes or 0)
+    return BatchProbe(batch, total <= budget, total, m.peak_bytes), stepper
 
 
 def _seconds_per_step(stepper: Step, model: nn.Module, call: Any, steps: int) -> float:
