@@ -13,6 +13,7 @@ the rewrite is far below the one without, each within 10% of its prediction.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 import memfit
 from hf_models import tiny_hf
 from memfit.capture import loss_head
+from memfit.execution import backend
 
 VOCAB, HIDDEN = 256, 32
 
@@ -58,14 +60,16 @@ class HeadModel(nn.Module):
 @pytest.fixture(autouse=True)
 def chunk_small_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The models here are tiny: their logits fit in one chunk, which the pass leaves alone in
-    use (nothing to save); these tests rewrite them anyway, to check the rewrite itself."""
-    monkeypatch.setattr(loss_head, "CHUNK_SMALL_HEADS", True)
+    use (nothing to save); these tests rewrite them anyway, to check the rewrite itself, through
+    the pass's own threshold, ``replace_loss_heads(min_chunks=1)``, as memfit's backend calls it."""
+    rewrite_every_head = functools.partial(loss_head.replace_loss_heads, min_chunks=1)
+    monkeypatch.setattr(backend, "replace_loss_heads", rewrite_every_head)
 
 
 def test_a_head_whose_logits_fit_in_one_chunk_is_left_alone_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(loss_head, "CHUNK_SMALL_HEADS", False)
+    monkeypatch.setattr(backend, "replace_loss_heads", loss_head.replace_loss_heads)
     torch.manual_seed(0)
     head = nn.Linear(16, 4)  # a classifier: 8 tokens x 4 classes, far within one chunk
 
@@ -77,6 +81,41 @@ def test_a_head_whose_logits_fit_in_one_chunk_is_left_alone_and_says_so(
     train_step(h, y).backward()
     (site,) = train_step.plan.loss_heads
     assert not site.fused and "within one chunk" in site.reason, site
+
+
+def _dynamo_graph(fn: object, *args: torch.Tensor) -> torch.fx.GraphModule:
+    """The one graph Dynamo captures of ``fn`` on ``args``, before AOTAutograd, as memfit's
+    backend receives it."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def grab(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+@pytest.mark.parametrize(
+    "tokens, min_chunks, fused, reason",
+    [
+        (8, 2, False, "within one chunk"),  # the default: 8 tokens, one chunk of 64
+        (8, 1, True, "chunks"),
+        (100, 2, True, "chunks"),  # 100 tokens of vocab 4096: two chunks of 64
+        (100, 3, False, "within fewer than 3 chunks"),
+    ],
+)
+def test_min_chunks_is_how_many_chunks_a_head_must_span_to_be_rewritten(
+    tokens: int, min_chunks: int, fused: bool, reason: str
+) -> None:
+    torch.manual_seed(0)
+    head = nn.Linear(16, 4096)  # a chunk: 1 MiB of fp32 logits, 64 tokens of vocab 4096
+    h, y = torch.randn(tokens, 16), torch.randint(0, 4096, (tokens,))
+    gm = _dynamo_graph(lambda h, y: F.cross_entropy(head(h), y), h, y)
+    (site,) = loss_head.replace_loss_heads(gm, min_chunks=min_chunks)
+    assert site.fused == fused and reason in site.reason, site
 
 
 def _batch(vocab: int = VOCAB, shape: tuple[int, int] = (2, 24)) -> tuple[torch.Tensor, ...]:

@@ -148,8 +148,12 @@ def _rows_only(index: Any, dim: int) -> bool:
     return len(items) < dim or items[-1] == whole
 
 
-#: Rewrite heads whose logits fit in one chunk too (tests of the rewrite on tiny models set it).
-CHUNK_SMALL_HEADS = False
+#: The fewest chunks of the kernel (``default_token_chunk`` tokens each) a head's logits must
+#: span to be rewritten (``replace_loss_heads(min_chunks=)``). Within one chunk the kernel builds
+#: the whole logits block in forward and again in backward, which saves nothing over plain
+#: autograd and costs its own buffers (a tiny ViT's classifier peaked 16 KiB above plain's step
+#: when rewritten); 1 rewrites every head (the tests of the rewrite on tiny models).
+MIN_CHUNKS = 2
 
 
 def _compute_size(dtype: torch.dtype) -> int:
@@ -157,7 +161,7 @@ def _compute_size(dtype: torch.dtype) -> int:
     return 4 if dtype in (torch.bfloat16, torch.float16) else dtype.itemsize
 
 
-def _match(loss: fx.Node) -> _Head:
+def _match(loss: fx.Node, min_chunks: int) -> _Head:
     x, target, ignore, reduction = _loss_arguments(loss)
     erased = [loss]
     if is_call(loss, NLL_LOSS):
@@ -216,11 +220,10 @@ def _match(loss: fx.Node) -> _Head:
         raise _Skip("a linear weight that is not 2-D, of a fixed width")
     tokens, hidden = size_hint(value.shape[0]), values[1].shape[1]
     size = _compute_size(value.dtype)
-    if tokens <= default_token_chunk(tokens, hidden, vocab, size) and not CHUNK_SMALL_HEADS:
-        # One chunk holds every token: the kernel would build the whole logits block in forward
-        # and again in backward, which saves nothing over plain autograd and costs its own
-        # buffers (a tiny ViT's classifier peaked 16 KiB above plain's step when rewritten).
-        raise _Skip(f"logits within one chunk ({tokens * vocab * size} bytes): nothing to save")
+    chunk = default_token_chunk(tokens, hidden, vocab, size)
+    if -(-tokens // chunk) < min_chunks:  # see MIN_CHUNKS
+        within = "one chunk" if tokens <= chunk else f"fewer than {min_chunks} chunks"
+        raise _Skip(f"logits within {within} ({tokens * vocab * size} bytes): nothing to save")
     return _Head(loss, erased, linear, chain[::-1], target, ignore, reduction, value.dtype)
 
 
@@ -258,8 +261,10 @@ def _rewrite(gm: fx.GraphModule, head: _Head) -> None:
     erase_unused(graph, [*head.erased, *head.chain, head.linear])
 
 
-def replace_loss_heads(gm: fx.GraphModule) -> list[LossHeadSite]:
-    """Rewrite, in place, every loss head of a Dynamo graph; return what was found and done."""
+def replace_loss_heads(gm: fx.GraphModule, *, min_chunks: int = MIN_CHUNKS) -> list[LossHeadSite]:
+    """Rewrite, in place, every loss head of a Dynamo graph whose logits span at least
+    ``min_chunks`` of the kernel's chunks (``MIN_CHUNKS`` says why not fewer); return what was
+    found and done."""
     sites: list[LossHeadSite] = []
     for node in list(gm.graph.nodes):
         if node.graph is not gm.graph or not (
@@ -268,7 +273,7 @@ def replace_loss_heads(gm: fx.GraphModule) -> list[LossHeadSite]:
             continue
         shape = shown(shape_of(argument(node, 0, "input")) or ())
         try:
-            head = _match(node)
+            head = _match(node, min_chunks)
         except _Skip as skip:
             sites.append(LossHeadSite(location(node), False, str(skip), shape))
             continue
