@@ -74,15 +74,24 @@ def balance(
     [3, 2]
     """
     cost = _check_values("costs", costs)
+    _check_stages(stages, len(cost))
+    prefix, right, left, bound = _bottleneck(cost, stages, memory, capacity)
+    return _earliest_cuts(prefix, left, stages, bound)
+
+
+def _bottleneck(
+    cost: list[float], stages: int, memory: Sequence[float] | None, capacity: float | None
+) -> tuple[list[float], list[int], list[int], float]:
+    """What both searches start from: the prefix sums of ``cost``, how far each stage may reach
+    right and left within ``capacity`` (``_memory_limits``), and the least largest stage cost
+    (``_min_bottleneck``). Raises ``ValueError`` where no partition fits ``capacity``."""
     n = len(cost)
-    _check_stages(stages, n)
     mem_prefix, cap = _check_memory(memory, capacity, n)
     prefix = _prefix(cost)
     right, left = _memory_limits(mem_prefix, cap, n)
     if mem_prefix is not None:
         _check_capacity(mem_prefix, cap, stages, right)
-    bound = _min_bottleneck(prefix, right, stages)
-    return _earliest_cuts(prefix, left, stages, bound)
+    return prefix, right, left, _min_bottleneck(prefix, right, stages)
 
 
 def balance_pipeline(
@@ -135,12 +144,7 @@ def balance_pipeline(
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
     cuts = _check_cut_costs(cut_costs, n)
-    mem_prefix, cap = _check_memory(memory, capacity, n)
-    prefix = _prefix(cost)
-    right, left = _memory_limits(mem_prefix, cap, n)
-    if mem_prefix is not None:
-        _check_capacity(mem_prefix, cap, stages, right)
-    lower = _min_bottleneck(prefix, right, stages)
+    prefix, right, left, lower = _bottleneck(cost, stages, memory, capacity)
     start = _earliest_cuts(prefix, left, stages, lower)
     if not any(cuts):
         return start
