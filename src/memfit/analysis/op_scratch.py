@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +124,7 @@ def measure_op_memory(
         device: where to run the ops; by default the device of the first op's output.
     """
     candidates: dict[Any, list[fx.Node]] = {}
-    for n in nodes:
-        if not _runnable(n):
-            continue
-        touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
-        if not touched or max(_nbytes_hint(t) for t in touched) < min_bytes:
-            continue
+    for n, _ in _considered(nodes, min_bytes):
         candidates.setdefault(_signature(n), []).append(n)
     if not candidates:
         return OpMemory({}, {})
@@ -280,18 +275,27 @@ def modelled_op_scratch(
     tensors]). The same ops are considered as there (``min_bytes`` included), so an op the
     measurement would skip has no scratch here either."""
     out: dict[fx.Node, int] = {}
-    for n in nodes:
-        if not _runnable(n):
-            continue
-        touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
-        if not touched or max(_nbytes_hint(t) for t in touched) < min_bytes:
-            continue
+    for n, touched in _considered(nodes, min_bytes):
         dev = device or touched[0].device
         rule = SCRATCH_RULES.get(dev.type, {}).get(str(n.target))
         nbytes = rule(n) if rule is not None else 0
         if nbytes:
             out[n] = nbytes
     return out
+
+
+def _considered(
+    nodes: Iterable[fx.Node], min_bytes: int
+) -> Iterator[tuple[fx.Node, list[torch.Tensor]]]:
+    """The ops ``measure_op_memory`` runs and ``modelled_op_scratch`` models, alike: runnable,
+    with an output or input tensor of at least ``min_bytes``; each with those tensors, its
+    outputs' first."""
+    for n in nodes:
+        if not _runnable(n):
+            continue
+        touched = node_tensors(n) + [t for a in n.all_input_nodes for t in node_tensors(a)]
+        if touched and max(_nbytes_hint(t) for t in touched) >= min_bytes:
+            yield n, touched
 
 
 def _nbytes_hint(t: torch.Tensor) -> int:
