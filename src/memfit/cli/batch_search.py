@@ -29,7 +29,7 @@ import torch
 
 from memfit.cli.errors import CliError
 from memfit.cli.steps import Workload
-from memfit.execution.largest_batch import BatchProbe, bisect_largest, probe_batch
+from memfit.execution.largest_batch import BatchProbe, probe_batch, search_probed
 from memfit.fitting.step_plan import size_of, with_size
 from memfit.planning.policy import Policy
 
@@ -114,18 +114,13 @@ def search_max_batch(
     """Largest multiple of ``step`` (up to ``limit``) for which ``probe(batch).fits``.
 
     Doubling from ``start`` (rounded to a multiple of ``step``), then bisection
-    (``memfit.execution.largest_batch.bisect_largest``); see above.
+    (``memfit.execution.largest_batch.search_probed``, as ``memfit.largest_batch`` searches);
+    see above.
     """
-    probes: dict[int, Probe] = {}
-
-    def fits(batch: int) -> bool:
-        probes[batch] = probe(batch)
-        if on_probe is not None:
-            on_probe(probes[batch])
-        return probes[batch].fits
-
     try:
-        found, first_not, capped = bisect_largest(fits, start=start, multiple_of=step, limit=limit)
+        found, first_not, capped, probes = search_probed(
+            probe, start=start, multiple_of=step, limit=limit, on_probe=on_probe
+        )
     except ValueError:
         raise ValueError(f"need 1 <= step <= limit, got step={step}, limit={limit}") from None
     return SearchResult(

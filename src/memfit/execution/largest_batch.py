@@ -57,6 +57,7 @@ __all__ = [
     "largest_batch",
     "model_loss",
     "probe_batch",
+    "search_probed",
 ]
 
 #: The policy that lets the planner recompute and offload per value, the least time that fits.
@@ -172,6 +173,31 @@ def bisect_largest(
             else:
                 hi = mid
     return lo * multiple_of, (hi * multiple_of if hi is not None else None), capped
+
+
+def search_probed(
+    probe: Callable[[int], BatchProbe],
+    *,
+    start: int,
+    multiple_of: int = 1,
+    limit: int = 65536,
+    on_probe: Callable[[BatchProbe], None] | None = None,
+) -> tuple[int, int | None, bool, dict[int, BatchProbe]]:
+    """``bisect_largest`` over ``probe(n).fits``: ``(largest, first_not_fitting, capped,
+    probes)``, every probe made by batch in the order made, each handed to ``on_probe`` as it
+    is made (``memfit.largest_batch`` and ``memfit profile --budget`` search alike)."""
+    probes: dict[int, BatchProbe] = {}
+
+    def fits(n: int) -> bool:
+        probes[n] = probe(n)
+        if on_probe is not None:
+            on_probe(probes[n])
+        return probes[n].fits
+
+    found, first_not, capped = bisect_largest(
+        fits, start=start, multiple_of=multiple_of, limit=limit
+    )
+    return found, first_not, capped, probes
 
 
 def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -442,16 +468,12 @@ def largest_batch(
         options,
         uses_target=loss is not None,
     )
-    probes: dict[int, BatchProbe] = {}
-
-    def fits(n: int) -> bool:
-        probes[n], _, _ = search.run(n)
-        if on_probe is not None:
-            on_probe(probes[n])
-        return probes[n].fits
-
-    found, first_not, capped = bisect_largest(
-        fits, start=start, multiple_of=multiple_of, limit=limit
+    found, first_not, capped, probes = search_probed(
+        lambda n: search.run(n)[0],
+        start=start,
+        multiple_of=multiple_of,
+        limit=limit,
+        on_probe=on_probe,
     )
     label = policy if isinstance(policy, str) else str(policy)
     seen = tuple(probes.values())
