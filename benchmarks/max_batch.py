@@ -181,11 +181,23 @@ class Spec:
         return self.make().to(device).train()
 
 
-def specs(quick: bool) -> list[Spec]:
-    if quick:
-        res, res_w, lm, vit, r50 = 3, 8, (2, 64, 8192, 128), (2, 64, 4), 8
-    else:
-        res, res_w, lm, vit, r50 = 34, 16, (12, 512, 32000, 1024), (12, 192, 3), 16
+#: Model sizes per ``--size``: ResNet blocks per stage and width, the LM's (layers, width,
+#: vocabulary, sequence), the ViT's (depth, width, heads), the ResNet-50-like base width, and
+#: each model's ``b0``. ``cpu`` is the goal's two models at the least the issue names (102
+#: blocks; 12 layers, a 32,000 vocabulary at sequence 512), narrow enough for 2 CPU cores.
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": dict(res=(3, 8), lm=(2, 64, 8192, 128), vit=(2, 64, 4), r50=8, b0=(8, 2, 16, 4)),
+    "cpu": dict(res=(34, 8), lm=(12, 128, 32000, 512), vit=(12, 64, 4), r50=8, b0=(16, 4, 16, 8)),
+    "full": dict(
+        res=(34, 16), lm=(12, 512, 32000, 1024), vit=(12, 192, 3), r50=16, b0=(64, 4, 32, 32)
+    ),
+}
+
+
+def specs(size: str) -> list[Spec]:
+    sz = SIZES[size]
+    (res, res_w), lm, vit, r50 = sz["res"], sz["lm"], sz["vit"], sz["r50"]
+    b_res, b_lm, b_vit, b_r50 = sz["b0"]
     layers, width, vocab, length = lm
     depth, dim, heads = vit
 
@@ -202,7 +214,7 @@ def specs(quick: bool) -> list[Spec]:
             _image_batch,
             _classify,
             PreActBlock,
-            8 if quick else 64,
+            b_res,
         ),
         Spec(
             "llama_lm",
@@ -212,7 +224,7 @@ def specs(quick: bool) -> list[Spec]:
             tokens,
             _lm_loss,
             None,
-            2 if quick else 4,
+            b_lm,
         ),
         Spec(
             "vit",
@@ -221,7 +233,7 @@ def specs(quick: bool) -> list[Spec]:
             _image_batch,
             _classify,
             nn.TransformerEncoderLayer,
-            16 if quick else 32,
+            b_vit,
         ),
         Spec(
             "resnet50_like",
@@ -230,7 +242,7 @@ def specs(quick: bool) -> list[Spec]:
             _image_batch,
             _classify,
             Bottleneck,
-            4 if quick else 32,
+            b_r50,
         ),
     ]
 
@@ -491,7 +503,7 @@ def time_methods(
         res["points"] = []
         if not res["batch"]:
             continue
-        for n in timed_batches(spec.b0, res["batch"], args.quick):
+        for n in timed_batches(spec.b0, res["batch"], args.size != "full"):
             batch = spec.make_batch(n, device)
             batch_bytes = sum(t.untyped_storage().nbytes() for t in batch)
             tag = f"{spec.name}_{res['method']}_timed_{n}"
@@ -746,6 +758,12 @@ QUICK_METHODS = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small models, fewer methods, 3 rounds")
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        help="model sizes (SIZES): quick (--quick's), cpu (the goal's models, narrow), full "
+        "(default)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--models", help="comma-separated: deep_resnet,llama_lm,vit,resnet50_like")
     p.add_argument("--methods", help="comma-separated, of: " + ", ".join(METHODS))
@@ -758,6 +776,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
+    args.size = args.size or ("quick" if args.quick else "full")
     args.rounds = args.rounds or (3 if args.quick else 7)
     args.limit = args.limit or (8 if args.quick else 32)
     args.compile_backend = args.compile_backend or (
@@ -798,6 +817,7 @@ def write(
         parameters={
             "device": str(args.device),
             "quick": args.quick,
+            "size": args.size,
             "rounds": args.rounds,
             "limit": args.limit,
             "compile_backend": args.compile_backend,
@@ -822,13 +842,13 @@ def write(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("max_batch" + ("_quick" if args.quick else ""))
+    stem = args.out / ("max_batch" + ("" if args.size == "full" else "_" + args.size))
     started, load_start = time.perf_counter(), load_average()
     print(f"max_batch on {args.device}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     link = measure_link("host" if args.device.type == "cuda" else "disk", args.device)
     chosen = None if args.models is None else set(args.models.split(","))
     models: list[dict[str, Any]] = []
-    for spec in specs(args.quick):
+    for spec in specs(args.size):
         if chosen is None or spec.name in chosen:
             models.append(run_model(spec, args))
             write(stem, args, started, load_start, models, link, complete=False)

@@ -16,6 +16,7 @@ def test_input_bytes_count_each_storage_once() -> None:
 def test_a_meta_input_counts_the_bytes_it_stands_for_unless_asked_not_to() -> None:
     meta = torch.empty(5, 2, device="meta", dtype=torch.bfloat16)
     assert input_bytes((meta,), {}) == 20
+    assert input_bytes((meta,), {"labels": meta}) == 20  # one tensor passed twice
     assert input_bytes((meta,), {}, meta=False) == 0
 
 

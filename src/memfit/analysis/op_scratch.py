@@ -65,6 +65,7 @@ from memfit._compat import (
 from memfit.analysis.graph import allocated_bytes, is_random, is_view_op, node_tensors
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
+from memfit.nn.linear_cross_entropy import working_bytes as lce_working_bytes
 
 __all__ = ["OpMemory", "measure_op_memory", "modelled_op_scratch", "SCRATCH_RULES"]
 
@@ -172,9 +173,11 @@ def measure_op_memory(
 # target.py states by how much): oneDNN's convolutions, whose workspaces depend on the kernel it
 # picks (0.3 to 3 times the output, measured on the zoo), and flash attention's backward on CPU
 # (per-thread blocks whose sizes did not follow one formula across shapes: 4 to 8 KiB on the
-# zoo's attention). On CUDA every op is zero: cuBLAS's workspace and the CUDA context sit outside
-# the caching allocator's per-op blocks (DESIGN.md), and cuDNN chooses convolution workspaces at
-# run time from the GPU.
+# zoo's attention). On CUDA every ATen op is zero: cuBLAS's workspace and the CUDA context sit
+# outside the caching allocator's per-op blocks (DESIGN.md), and cuDNN chooses convolution
+# workspaces at run time from the GPU. On every device, memfit's own chunked loss head
+# (``memfit.nn.linear_cross_entropy``) allocates its chunk blocks from its Python, which
+# ``working_bytes`` beside the kernel states.
 
 
 def _first_input_bytes(node: fx.Node) -> int:
@@ -229,6 +232,35 @@ def _flash_attention_cpu(node: fx.Node) -> int:
     return torch.get_num_threads() * per_thread * 4
 
 
+def _loss_head(node: fx.Node) -> int:
+    """memfit's chunked linear cross-entropy (``memfit.nn.linear_cross_entropy``), forward or
+    backward: its chunk blocks (``working_bytes``), on any device: its own Python allocates them
+    through the device's allocator."""
+    backward = "bwd" in str(node.target)
+    args: tuple[Any, ...] = node.args[1:] if backward else node.args
+    h, weight, bias = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in args[:3])
+    if not isinstance(h, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return 0
+    chunk_size = args[7 if backward else 6]
+    needs: Any = node.args[9] if backward else (True, True, True)
+    return lce_working_bytes(
+        size_hint(h.shape[0]),
+        size_hint(h.shape[1]),
+        size_hint(weight.shape[0]),
+        h.dtype,
+        int(chunk_size),
+        backward=backward,
+        need_weight=bool(needs[1]),
+        bias=isinstance(bias, torch.Tensor) and bool(needs[2]),
+    )
+
+
+_LOSS_HEAD_RULES = {
+    "memfit.linear_cross_entropy_fwd.default": _loss_head,
+    "memfit.linear_cross_entropy_bwd.default": _loss_head,
+}
+
+
 _ELEMENTWISE_WITH_NUMBERS = (
     "add",
     "sub",
@@ -262,8 +294,9 @@ SCRATCH_RULES: dict[str, dict[str, Any]] = {
         "aten.native_batch_norm_backward.default": _batch_norm_backward,
         "aten.native_layer_norm_backward.default": _layer_norm_backward,
         "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention_cpu,
+        **_LOSS_HEAD_RULES,
     },
-    "cuda": {},
+    "cuda": dict(_LOSS_HEAD_RULES),
 }
 
 

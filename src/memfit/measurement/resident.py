@@ -5,7 +5,8 @@ about the whole device ("does batch n fit in 16 GiB?") adds these bytes back. Ea
 counted once: tied weights, views of one input, and an input that is a parameter are not counted
 twice. A meta tensor holds no memory here; where it stands for a tensor of the device planned for
 (``memfit.fit`` on a model built under ``torch.device("meta")``), ``meta=True`` counts the bytes
-it will take there, once per tensor (a meta tensor has no storage that could tell two apart).
+it will take there, once per tensor object (a meta tensor has no storage that could tell two
+views of one apart; the same tensor passed twice, as ``input_ids`` and ``labels``, counts once).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ __all__ = ["input_bytes", "resident_bytes"]
 
 def _storages(values: Any, meta: bool) -> dict[Hashable, int]:
     """Bytes of each storage of the tensors in ``values`` (any pytree), keyed by device and
-    address; with ``meta``, each meta tensor's own size under a key of its own."""
+    address; with ``meta``, each meta tensor object's own size."""
     out: dict[Hashable, int] = {}
-    for i, t in enumerate(tree_flatten(values)[0]):
+    for t in tree_flatten(values)[0]:
         if not isinstance(t, torch.Tensor):
             continue
         if t.is_meta:
             if meta:
-                out[("meta", i)] = t.numel() * t.element_size()
+                out[("meta", id(t))] = t.numel() * t.element_size()
             continue
         s = t.untyped_storage()
         out[(str(t.device), s.data_ptr())] = s.nbytes()

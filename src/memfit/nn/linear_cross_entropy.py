@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["linear_cross_entropy", "default_token_chunk", "REDUCTIONS"]
+__all__ = ["linear_cross_entropy", "default_token_chunk", "working_bytes", "REDUCTIONS"]
 
 #: The reductions the kernel computes: the sum of the counted tokens' losses, or their mean.
 REDUCTIONS = ("mean", "sum")
@@ -80,6 +80,50 @@ def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, cdt: torch.dtype) ->
     """One chunk's logits as the model computes them (``F.linear`` in the inputs' dtype), in the
     compute dtype."""
     return F.linear(h, weight, bias).to(cdt)
+
+
+def working_bytes(
+    tokens: int,
+    hidden: int,
+    vocab: int,
+    dtype: torch.dtype,
+    chunk_size: int = 0,
+    *,
+    backward: bool,
+    need_weight: bool = True,
+    bias: bool = False,
+) -> int:
+    """Bytes one pass of the kernel allocates beyond its outputs while it runs, for a planner
+    that cannot run it (a model on fake tensors: ``analysis.op_scratch.SCRATCH_RULES``).
+
+    A chunk's logits ``[chunk, vocab]`` in the compute dtype, and, where the inputs are in
+    another dtype (bf16), the block ``F.linear`` returns in theirs beside it; in backward the
+    logit gradients cast back to the inputs' dtype while the compute-dtype block is alive, or
+    that cast with ``dW``'s chunk product ``[vocab, hidden]``, and ``dW`` (``db``) accumulated
+    in the compute dtype for the whole pass. Plus an allowance for the per-token vectors (mask,
+    picked logit, row maximum: ``[chunk]`` each). Measured on CPU against the running kernel:
+    within 10 KiB in float32; in bf16 at most 14% above (oneDNN's own matmul scratch comes on
+    top on CPU and is not counted).
+    """
+    h_size = torch.finfo(dtype).bits // 8
+    c_size = torch.finfo(_compute_dtype(dtype)).bits // 8
+    chunk = (
+        min(chunk_size, max(tokens, 1))
+        if chunk_size > 0
+        else default_token_chunk(tokens, hidden, vocab, c_size)
+    )
+    block = chunk * vocab
+    small = 16 * chunk + 2048
+    cast = h_size != c_size
+    if not backward:
+        return block * (c_size + (h_size if cast else 0)) + small
+    summed = vocab * c_size if bias else 0  # ``db``'s chunk sum
+    if not cast:
+        return block * c_size + summed + small
+    product = vocab * hidden * h_size if need_weight else 0
+    peak = max(block * (c_size + h_size), block * h_size + product)
+    accumulated = (vocab * hidden if need_weight else 0) + (vocab if bias else 0)
+    return peak + accumulated * c_size + summed + small
 
 
 # ---- forward -----------------------------------------------------------------------------------
