@@ -62,20 +62,13 @@ from memfit.execution.offload import Offloader
 from memfit.execution.options import Executor, Options
 from memfit.execution.regions import Regions
 from memfit.execution.settings import BackendSettings, StepBudget
+from memfit.execution.step_check import STEP_ROUNDS, StepShares, refused_step
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
-from memfit.planning.budget import BudgetError
 from memfit.planning.chain import ChainRun, ChainValue
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import Policy
-from memfit.planning.step_budget import (
-    GraphShare,
-    least_step_peak,
-    planned_as_step,
-    share_step,
-    step_budget_bytes,
-)
-from memfit.units import format_bytes
+from memfit.planning.step_budget import GraphShare
 
 __all__ = ["CallSession", "InRegion", "START_REPLANS", "STEP_ROUNDS"]
 
@@ -83,9 +76,6 @@ __all__ = ["CallSession", "InRegion", "START_REPLANS", "STEP_ROUNDS"]
 #: (``execution.start_watch``): a loop can change how it steps once (a first epoch, then
 #: another), not forever.
 START_REPLANS = 2
-
-#: Times a step with graph breaks is planned again as a whole before memfit says it cannot.
-STEP_ROUNDS = 3
 
 
 def _starts_training(out: Any) -> bool:
@@ -185,16 +175,6 @@ class _Starts:
 
 
 @dataclasses.dataclass
-class _StepShares:
-    """A step of several graphs planned as a whole for its budget (``planning.step_budget``)."""
-
-    #: per graph and sizes (``GraphPlan.sized_key``): its share of the step's budget
-    shares: dict[str, GraphShare] = dataclasses.field(default_factory=dict)
-    #: per step (its graphs' sized keys): the rounds it was planned as a whole
-    rounds: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
 class Call:
     """One call in progress: what ``CallSession.start`` opened and ``end`` closes."""
 
@@ -244,7 +224,7 @@ class CallSession:
         self.captures = _Captures(options.max_shapes)
         self.outside = _Outside(options.measure_outside)
         self.starts = _Starts()
-        self.step = _StepShares()
+        self.step = StepShares()
         self.chain = ChainState()
         self.watcher = GraphBreakWatcher(name)
         #: the planned graphs the current call ran, in order (a region's call notes its own)
@@ -430,7 +410,8 @@ class CallSession:
             self.last_plan = dataclasses.replace(plan, chain=outcome.shown)
         if outcome.refuse is not None:
             assert self.chain.budget is not None
-            self._refuse_step(plan, self.chain.budget, outcome.refuse)
+            self._fail()
+            raise refused_step(self.name, plan, self.chain.budget, outcome.refuse)
 
     def _say_what_cannot_act(self, plan: Plan, out: Any) -> None:
         """Once each, after a call that planned: a policy that could not act here, and a budget
@@ -482,65 +463,20 @@ class CallSession:
             self.warnings.give(Once.HELD_OUTSIDE, said)
 
     def _check_step(self, plan: Plan) -> None:
-        """After a call that planned graphs: does the step fit its budget as a whole?
-
-        One graph: its plan was made against the step's budget, and a fraction it could not
-        meet is an error now (``planning.planner``'s ``first_plan``). Several graphs (graph
-        breaks): unless they were planned together and fit, memfit chooses one plan per graph
-        from their frontiers for the whole step (``planning.step_budget``) and plans each graph
-        again with its share on the next call; BudgetError, now, if no combination fits."""
+        """After a call that planned graphs: does the step fit its budget as a whole
+        (``execution.step_check``)? BudgetError now if no plan can."""
         assert self.policy.budget is not None
-        if len(plan.graphs) == 1:
-            graph = plan.graphs[0]
-            if graph.budget_bytes is not None and graph.predicted_peak_bytes > graph.budget_bytes:
-                self._fail()
-                raise BudgetError(
-                    f"no plan fits a budget of {format_bytes(graph.budget_bytes)}: the smallest "
-                    f"peak memfit can reach for this graph is "
-                    f"{format_bytes(graph.predicted_peak_bytes)} "
-                    f"({graph.predicted_peak_bytes} bytes)",
-                    budget_bytes=graph.budget_bytes,
-                    least_bytes=graph.predicted_peak_bytes,
-                )
-            return
-        budget = step_budget_bytes(self.policy.budget, plan)
-        if self.chain.budget is not None and self.chain.next is not None:
-            return  # the chain holds the budget (execution.chain_state)
-        if planned_as_step(plan, budget):
-            return
-        shares = share_step(plan, budget)
-        if shares is None and self.chain.next is not None:
-            # No plans of the graphs fit it together: from the next call the chain holds it.
-            self.chain.hold(self.policy.budget, plan)
+        verdict = self.step.check(self.name, plan, self.policy.budget, self.chain)
+        if verdict.replan:
             self.replan = True
-            return
-        if shares is None:
-            self._refuse_step(plan, budget, least_step_peak(plan))
-        step = tuple(g.sized_key for g in plan.graphs)
-        rounds = self.step.rounds.get(step, 0)
-        if rounds >= STEP_ROUNDS:
-            if plan.predicted_peak_bytes > budget:
-                said = step_over_budget(
-                    self.name, len(plan.graphs), budget, plan.predicted_peak_bytes
-                )
-                self.warnings.give(Once.STEP_OVER_BUDGET, said)
-            return
-        if not shares:  # every graph is inside a region: nothing to plan again
-            return
-        self.step.rounds[step] = rounds + 1
-        self.step.shares.update(shares)
-        self.replan = True
-
-    def _refuse_step(self, plan: Plan, budget: int, smallest: int) -> None:
-        """BudgetError for a step of several graphs that no plan brings within ``budget``."""
-        self._fail()
-        raise BudgetError(
-            f"no plan fits a budget of {format_bytes(budget)}: {self.name} runs in "
-            f"{len(plan.graphs)} graphs (graph breaks), and the smallest peak memfit can "
-            f"reach for the whole step is {format_bytes(smallest)} ({smallest} bytes)",
-            budget_bytes=budget,
-            least_bytes=smallest,
-        )
+        if verdict.error is not None:
+            self._fail()
+            raise verdict.error
+        if verdict.over is not None:
+            said = step_over_budget(
+                self.name, len(plan.graphs), verdict.over, plan.predicted_peak_bytes
+            )
+            self.warnings.give(Once.STEP_OVER_BUDGET, said)
 
     def _fail(self) -> None:
         """The graphs just compiled were planned over budget: none of them may run again."""
