@@ -79,7 +79,7 @@ def _methods(model: nn.Module, x: torch.Tensor) -> list[Method]:
         copied = copy.deepcopy(model)
         wrapped = memfit.checkpoint(copied, policy)
         if not chained:  # what memfit did before issue 56: every graph planned alone
-            wrapped.memfit._planned._chains = lambda: False
+            wrapped.memfit._planned.session.chains = lambda: False
         methods.append(Method(name, copied, _step(wrapped, x), module=wrapped))
     return methods
 

@@ -182,7 +182,7 @@ def _bare_step(spec: ModelSpec, module: Any) -> Any:
 
     def step() -> None:
         spec.loss(compiled(*spec.inputs)).backward()
-        planned._ran.clear()  # what run() clears before each call: the graphs the call ran
+        planned.session.ran.clear()  # what run() clears before each call: the graphs the call ran
 
     return step
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 import memfit
-from memfit.execution.call_messages import break_action, swap_saved_little
+from memfit.execution.call_messages import CallWarnings, Once, break_action, swap_saved_little
 from memfit.planning.policy import Policy
 
 
@@ -53,3 +53,14 @@ def test_swap_that_saves_little_says_how_little_and_one_that_saves_enough_says_n
     assert swap_saved_little("Net", 50, 50) is None
     assert swap_saved_little("Net", 10, 90) is None  # exactly SWAP_LITTLE
     assert swap_saved_little("Net", 9, 91) is not None
+
+
+def test_each_kind_of_warning_is_given_once() -> None:
+    given = CallWarnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        given.give(Once.UNPLANNED, "first")
+        given.give(Once.UNPLANNED, "again")  # the same kind: not given again
+        given.give(Once.SWAP_LITTLE, "other")
+    assert [str(w.message) for w in caught] == ["first", "other"]
+    assert not given.due(Once.UNPLANNED) and given.due(Once.HELD_OUTSIDE)

@@ -32,40 +32,40 @@ def _chain(n: int) -> tuple[list[ChainRun], list[ChainValue], Plan]:
 
 def test_memory_tries_each_graph_keeping_the_least_once_and_decides_on_a_settled_call() -> None:
     runs, values, plan = _chain(16)
-    state = ChainState(Policy("memory"))
-    first = state.after_call(runs, values, plan, settled=False)
+    state, memory = ChainState(), Policy("memory")
+    first = state.after_call(runs, values, plan, settled=False, policy=memory)
     assert state.rule != KEEP_ALL and first.shown is not None and first.shown.segments
     assert first.replan and state.least_kept  # tried: the graphs are captured again
     assert state.mode(active=True) == (True, None) and state.mode(active=False) is None
     # the call that captured them again decides nothing: its graphs have seen no backward
-    assert not state.after_call(runs, values, plan, settled=False).replan and not state.decided
+    assert not state.after_call(runs, values, plan, False, memory).replan and not state.decided
     # no lower than before: back to each graph's own plans, for good
-    assert state.after_call(runs, values, plan, settled=True).replan
+    assert state.after_call(runs, values, plan, settled=True, policy=memory).replan
     assert state.decided and not state.least_kept and state.mode(active=True) is None
-    assert not state.after_call(runs, values, plan, settled=True).replan
+    assert not state.after_call(runs, values, plan, settled=True, policy=memory).replan
 
 
 def test_a_budget_the_chain_holds_is_refused_once_settled_with_the_least_it_reached() -> None:
     runs, values, plan = _chain(16)
-    state = ChainState(Policy("budget", budget=Budget(bytes=MiB)))
+    state, budget = ChainState(), Policy("budget", budget=Budget(bytes=MiB))
     state.hold(Budget(bytes=MiB), plan)  # below what any rule reaches on these runs
     assert state.mode(active=True) == (False, MiB)
-    assert state.after_call(runs, values, plan, settled=False).refuse is None  # not settled
-    assert state.after_call(runs, values, plan, settled=True).replan  # try keeping the least
-    state.after_call(runs, values, plan, settled=True)  # decided
-    refused = state.after_call(runs, values, plan, settled=True).refuse
+    assert state.after_call(runs, values, plan, False, budget).refuse is None  # not settled
+    assert state.after_call(runs, values, plan, True, budget).replan  # try keeping the least
+    state.after_call(runs, values, plan, True, budget)  # decided
+    refused = state.after_call(runs, values, plan, True, budget).refuse
     assert refused is not None and state.next is not None and refused == state.next[1]
 
 
 def test_a_fraction_the_chain_holds_is_plain_autograds_peak_less_its_share() -> None:
     runs, values, plan = _chain(4)
-    state = ChainState(Policy("budget", budget=Budget(fraction=0.5)))
+    state = ChainState()
     state.hold(Budget(fraction=0.5), plan)
     assert state.budget == plan.baseline_peak_bytes - plan.baseline_kept_bytes // 2
 
 
 def test_one_run_is_no_chain() -> None:
     runs, values, plan = _chain(1)
-    state = ChainState(Policy("memory"))
-    assert state.after_call(runs, values, plan, settled=True).shown is None
+    state = ChainState()
+    assert state.after_call(runs, values, plan, True, Policy("memory")).shown is None
     assert state.rule == KEEP_ALL and state.next is None

@@ -8,7 +8,10 @@ analysis, so the plan describes exactly the graphs that run and nothing is patch
 
 This module wires the pieces together: each Dynamo graph rewritten (dropouts, attention) and
 named before AOTAutograd traces it, the partitioner, and the compilers that report each planned
-graph's runs. How the split graphs then run is ``execution.runners``; under
+graph's runs. A backend is made from two things: ``BackendSettings`` (``execution.settings``:
+the policy, executor, rewrites, offloader and step budget, the one object holding the policy)
+and ``BackendEvents`` (``execution.events``: the one interface it reports to and asks, a call's
+session). How the split graphs then run is ``execution.runners``; under
 ``executor="inductor"`` a plan is compiled and fitted to its budget by
 ``execution.inductor_fit``.
 """
@@ -17,26 +20,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from memfit._compat import aot_autograd
-from memfit.analysis.graph import BackwardStart
 from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.loss_head import LossHead, replace_loss_heads
 from memfit.execution.chain import chains
-from memfit.execution.executors import (
-    EAGER,
-    INDUCTOR,
-    check_executor,
-    decompositions,
-)
+from memfit.execution.events import BackendEvents
+from memfit.execution.executors import INDUCTOR, check_executor, decompositions
 from memfit.execution.offload import Offloader, OffloadOptions
-from memfit.execution.partitioner import Partitioner, StepBudget
+from memfit.execution.partitioner import Partitioner
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,
@@ -44,12 +42,11 @@ from memfit.execution.runners import (
     boxed_backward,
     boxed_forward,
 )
+from memfit.execution.settings import BackendSettings
 from memfit.execution.symbolic import PlansBySize
 from memfit.planning.plan import GraphPlan
-from memfit.planning.policy import Policy
-from memfit.planning.step_budget import GraphShare
 
-__all__ = ["make_backend"]
+__all__ = ["BackendEvents", "BackendSettings", "make_backend"]
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
@@ -76,53 +73,50 @@ def graph_key(gm: fx.GraphModule, example_inputs: Any) -> str:
 class _RunReports:
     """How the compiled forward and backward of a planned graph report each run: the plan at
     the sizes the call ran (a symbolic capture), what it keeps spent from the step's budget and
-    the offloader's, the wrapper told (``on_run``, ``on_backward``, ``on_budget_miss``)."""
+    the offloader's, the call told (``graph_ran``, ``backward_started``, ``budget_missed``)."""
 
-    executor: str
+    settings: BackendSettings
+    events: BackendEvents
     chained: bool
-    step_budget: StepBudget | None
-    offloader: Offloader | None
-    on_run: Callable[[GraphPlan], None] | None
-    on_budget_miss: Callable[[GraphPlan], None] | None
-    on_backward: Callable[[GraphPlan], None] | None
 
     def forward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        executor = self.settings.executor
         planned: GraphPlan | None = gm.meta.get(PLAN_META)
         if planned is None:  # not partitioned by memfit: no plan to report
-            return boxed_forward(gm, example_inputs, executor=self.executor)
+            return boxed_forward(gm, example_inputs, executor=executor)
         plan: GraphPlan = planned
         by_size: PlansBySize | None = gm.meta.get(SIZES_META)
         read_sizes = by_size.reader(gm) if by_size is not None else None
-        step_budget, offloader = self.step_budget, self.offloader
-        on_run, on_budget_miss = self.on_run, self.on_budget_miss
+        step_budget, offloader = self.settings.step_budget, self.settings.offloader
+        events = self.events
 
         def ran(args: list[Any]) -> None:
             this = plan
             if by_size is not None and read_sizes is not None:
                 this = by_size.at(read_sizes(args))
                 spent = step_budget.spent if step_budget is not None else 0
-                if on_budget_miss is not None and by_size.over_budget(this, spent_bytes=spent):
-                    on_budget_miss(this)
+                if by_size.over_budget(this, spent_bytes=spent):
+                    events.budget_missed(this)
             # What this graph keeps (and offloads) is alive while the step's later graphs run.
             if step_budget is not None:
                 step_budget.spent += this.kept_bytes
             if offloader is not None and this.transfers:
                 offloader.spent += this.offloaded_bytes
-            if on_run is not None:
-                on_run(this)
+            events.graph_ran(this)
 
         return boxed_forward(
-            gm, example_inputs, on_run=ran, executor=self.executor, chained=self.chained
+            gm, example_inputs, on_run=ran, executor=executor, chained=self.chained
         )
 
     def backward(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        executor = self.settings.executor
         planned: GraphPlan | None = gm.meta.get(PLAN_META)
-        if planned is None or self.on_backward is None:
-            return boxed_backward(gm, example_inputs, executor=self.executor)
+        if planned is None:
+            return boxed_backward(gm, example_inputs, executor=executor)
         plan: GraphPlan = planned
-        report = self.on_backward
+        report = self.events.backward_started
         return boxed_backward(
-            gm, example_inputs, on_run=lambda args: report(plan), executor=self.executor
+            gm, example_inputs, on_run=lambda args: report(plan), executor=executor
         )
 
 
@@ -133,15 +127,13 @@ class _Backend:
 
     partition: Partitioner
     compile_joint: Callable[..., Any]
-    attention: str
-    loss_head: str
-    on_compile: Callable[[], None] | None
+    settings: BackendSettings
+    events: BackendEvents
     #: what Dynamo's logs call the backend
     __name__ = "memfit"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Any:
-        if self.on_compile is not None:
-            self.on_compile()
+        self.events.compiling()
         self.partition.sites.clear()
         self.partition.loss_heads.clear()
         self.partition.key = graph_key(gm, example_inputs)
@@ -154,94 +146,43 @@ class _Backend:
             *example_inputs,
         ]
         remove_identity_dropouts(gm)  # eager makes no copy for them; AOTAutograd would
-        if self.attention == "auto":
+        if self.settings.attention == "auto":
             self.partition.sites.extend(replace_attention(gm))
-        if self.loss_head == "auto":
+        if self.settings.loss_head == "auto":
             self.partition.loss_heads.extend(replace_loss_heads(gm))
         return self.compile_joint(gm, example_inputs)
 
 
-def make_backend(
-    policy: Policy,
-    on_plan: Callable[[GraphPlan], None],
-    step_budget: StepBudget | None = None,
-    attention: str = "auto",
-    offloader: Offloader | None = None,
-    on_run: Callable[[GraphPlan], None] | None = None,
-    on_backward: Callable[[GraphPlan], None] | None = None,
-    outside_bytes: Callable[[str, int], int] | None = None,
-    share: Callable[[str], GraphShare | None] | None = None,
-    on_compile: Callable[[], None] | None = None,
-    on_budget_miss: Callable[[GraphPlan], None] | None = None,
-    executor: str = EAGER,
-    on_unmeasured: Callable[[], None] | None = None,
-    backward_start: Callable[[str], BackwardStart | None] | None = None,
-    on_backward_start: Callable[[str, BackwardStart, bool], None] | None = None,
-    chain_mode: Callable[[], tuple[bool, int | None] | None] | None = None,
-    loss_head: str = "auto",
-) -> Callable[..., Any]:
-    """A Dynamo backend planning every joint graph with ``policy``; reports each plan.
+def make_backend(settings: BackendSettings, events: BackendEvents) -> Callable[..., Any]:
+    """A Dynamo backend planning every joint graph by ``settings``, reporting to ``events``.
 
-    ``on_plan`` receives each graph's plan when it is made; ``on_run`` receives it every time
-    the graph's forward runs afterwards, so a wrapper can say which plans the call it just made
-    ran (Dynamo reuses a graph compiled earlier without calling the backend again), and
-    ``on_backward`` every time its backward starts. ``outside_bytes(key, output_bytes)`` is what
-    the step holds outside the graph ``key`` names (``GraphPlan.key``) between its forward and
-    backward, when the graph's outputs take ``output_bytes``; the plan reserves it.
-    ``share(key)``, once a step with graph breaks has been planned as a whole
-    (``planning.step_budget``), is the graph's share of the step's budget at the sizes ``key`` names
-    (``GraphPlan.sized_key``); before that (None), each graph is planned as the step's first
-    call reaches it. ``on_compile`` is called as Dynamo hands the backend a graph, before
-    anything else (the wrapper looks at which modules are running eagerly then:
-    ``execution.regions``).
+    ``events`` (``execution.events.BackendEvents``) receives each graph's plan when it is made,
+    and every time the graph's forward runs afterwards (Dynamo reuses a graph compiled earlier
+    without calling the backend again), so a call can say which plans it ran; and it is asked,
+    as each graph is planned, what the step holds around the graph (outside it between forward
+    and backward, its share of a step planned as a whole, the start of its backward seen on an
+    earlier step, how a chain plans it).
 
     A graph captured with symbolic sizes (a dimension that varied between calls) is planned once
     at the sizes of the call captured, for the range of sizes its decisions hold for (guards of
-    the capture: a size outside is captured again), and ``on_run`` receives, for every call,
-    the plan at the sizes that call ran (NOTE [One capture for many sizes] in
-    ``planning.resize``); ``on_budget_miss`` receives it where the budget does not hold at
-    those sizes (between the sizes the range was checked at), for the wrapper to plan again.
-    ``on_unmeasured`` is called where a graph compiled by Inductor could not be measured because
-    a CPU profiler session was running (a ``memfit.measure`` around the first call): its peaks
-    are then Inductor's schedule's estimate, and the wrapper plans again, measured, on its first
-    call outside such a session.
-
-    ``backward_start(key)`` is the start of the backward of graph ``key`` seen on an earlier
-    step (which outputs the caller held, which got no gradient: ``analysis.backward_start``);
-    None: it is assumed. ``on_backward_start(key, seen, material)`` receives, at each planned
-    graph's first backward, the start seen there where it differs from the one planned for, and
-    whether it differs by enough to plan again (``execution.start_watch``). ``chain_mode()``:
-    how graphs that run as a chain (``planning.chain``) are planned (``Partitioner``'s).
+    the capture: a size outside is captured again), and every run reports the plan at the sizes
+    it ran at (NOTE [One capture for many sizes] in ``planning.resize``).
 
     With ``attention="auto"`` every attention in the Dynamo graph is first rewritten to a kernel
     that keeps no Lq x Lk tensor (``capture.attention``); the sites found are reported on the
     graph's plan. With ``loss_head="auto"`` every ``cross_entropy(linear(h))`` is rewritten to
     a kernel that never builds the logits for the loss (``capture.loss_head``), reported
-    likewise. A policy that offloads needs an ``offloader``.
+    likewise. A policy that offloads without an offloader gets one with default options.
     """
-    Attention.parse(attention, "attention", "memfit.Attention")
-    LossHead.parse(loss_head, "loss_head", "memfit.LossHead")
-    check_executor(executor)
-    if policy.offload and offloader is None:
-        offloader = Offloader(OffloadOptions())
-    chained = chains(policy, executor)  # runs of a step may be dropped and replayed
-    partition = Partitioner(
-        policy,
-        on_plan,
-        executor=executor,
-        step_budget=step_budget,
-        offloader=offloader,
-        outside_bytes=outside_bytes,
-        share=share,
-        on_unmeasured=on_unmeasured,
-        backward_start=backward_start,
-        on_backward_start=on_backward_start,
-        chain_mode=chain_mode,
-    )
-
-    runs = _RunReports(
-        executor, chained, step_budget, offloader, on_run, on_budget_miss, on_backward
-    )
+    Attention.parse(settings.attention, "attention", "memfit.Attention")
+    LossHead.parse(settings.loss_head, "loss_head", "memfit.LossHead")
+    check_executor(settings.executor)
+    if settings.policy.offload and settings.offloader is None:
+        settings = replace(settings, offloader=Offloader(OffloadOptions()))
+    executor = settings.executor
+    partition = Partitioner(settings, events)
+    # runs of a step may be dropped and replayed
+    runs = _RunReports(settings, events, chained=chains(settings.policy, executor))
 
     def compile_inference(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
         return boxed(gm, example_inputs, executor=executor)
@@ -260,4 +201,4 @@ def make_backend(
         keep_inference_input_mutations=executor == INDUCTOR,
     )
 
-    return _Backend(partition, compile_joint, attention, loss_head, on_compile)
+    return _Backend(partition, compile_joint, settings, events)

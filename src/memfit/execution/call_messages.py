@@ -1,25 +1,76 @@
-"""What a memfit wrapper tells its user after a call: the texts of its one-time warnings.
+"""What a memfit wrapper tells its user after a call: its one-time warnings and their texts.
 
-Each warning says what happened, what memfit did about it, and what the user can do; the
-wrapper (``execution.planned``) decides when one is due and gives each once. Kept apart so the
-wrapper reads as what it does, and so each text can be read whole.
+Each warning says what happened, what memfit did about it, and what the user can do; the call's
+session (``execution.session``) decides when one is due and gives it through ``CallWarnings``,
+which gives each kind once per wrapper (``Once``): a training loop is told once, not every step
+(STYLE: "Warnings once, not per step, naming the user's line"). Kept apart so the session reads
+as what it does, and so each text can be read whole. The graph-break warning is the capture's
+(``capture.graph_breaks``, once per break); the session adds to it what memfit does about the
+breaks (``break_action``).
 """
 
 from __future__ import annotations
 
+import enum
+
 from memfit.capture.graph_breaks import GraphBreakReport, loop_skip_message
 from memfit.execution.regions import Regions, recomputes_regions
+from memfit.planning.plan import GraphPlan
 from memfit.planning.policy import Policy
 from memfit.units import format_bytes
+from memfit.warn import warn_user
 
 __all__ = [
+    "CallWarnings",
     "INDUCTOR_BUDGET_WARNING",
+    "Once",
     "break_action",
+    "budget_missed",
+    "held_outside",
     "loss_outside_unseen",
     "SWAP_LITTLE",
+    "step_over_budget",
     "swap_saved_little",
     "unplanned",
 ]
+
+
+class Once(enum.Enum):
+    """The warnings a wrapper gives at most once each."""
+
+    #: a training call ran none of memfit's graphs (``unplanned``)
+    UNPLANNED = enum.auto()
+    #: the step held more outside memfit's graphs than the plan allowed for (``held_outside``)
+    HELD_OUTSIDE = enum.auto()
+    #: a plan for a range of sizes is over its budget at a size that ran (``budget_missed``)
+    BUDGET_MISSED = enum.auto()
+    #: ``"swap"`` offloaded little or nothing (``swap_saved_little``)
+    SWAP_LITTLE = enum.auto()
+    #: a budget on CPU with the loss computed outside, unmeasured (``loss_outside_unseen``)
+    LOSS_OUTSIDE_UNSEEN = enum.auto()
+    #: a step with graph breaks memfit could not bring within its budget (``step_over_budget``)
+    STEP_OVER_BUDGET = enum.auto()
+    #: a budget with offload run through Inductor is not guaranteed (``INDUCTOR_BUDGET_WARNING``)
+    INDUCTOR_BUDGET = enum.auto()
+
+
+class CallWarnings:
+    """The one place a wrapper's warnings are given: each kind once (``Once``)."""
+
+    def __init__(self) -> None:
+        self.given: set[Once] = set()
+
+    def due(self, kind: Once) -> bool:
+        """Whether ``kind`` has not been given yet (asked before a text costs anything)."""
+        return kind not in self.given
+
+    def give(self, kind: Once, text: str) -> None:
+        """Warn with ``text``, pointing at the user's line, unless ``kind`` was given before."""
+        if kind in self.given:
+            return
+        self.given.add(kind)
+        warn_user(text)
+
 
 #: Said once per wrapper that plans a budget with offload and runs it through Inductor: such
 #: plans are not measured after compiling (``execution.partitioner``), only simulated.
@@ -125,4 +176,40 @@ def unplanned(
     return (
         f"{name} ran as plain PyTorch, without a plan or savings: torch.compile "
         "did not run memfit's graphs for this call (see TORCH_LOGS=recompiles)"
+    )
+
+
+def budget_missed(name: str, plan: GraphPlan) -> str:
+    """A plan chosen for a range of sizes predicts more than its budget at the size that ran."""
+    sizes = ", ".join(f"{n}={value}" for n, value in plan.sizes)
+    chosen = ", ".join(f"{n}={value}" for n, value in plan.planned_sizes)
+    return (
+        f"{name}'s plan, chosen at {chosen}, predicts "
+        f"{format_bytes(plan.predicted_peak_bytes)} at {sizes}, above its budget of "
+        f"{format_bytes(plan.budget_bytes or 0)}; memfit plans again from the next call"
+    )
+
+
+def held_outside(name: str, outside: int, step_peak: int, predicted: int) -> str:
+    """The step held ``outside`` bytes outside memfit's graphs between forward and backward,
+    and so peaked near ``step_peak``, above the plan's ``predicted`` peak."""
+    return (
+        f"the training step held {format_bytes(outside)} outside memfit's graphs of "
+        f"{name} between its forward and backward (a loss computed outside the "
+        f"model, or other code), so it peaked near {format_bytes(step_peak)} against "
+        f"{format_bytes(predicted)} predicted; memfit plans {name} "
+        f"again with that reserved, so its budget and prediction hold from the next "
+        f"call. Compute the loss inside memfit.step to plan it too."
+    )
+
+
+def step_over_budget(name: str, graphs: int, budget: int, predicted: int) -> str:
+    """A step of ``graphs`` graphs (graph breaks) still over its budget after the rounds of
+    planning the step as a whole."""
+    return (
+        f"{name} runs in {graphs} graphs (graph breaks) and memfit "
+        f"could not bring the whole step within its budget of "
+        f"{format_bytes(budget)}: predicted peak "
+        f"{format_bytes(predicted)}. Remove the graph breaks or "
+        f"give a larger budget."
     )

@@ -59,8 +59,7 @@ class ChainOutcome:
 class ChainState:
     """The chain of one wrapper's calls (see the module)."""
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
+    def __init__(self) -> None:
         #: how the next call cuts its runs into segments
         self.rule: ChainPlan = KEEP_ALL
         #: whether each graph keeps the least it can, the chain's least peak before that was
@@ -78,7 +77,7 @@ class ChainState:
         self._chosen: tuple[object, tuple[ChainPlan, int, int, ChainSummary]] | None = None
 
     def mode(self, active: bool) -> tuple[bool, int | None] | None:
-        """How the partitioner plans a graph of the chain (``Partitioner.chain_mode``): None
+        """How the partitioner plans a graph of the chain (``BackendEvents.chain_mode``): None
         where its policy plans it alone (or no chain runs: ``active`` False)."""
         if not active or (self.budget is None and not self.least_kept):
             return None
@@ -93,17 +92,22 @@ class ChainState:
         self.budget = budget.resolve(plan.baseline_peak_bytes, plan.baseline_kept_bytes)
 
     def after_call(
-        self, runs: list[ChainRun], values: list[ChainValue], plan: Plan, settled: bool
+        self,
+        runs: list[ChainRun],
+        values: list[ChainValue],
+        plan: Plan,
+        settled: bool,
+        policy: Policy,
     ) -> ChainOutcome:
         """The rule for the next call from the runs of the call just made (``settled``: it
-        captured nothing), and what the wrapper does about it."""
+        captured nothing) under the call's ``policy``, and what the call does about it."""
         self.next = None
         if len(runs) < 2 or len(runs) != len(plan.graphs):
             self.rule = KEEP_ALL
             return ChainOutcome()
         budget = self.budget
-        if budget is None and self.policy.budget is not None:
-            budget = step_budget_bytes(self.policy.budget, plan)
+        if budget is None and policy.budget is not None:
+            budget = step_budget_bytes(policy.budget, plan)
         key = (tuple(runs), tuple(values), budget)
         if self._chosen is None or self._chosen[0] != key:
             self._chosen = (key, self._choose(runs, values, budget))
@@ -111,7 +115,7 @@ class ChainState:
         self.next = (peak, least)
         replan = False
         refuse = None
-        if self.policy.least_memory and (self.rule != KEEP_ALL or self.tried is not None):
+        if policy.least_memory and (self.rule != KEEP_ALL or self.tried is not None):
             replan = self._keep_least(least, settled)
         elif self.budget is not None and peak > self.budget and settled:
             if self.tried is None or not self.decided:

@@ -31,6 +31,7 @@ from memfit.analysis.transfers import Link
 from memfit.capture.attention import AttentionSite
 from memfit.capture.loss_head import LossHeadSite
 from memfit.capture.passes import prepare_joint_graph
+from memfit.execution.events import BackendEvents
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.fake_target import planning_target
 from memfit.execution.inductor_fit import (
@@ -40,7 +41,6 @@ from memfit.execution.inductor_fit import (
     largest_value,
     reached_fraction,
 )
-from memfit.execution.offload import Offloader
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,
@@ -48,6 +48,7 @@ from memfit.execution.runners import (
     WATCH_META,
     Shared,
 )
+from memfit.execution.settings import BackendSettings, StepBudget
 from memfit.execution.split import split_joint_graph
 from memfit.execution.start_watch import StartWatch
 from memfit.execution.symbolic import PlansBySize, capture_sizes
@@ -62,22 +63,8 @@ from memfit.warn import warn_user
 
 __all__ = ["Partitioner", "StepBudget"]
 
-#: How the graphs of a budget the step's chain holds are planned (``Partitioner.chain_mode``).
+#: How the graphs of a budget the step's chain holds are planned (``BackendEvents.chain_mode``).
 MEMORY = Policy("memory")
-
-
-@dataclasses.dataclass
-class StepBudget:
-    """What the graphs of one training step have kept so far, for a byte budget shared by them.
-
-    With graph breaks, the graphs of one step are planned one after the other as the step first
-    runs; values kept by earlier graphs stay alive while later ones run, so each graph gets the
-    budget less what the graphs that ran before it in this step keep (counted as each graph's
-    forward runs, so a graph compiled in an earlier step counts too). The wrapper resets
-    ``spent`` at every call.
-    """
-
-    spent: int = 0
 
 
 def _start_watch(
@@ -133,24 +120,13 @@ class _Partition:
 # One backend's state: compared by identity, and a repr that does not print the primals it holds
 @dataclasses.dataclass(eq=False, repr=False)
 class Partitioner:
-    """AOTAutograd's ``partition_fn`` for one backend: each joint graph planned with ``policy``
-    and split by its plan (``backend.make_backend`` says what each callback receives)."""
+    """AOTAutograd's ``partition_fn`` for one backend: each joint graph planned with the
+    settings' policy and split by its plan, the call told and asked through ``events``."""
 
-    policy: Policy
-    on_plan: Callable[[GraphPlan], None]
-    executor: str
-    step_budget: StepBudget | None
-    offloader: Offloader | None
-    outside_bytes: Callable[[str, int], int] | None
-    share: Callable[[str], GraphShare | None] | None
-    on_unmeasured: Callable[[], None] | None
-    backward_start: Callable[[str], BackwardStart | None] | None
-    on_backward_start: Callable[[str, BackwardStart, bool], None] | None
-    #: how the step's graphs are planned where they run as a chain (``planning.chain``): None,
-    #: by the policy; else ``(least_kept, step_budget)``: as ``"memory"`` plans them, each
-    #: keeping the least it can if ``least_kept`` (``planning.frontier.least_kept_point``), and
-    #: under a budget (``step_budget`` bytes) that the chain's segments hold for the step
-    chain_mode: Callable[[], tuple[bool, int | None] | None] | None = None
+    #: the one object holding the policy, executor and offloader (``execution.settings``)
+    settings: BackendSettings
+    #: what the partitioner asks of the call and reports to it (``execution.events``)
+    events: BackendEvents
     # The Dynamo graph being captured, set by the backend as Dynamo hands it over and read as
     # AOTAutograd partitions its joint graph:
     #: its name (``backend.graph_key``)
@@ -174,7 +150,7 @@ class Partitioner:
         """``joint`` prepared, analysed, planned and split: its forward and backward graphs,
         each carrying the plan in its metadata."""
         g = self.analyse(joint, kwargs)
-        jg, policy, inductor = g.jg, self.policy, self.executor == INDUCTOR
+        jg, policy, inductor = g.jg, self.settings.policy, self.settings.executor == INDUCTOR
         measured_fit = inductor and not policy.offload
         try:
             graph_plan = self.plan(g)
@@ -194,11 +170,10 @@ class Partitioner:
         if (
             measured_fit
             and not measured
-            and self.on_unmeasured is not None
             and activation_device(jg).type == "cpu"
             and cpu_recording_blocked() is not None
         ):
-            self.on_unmeasured()
+            self.events.unmeasured()
         graph_plan = dataclasses.replace(graph_plan, returns_loss=returns_loss(jg))
         if g.seen is not None:  # planned again for what earlier steps' backwards showed
             said = f"planned for the backward start seen on earlier steps: {g.seen.describe()}"
@@ -219,18 +194,18 @@ class Partitioner:
                 compiled=measured,
             )
             graph_plan = by_size.planned
-        self.on_plan(graph_plan)
+        self.events.plan_made(graph_plan)
+        offloader = self.settings.offloader
         if fw is None or bw is None:
-            if self.offloader is not None and not self.fake:  # a fake plan never runs a step
-                self.offloader.reserve(graph_plan)
+            if offloader is not None and not self.fake:  # a fake plan never runs a step
+                offloader.reserve(graph_plan)
             fw, bw = self.split(g, graph_plan)
         # AOTAutograd compiles the backward lazily, at its first run, possibly after other
         # graphs were planned: each graph carries its plan in its metadata.
         fw.meta[PLAN_META] = bw.meta[PLAN_META] = graph_plan
-        if self.on_backward_start is not None:
-            fw.meta[WATCH_META] = bw.meta[WATCH_META] = Shared(
-                _start_watch(jg, graph_plan, g.key, self.on_backward_start)
-            )
+        fw.meta[WATCH_META] = bw.meta[WATCH_META] = Shared(
+            _start_watch(jg, graph_plan, g.key, self.events.backward_start_seen)
+        )
         fw.meta[USER_OUTPUTS_META] = g.num_fwd_outputs
         if by_size is not None:
             fw.meta[SIZES_META] = by_size
@@ -238,7 +213,8 @@ class Partitioner:
 
     def analyse(self, joint: fx.GraphModule, kwargs: dict[str, Any]) -> _Partition:
         """``joint`` prepared and analysed, with what its plans are made against."""
-        executor, policy, offloader = self.executor, self.policy, self.offloader
+        settings, events = self.settings, self.events
+        executor, policy, offloader = settings.executor, settings.policy, settings.offloader
         prepare_joint_graph(joint, inductor=executor == INDUCTOR)
         jg = JointGraph(joint, kwargs["num_fwd_outputs"])
         jg.fused_elementwise = executor == INDUCTOR
@@ -255,18 +231,16 @@ class Partitioner:
             jg.op_scratch = ops.scratch
             jg.hold_outputs(ops.outputs)
         key = self.key
-        outside: Callable[[int], int] | None = None
-        if self.outside_bytes is not None:
-            outside = partial(self.outside_bytes, key)
-        jg.outside_bytes = outside(jg.bytes_of(jg.fwd_outputs)) if outside else 0
-        seen = self.backward_start(key) if self.backward_start is not None else None
+        outside = partial(events.outside_bytes, key)
+        jg.outside_bytes = outside(jg.bytes_of(jg.fwd_outputs))
+        seen = events.backward_start(key)
         jg.backward_start = seen if seen is not None else assumed_start(jg)
         jg.static_inputs = frozenset(kwargs.get("static_lifetime_input_indices") or ())
         link, to, limit = (
             offloader.prepare(jg) if policy.offload and offloader else (None, None, None)
         )
-        graph_share = self.share(sized_key(key, capture_sizes(jg).key)) if self.share else None
-        spent = self.step_budget.spent if self.step_budget else 0
+        graph_share = events.share(sized_key(key, capture_sizes(jg).key))
+        spent = settings.step_budget.spent if settings.step_budget else 0
         return _Partition(
             joint,
             jg,
@@ -286,11 +260,11 @@ class Partitioner:
     def plan(self, g: _Partition, headroom: int = 0) -> GraphPlan:
         """``g``'s plan under the policy, ``headroom`` bytes below its budget (under Inductor,
         what a compiled plan peaked above its simulation)."""
-        policy = self.policy
+        policy, offloader = self.settings.policy, self.settings.offloader
         asked = policy
         if headroom and g.least_simulated is not None:
             asked = Policy(BUDGET, budget=Budget(bytes=g.least_simulated))
-        chained = self.chain_mode() if self.chain_mode is not None else None
+        chained = self.events.chain_mode()
         held_by_chain = chained is not None and chained[1] is not None
         if held_by_chain:
             asked = MEMORY
@@ -302,7 +276,7 @@ class Partitioner:
             first_plan=g.share is None,
             link=g.link,
             offload_to=g.offload_to,
-            offload_min_bytes=self.offloader.options.offload_min_bytes if self.offloader else 1,
+            offload_min_bytes=offloader.options.offload_min_bytes if offloader else 1,
             offload_limit_bytes=g.offload_limit,
             headroom_bytes=headroom,
             cache=g.frontier,
@@ -348,8 +322,8 @@ class Partitioner:
             graph_plan,
             num_fwd_outputs=g.num_fwd_outputs,
             static_lifetime_input_indices=g.static_lifetime_input_indices,
-            store=self.offloader.store if self.offloader else None,
-            input_views_as_bases=self.executor == INDUCTOR,
+            store=self.settings.offloader.store if self.settings.offloader else None,
+            input_views_as_bases=self.settings.executor == INDUCTOR,
         )
 
     def speed_rival(self, g: _Partition, budget_plan: GraphPlan) -> GraphPlan:
@@ -403,7 +377,7 @@ class Partitioner:
     ) -> tuple[GraphPlan, fx.GraphModule, fx.GraphModule, bool]:
         """Under ``executor="inductor"``, ``graph_plan`` fitted to the budget as compiled: the
         plan kept, its compiled forward and backward, and whether its peaks were measured."""
-        policy = self.policy
+        policy = self.settings.policy
         byte_budget = policy.budget is not None and policy.budget.fraction is None
         fraction = policy.budget.fraction if policy.budget is not None else None
         limit_bytes: int | None = None

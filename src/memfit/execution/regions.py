@@ -197,11 +197,9 @@ class Regions:
     def __init__(
         self,
         model: nn.Module,
-        policy: Policy,
         ran: list[GraphPlan],
         recompute_started: Callable[[], None],
     ) -> None:
-        self.policy = policy
         self.ran = ran
         self.recompute_started = recompute_started
         self.backend: Any = None
@@ -238,8 +236,9 @@ class Regions:
             if name is not None:
                 self.observed.add(name)
 
-    def decide(self) -> bool:
-        """Choose the regions from what was observed; True if they changed (from the next call).
+    def decide(self, policy: Policy) -> bool:
+        """Choose the regions ``policy`` recomputes from what was observed; True if they changed
+        (from the next call).
 
         Asked after every call; nothing new observed (every step once compiled) is the same
         choice, so it is not made again (choosing sorts every name observed: 4-6 us a step).
@@ -247,7 +246,7 @@ class Regions:
         if len(self.observed) == self._decided:
             return False
         self._decided = len(self.observed)
-        names = choose_regions(self.observed, self.policy)
+        names = choose_regions(self.observed, policy)
         if tuple(self.chosen) == names:
             return False
         modules = dict(self._model.named_modules())

@@ -6,7 +6,7 @@ still alive when the backward starts (the caller's variables, a later graph's sa
 which tangents arrive as None. ``StartWatch`` notes weak references to the outputs on the
 forward's autograd ctx and reads them when the backward starts; where the start differs from the
 planned one, it reports it, and the wrapper plans again with it from the next call where that
-matters (``MATERIAL_LOW``, ``MATERIAL_HIGH``; ``execution.planned``), once two backwards in a row
+matters (``MATERIAL_LOW``, ``MATERIAL_HIGH``; ``execution.session``), once two backwards in a row
 agree. It watches a compiled graph's first backwards only: afterwards a step pays nothing for it.
 
 An output counts as held while its tensor object is alive, or, where the forward did not also
