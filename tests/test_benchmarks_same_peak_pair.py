@@ -70,7 +70,7 @@ def test_a_bare_side_steps_memfits_compiled_program_without_its_call_around_it(
     bare = pair.side(spec, "memfit-bare", "none")
     assert bare.name == "memfit-bare mode none"
 
-    from memfit.execution.planned import PlannedCall
+    from memfit.execution.planned_call import PlannedCall
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("memfit's call ran")

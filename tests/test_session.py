@@ -1,5 +1,5 @@
 """execution.session: the records a call session keeps from call to call, checked literally
-(the session's calls themselves: ``test_planned.py``, ``test_step.py``, ``test_module.py``)."""
+(the session's calls themselves: ``test_planned_call.py``, ``test_step.py``, ``test_module.py``)."""
 
 from __future__ import annotations
 

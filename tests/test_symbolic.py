@@ -37,7 +37,7 @@ def test_one_capture_serves_every_sequence_length() -> None:
     for length in (16, 24, 40, 33, 56, 24):
         ids = torch.randint(0, 100, (2, length), generator=g)
         if length in (16, 24) and length not in {s for p in planned_at for _, s in p}:
-            step(ids).backward()  # the captures: measured elsewhere (test_planned, test_step)
+            step(ids).backward()  # the captures: measured elsewhere (test_planned_call, test_step)
         else:
             measured = memfit.measure(lambda ids=ids: step(ids).backward()).peak_bytes
             assert measured == pytest.approx(step.plan.predicted_peak_bytes, rel=0.05)
@@ -77,7 +77,7 @@ def test_a_byte_budget_holds_at_every_batch_size_and_beyond_its_range_plans_agai
         ((_, _, hi),) = step.plan.graphs[0].size_range
         batches = (64, 96, 80, 128, hi + 9, 72)  # hi + 9 is captured again
         inputs = [torch.randn(batch, 256) for batch in batches]
-        for x in inputs:  # captures as needed (measured in test_planned and test_step)
+        for x in inputs:  # captures as needed (measured in test_planned_call and test_step)
             step(x).backward()
             model.zero_grad(set_to_none=True)
         captures = _captures(step)

@@ -182,7 +182,7 @@ def _random_state(args: list[Any]) -> tuple[torch.Tensor, list[tuple[int, torch.
 class StepChain:
     """The runs of memfit's forward graphs in one call, and the segments they are dropped in.
 
-    Made by the call (``execution.planned``) with the rule of its last plan; runs join it from
+    Made by the call (``execution.planned_call``) with the rule of its last plan; runs join it from
     the forward runner (``run``), and their backwards ask it for their values (``restore_saved``).
     During the call it holds its runs; once sealed, only their autograd nodes do, so the runs
     and what they hold die with the autograd graph.

@@ -16,7 +16,7 @@ the policy), and ``memfit.remove(model)`` puts the class and ``forward`` back.
 A call that does not train (``torch.no_grad()``, ``inference_mode``, ``generate``) runs the
 original forward as plain PyTorch; a training call is captured by ``torch.compile`` with memfit's
 backend (static shapes at first; a size that changes is captured once more as a symbol, and that
-graph serves a range of sizes: see ``execution.planned``). Submodule names in a policy list
+graph serves a range of sizes: see ``execution.planned_call``). Submodule names in a policy list
 (``memfit.checkpoint(model, ["layer1"])``) are turned into marks by forward hooks that act only
 while memfit captures, so the user's own eager calls are untouched.
 
@@ -50,7 +50,7 @@ from memfit.execution.options import (
     PolicyLike,
     resolve,
 )
-from memfit.execution.planned import STEP_ROUNDS, PlannedCall, PlannedView, memfit_call_running
+from memfit.execution.planned_call import STEP_ROUNDS, PlannedCall, PlannedView, memfit_call_running
 from memfit.execution.state import preserved
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy

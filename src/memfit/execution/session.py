@@ -1,6 +1,6 @@
 """A call session: what every training call of a memfit-applied model (or step) goes through.
 
-Capture, plan, run, observe, replan: ``execution.planned.PlannedCall`` runs the compiled target,
+Capture, plan, run, observe, replan: ``execution.planned_call.PlannedCall`` runs the compiled target,
 and everything it learns or decides around that lives here, in one object with explicit state.
 The backend (``execution.backend``) reports to the session through one interface
 (``execution.events.BackendEvents``), which ``CallSession`` implements; the session holds the

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from memfit.execution.options import Executor, Options, PolicyLike, resolve
-from memfit.execution.planned import PlannedCall, PlannedView
+from memfit.execution.planned_call import PlannedCall, PlannedView
 from memfit.planning.policy import Policy
 
 __all__ = ["step", "Step"]

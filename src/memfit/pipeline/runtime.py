@@ -66,7 +66,7 @@ from memfit.pipeline.options import (
 )
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import local_stages, stage_ranks
-from memfit.pipeline.plan import plan
+from memfit.pipeline.plan_pipeline import plan
 from memfit.pipeline.schedule import PipelineSchedule, is_single, splits_backward
 from memfit.pipeline.search import Span, StagesFound, choose_cuts, search_stages
 from memfit.pipeline.stages import StagePlan, rank_step_peak_bytes

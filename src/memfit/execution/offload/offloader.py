@@ -1,7 +1,7 @@
 """The offload side of one memfit wrapper (``Offloader``): its options, its stores, and the link
 and byte limit each graph is planned to offload with.
 
-Part of ``memfit.execution.offload``: see its docstring. The wrapper (``execution.planned``) makes
+Part of ``memfit.execution.offload``: see its docstring. The wrapper (``execution.planned_call``) makes
 one; the partitioner asks it, per joint graph, where values go and how fast, and has it reserve
 host memory for the plan; the backend counts what each step's graphs offload against it.
 """

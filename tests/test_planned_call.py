@@ -1,4 +1,4 @@
-"""What happens around every memfit call (``execution.planned``): one plan per input shape, the
+"""What happens around every memfit call (``execution.planned_call``): one plan per input shape, the
 plan of the shape that just ran, memfit's own shape limit, and no silent unplanned run."""
 
 from __future__ import annotations

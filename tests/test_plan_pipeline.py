@@ -141,7 +141,7 @@ def test_the_keywords_of_0_1_still_plan_the_same_pipeline_with_a_warning(
     """``stages=K`` (which counted ranks) and one keyword per option, until the next release:
     the search is asked the same configuration on the same micro-batch."""
     asked = []
-    module = importlib.import_module("memfit.pipeline.plan")  # the attribute is the function
+    module = importlib.import_module("memfit.pipeline.plan_pipeline")  # the attribute is the function
     monkeypatch.setattr(module, "prepare_search", lambda model, micro, max_items: max_items)
     monkeypatch.setattr(
         module, "plan_from_search", lambda *args: asked.append((args[0], args[1][0], args[2]))
