@@ -3,7 +3,7 @@
 Why: issue 56. Where a model's forward breaks Dynamo's graph between its layers (a
 data-dependent ``if``, an ``.item()``), memfit used to plan each small graph alone and keep every
 value that crosses a break ("memory" 0.99x plain on 8 layer pairs). Now the runs form a chain
-whose segments are dropped in the forward and replayed in the backward (``execution.chain``).
+whose segments are dropped in the forward and replayed in the backward (``execution.run_chain``).
 This measures, on the issue's three models, the peak of one training step and the time per step
 of: plain PyTorch (twice: the A/A spread of the timing), memfit ``"none"``, memfit ``"memory"``
 with the chain turned off (what memfit did before) and memfit ``"memory"``; and the first step
@@ -14,7 +14,7 @@ Models (CPU, float32): ``pairs``, 8 pairs of 64-wide Linears with a branch on th
 mean after each, batch 8,192 (2 MiB activations); ``tanh``, 100 64-wide Linears with tanh and an
 ``.item()``-driven branch after each, batch 4,096 (1 MiB activations: the sqrt(n) bound is
 2.5 * 10 + 3 = 28 MB); ``norm``, 8 Linears with BatchNorm, dropout and a branch, batch 2,048.
-The models are those of ``tests/test_chain.py``.
+The models are those of ``tests/test_run_chain.py``.
 
 Writes ``benchmarks/results/graph_break_chain.{json,md}`` (``--out`` elsewhere; ``--quick``:
 smaller batches and fewer rounds, into ``*_quick.*``). Run with the Python memfit is installed
@@ -43,7 +43,7 @@ from memfit.bench.runner import Method, measure_peaks, time_interleaved
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_chain import NormChain, Pairs, TanhChain  # noqa: E402  (the tests' models)
+from test_run_chain import NormChain, Pairs, TanhChain  # noqa: E402  (the tests' models)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 

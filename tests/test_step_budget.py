@@ -162,7 +162,7 @@ def _trained(model: nn.Module, step: memfit.Step) -> tuple[int, list[torch.Tenso
         # the step is planned as a whole after its first call, and again where its graphs'
         # first backwards showed outputs dropped that the plans assumed held (the values one
         # graph hands the next), and where its chain holds the budget, until the chain's
-        # plans settle (planning.chain)
+        # plans settle (planning.plan_chain)
         for i in range(10):
             step().backward()
             model.zero_grad(set_to_none=True)
@@ -198,7 +198,7 @@ def test_a_fraction_is_of_the_whole_steps_activations() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the graph-break warning
         # planned as a whole after its first call, as a budget's first call is (before either
-        # learns what its backwards show); its chain's plans tried and settled (planning.chain)
+        # learns what its backwards show); its chain's plans tried and settled (planning.plan_chain)
         for i in range(10):
             memory().backward()
             model.zero_grad(set_to_none=True)

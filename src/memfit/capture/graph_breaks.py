@@ -2,7 +2,7 @@
 
 A graph break is not an error for memfit: each piece is planned and checkpointed on its own, and
 values crossing a break are kept, or, under ``"memory"`` and budgets, the pieces' runs form a
-chain replayed in segments (``execution.chain``) or a submodule with a break inside is
+chain replayed in segments (``execution.run_chain``) or a submodule with a break inside is
 recomputed whole (``execution.regions``). But a user should know where the break is and what
 it costs, so the first call that breaks warns with Dynamo's reason and the user's source
 line. Dynamo records reasons in its global counters (read through

@@ -130,7 +130,7 @@ def loss_outside_unseen(name: str, output_bytes: int) -> str:
 def break_action(regions: Regions | None, policy: Policy, chained: bool) -> str | None:
     """What memfit does about the graph breaks of the last call, for the break warning (None:
     the warning's default, each piece on its own and values crossing a break kept).
-    ``chained``: the graph runs form a chain (``execution.chain``)."""
+    ``chained``: the graph runs form a chain (``execution.run_chain``)."""
     chain = (
         "memfit runs the graphs as one chain: from the next calls, segments of graph runs keep "
         "only the values that enter them and run their compiled graphs again in the backward "

@@ -1,8 +1,8 @@
 """What one memfit wrapper carries from call to call about the chain of its graph runs
-(``execution.chain``): the segment rule the next call runs by, how the chain's graphs are
+(``execution.run_chain``): the segment rule the next call runs by, how the chain's graphs are
 planned, and whether a budget is held by the chain.
 
-Each call's chain is planned from the call just made (``planning.chain``): the rule is chosen on
+Each call's chain is planned from the call just made (``planning.plan_chain``): the rule is chosen on
 its runs, and the plan shows those runs under it. Two choices take more than one call, since
 each changes how the graphs are planned and so needs a capture:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.planning.budget import Budget
-from memfit.planning.chain import (
+from memfit.planning.plan_chain import (
     KEEP_ALL,
     ChainPlan,
     ChainRun,

@@ -74,7 +74,7 @@ class BackendEvents(Protocol):
         ...
 
     def chain_mode(self) -> tuple[bool, int | None] | None:
-        """How a graph that runs in a chain (``planning.chain``) is planned: None, by the
+        """How a graph that runs in a chain (``planning.plan_chain``) is planned: None, by the
         policy; else ``(least_kept, step_budget)``: as ``"memory"`` plans it, keeping the least
         it can if ``least_kept`` (``planning.frontier.least_kept_point``), under a budget of
         ``step_budget`` bytes that the chain's segments hold for the step."""

@@ -33,8 +33,8 @@ from memfit.execution.accumulate import (
     accumulating,
     output_values,
 )
-from memfit.execution.chain import ForwardGraph, restore_saved
-from memfit.execution.chain import current as current_chain
+from memfit.execution.run_chain import ForwardGraph, restore_saved
+from memfit.execution.run_chain import current as current_chain
 from memfit.execution.executors import (
     EAGER,
     compile_graph,
@@ -113,7 +113,7 @@ def boxed_forward(
     gradient; turning that off lets the backward skip them (``capture.tangents``). Until its
     first backward, a planned graph's outputs are watched (``execution.start_watch``).
     ``chained``: its training runs join the step's chain where one is recording
-    (``execution.chain``), which may drop what they keep and replay them in the backward.
+    (``execution.run_chain``), which may drop what they keep and replay them in the backward.
     """
     own_donation()  # memfit's backward decides what it writes into (boxed_backward)
     user_outputs = gm.meta.get(USER_OUTPUTS_META)
@@ -197,7 +197,7 @@ def boxed_backward(
             ctx = compiled_function_ctx(frames=5)
         if watch is not None and watch.pending:
             watch.note_backward(ctx, missing)
-        restore_saved(ctx, args)  # what a dropped run of a chain left out (execution.chain)
+        restore_saved(ctx, args)  # what a dropped run of a chain left out (execution.run_chain)
         positions, grads = accumulating(ctx, values)
         # A backward that keeps the graph (retain_graph=True) may run again on the same saved
         # values: it must not write into them (execution.executors.DONATED).

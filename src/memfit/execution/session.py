@@ -55,7 +55,7 @@ from memfit.execution.call_messages import (
     swap_saved_little,
     unplanned,
 )
-from memfit.execution.chain import StepChain, chains
+from memfit.execution.run_chain import StepChain, chains
 from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.offload import Offloader
@@ -65,7 +65,7 @@ from memfit.execution.settings import BackendSettings, StepBudget
 from memfit.execution.step_check import STEP_ROUNDS, StepShares, refused_step
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
-from memfit.planning.chain import ChainRun, ChainValue
+from memfit.planning.plan_chain import ChainRun, ChainValue
 from memfit.planning.plan import GraphPlan, Plan
 from memfit.planning.policy import Policy
 from memfit.planning.step_budget import GraphShare
@@ -304,7 +304,7 @@ class CallSession:
     # -- the call -------------------------------------------------------------------------
 
     def chains(self) -> bool:
-        """Whether this call's graph runs form a chain (``execution.chain.chains``), and not
+        """Whether this call's graph runs form a chain (``execution.run_chain.chains``), and not
         where regions recompute submodules whole (their graphs run again as Python, which a
         chain cannot replay)."""
         return chains(self.policy, self.settings.executor) and (

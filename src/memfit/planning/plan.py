@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from memfit.capture.attention import AttentionSite
 from memfit.capture.loss_head import LossHeadSite
-from memfit.planning.chain import ChainSummary
+from memfit.planning.plan_chain import ChainSummary
 from memfit.planning.decision import Decision
 from memfit.units import format_bytes
 

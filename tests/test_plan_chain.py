@@ -1,10 +1,10 @@
-"""planning.chain: the segment rule, the simulated step peak it leads to, and its choice."""
+"""planning.plan_chain: the segment rule, the simulated step peak it leads to, and its choice."""
 
 from __future__ import annotations
 
 import math
 
-from memfit.planning.chain import (
+from memfit.planning.plan_chain import (
     KEEP_ALL,
     ChainPlan,
     ChainRun,

@@ -1,5 +1,5 @@
 """Graph runs that drop what they keep in the forward and replay their forward in the backward:
-recomputation across graph breaks (the plan: ``planning.chain``).
+recomputation across graph breaks (the plan: ``planning.plan_chain``).
 
 A step with graph breaks in the model's own Python runs memfit's graphs one after the other, and
 each run's autograd node (AOTAutograd's ``CompiledFunction``) keeps what its backward reads. Here
@@ -22,7 +22,7 @@ autograd node as ``grad_fn`` and its position among the graph's outputs as ``out
 view AOTAutograd made again after the graph, or a value eager code made, has another
 ``grad_fn`` and is held like any value from outside the segment.
 
-What one step's chain records is also what ``planning.chain`` plans the next step from:
+What one step's chain records is also what ``planning.plan_chain`` plans the next step from:
 ``StepChain.seal`` turns it into ``ChainRun``/``ChainValue`` and notes which outputs were still
 alive when the forward ended although no run held them (something else holds them: eager
 autograd, the caller).
@@ -42,7 +42,7 @@ import torch.fx as fx
 from memfit._compat import StorageWeakRef, backward_keeps_graph
 from memfit.analysis.graph import is_random
 from memfit.execution.executors import EAGER, STATIC_INPUT
-from memfit.planning.chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue, segment_cost
+from memfit.planning.plan_chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue, segment_cost
 from memfit.planning.plan import GraphPlan
 from memfit.planning.policy import Policy
 
@@ -337,7 +337,7 @@ class StepChain:
                 made.pop(key, None)
 
     def seal(self) -> tuple[list[ChainRun], list[ChainValue]]:
-        """End the forward: the runs and values as ``planning.chain`` plans them; from now on
+        """End the forward: the runs and values as ``planning.plan_chain`` plans them; from now on
         only the runs' autograd nodes hold the runs."""
         facts = self._facts()
         self._weak = [weakref.ref(r) for r in self._runs]

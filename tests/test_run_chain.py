@@ -1,4 +1,4 @@
-"""execution.chain: graph runs of a step with graph breaks in the model's own Python, dropped in
+"""execution.run_chain: graph runs of a step with graph breaks in the model's own Python, dropped in
 the forward and replayed in the backward. Plain PyTorch is the oracle for losses, gradients,
 BatchNorm statistics and dropout masks; ``memfit.measure`` for the peaks."""
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memfit
-from memfit.execution import chain as chain_module
+from memfit.execution import run_chain as chain_module
 
 MB = 10**6
 
