@@ -1,5 +1,6 @@
 """A small language model whose loss (cross-entropy over its vocabulary) is much of its step:
-the case where a loss outside memfit's graphs matters (``test_step.py``, ``test_planned_call.py``)."""
+the case where a loss outside memfit's graphs matters (``test_step.py``,
+``test_planned_call.py``)."""
 
 from __future__ import annotations
 

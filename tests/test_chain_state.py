@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from memfit.execution.chain_state import ChainState
 from memfit.planning.budget import Budget
-from memfit.planning.plan_chain import KEEP_ALL, ChainRun, ChainValue
 from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.plan_chain import KEEP_ALL, ChainRun, ChainValue
 from memfit.planning.policy import Policy
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""memfit.pipeline.options: one options object, checked once; the 0.1 keywords folded into it."""
+"""memfit.pipeline.pipeline_options: one options object, checked once; 0.1's keywords folded in."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from memfit.pipeline import PipelineOptions, PipelineSchedule
-from memfit.pipeline.options import configure, deprecated_keywords, microbatch
+from memfit.pipeline.pipeline_options import configure, deprecated_keywords, microbatch
 
 
 def test_configure_names_what_each_number_counts() -> None:

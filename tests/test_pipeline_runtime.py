@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from memfit.pipeline import PipelineOptions, RankError, launch, plan
-from memfit.pipeline.options import microbatch
 from memfit.pipeline.partition import capture_forward, split_stages
+from memfit.pipeline.pipeline_options import microbatch
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.stages import rank_step_peak_bytes
 from pipeline_models import build

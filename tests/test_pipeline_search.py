@@ -11,7 +11,7 @@ import memfit
 import memfit.pipeline.search as search_module
 from memfit.pipeline import PipelineOptions, plan
 from memfit.pipeline.costs import prepare_search
-from memfit.pipeline.options import configure, microbatch
+from memfit.pipeline.pipeline_options import configure, microbatch
 from memfit.pipeline.search import search_stages
 from memfit.pipeline.stage_planner import StageRefused
 from pipeline_models import build

@@ -10,7 +10,7 @@ import torch
 
 import memfit
 from memfit.pipeline import PipelineOptions, PipelineSchedule, plan
-from memfit.pipeline.options import configure
+from memfit.pipeline.pipeline_options import configure
 from memfit.pipeline.schedule import in_flight
 from pipeline_models import build
 
@@ -141,7 +141,8 @@ def test_the_keywords_of_0_1_still_plan_the_same_pipeline_with_a_warning(
     """``stages=K`` (which counted ranks) and one keyword per option, until the next release:
     the search is asked the same configuration on the same micro-batch."""
     asked = []
-    module = importlib.import_module("memfit.pipeline.plan_pipeline")  # the attribute is the function
+    # the attribute memfit.pipeline.plan is the function
+    module = importlib.import_module("memfit.pipeline.plan_pipeline")
     monkeypatch.setattr(module, "prepare_search", lambda model, micro, max_items: max_items)
     monkeypatch.setattr(
         module, "plan_from_search", lambda *args: asked.append((args[0], args[1][0], args[2]))

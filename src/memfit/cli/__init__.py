@@ -30,8 +30,8 @@ from rich.console import Console
 
 import memfit
 from memfit.cli import bench, demo, fit, pipeline, profile
+from memfit.cli.arguments import HelpFormatter
 from memfit.cli.errors import EXIT_USAGE, CliError, first_line
-from memfit.cli.options import HelpFormatter
 
 __all__ = ["main", "console_main", "build_parser", "CliError"]
 

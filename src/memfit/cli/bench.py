@@ -14,8 +14,8 @@ import argparse
 from typing import Any
 
 from memfit.bench import depth_sweep
+from memfit.cli.arguments import HelpFormatter, parse_device
 from memfit.cli.errors import CliError
-from memfit.cli.options import HelpFormatter, parse_device
 
 __all__ = ["add_parser", "run_depth_sweep"]
 

@@ -37,8 +37,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from torch import nn
 
 from memfit.bench.resnet import cifar_resnet
+from memfit.cli.arguments import HelpFormatter
 from memfit.cli.figures import timeline_figure
-from memfit.cli.options import HelpFormatter
 from memfit.cli.steps import Workload, run_policies
 from memfit.cli.tables import duration, policy_table
 from memfit.planning.budget import Budget

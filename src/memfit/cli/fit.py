@@ -32,8 +32,8 @@ from torch import nn
 
 from memfit.analysis.devices import Device, get_device, known_devices
 from memfit.analysis.step_memory import IMPLEMENTATIONS, OPTIMIZERS
+from memfit.cli.arguments import HelpFormatter, parse_dtype, parse_policies
 from memfit.cli.errors import CliError, first_line
-from memfit.cli.options import HelpFormatter, parse_dtype, parse_policies
 from memfit.cli.tables import mib
 from memfit.cli.target import build_target, move_inputs
 from memfit.fitting import FitReport, fit

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 import memfit
+from memfit.cli.arguments import HelpFormatter
 from memfit.cli.errors import CliError
-from memfit.cli.options import HelpFormatter
 from memfit.cli.steps import default_loss
 from memfit.cli.target import build_target
 from memfit.pipeline import Pipeline, launch, plan
-from memfit.pipeline.options import AUTO, PipelineOptions
+from memfit.pipeline.pipeline_options import AUTO, PipelineOptions
 from memfit.pipeline.schedule import SCHEDULES, PipelineSchedule, equal_stages_bubble
 from memfit.units import format_bytes
 

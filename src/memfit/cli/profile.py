@@ -33,10 +33,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 import memfit
 from memfit._compat import keystr, tree_flatten_with_path
 from memfit.cli import report as rep
-from memfit.cli.batch_search import Probe, batch_size_of, measure_probe, search_max_batch
-from memfit.cli.errors import CliError, first_line
-from memfit.cli.figures import pareto_figure, timeline_figure
-from memfit.cli.options import (
+from memfit.cli.arguments import (
     POLICY_NAMES,
     HelpFormatter,
     parse_batch_budget,
@@ -45,6 +42,9 @@ from memfit.cli.options import (
     parse_policies,
     parse_shape,
 )
+from memfit.cli.batch_search import Probe, batch_size_of, measure_probe, search_max_batch
+from memfit.cli.errors import CliError, first_line
+from memfit.cli.figures import pareto_figure, timeline_figure
 from memfit.cli.steps import PolicyResult, Workload, resident_bytes, run_policies
 from memfit.cli.tables import batch_table, mib, module_table, policy_table, tensor_table
 from memfit.cli.target import build_target, move_inputs

@@ -30,11 +30,11 @@ from memfit._compat import aot_autograd
 from memfit.capture.attention import Attention, replace_attention
 from memfit.capture.dropout import remove_identity_dropouts
 from memfit.capture.loss_head import LossHead, replace_loss_heads
-from memfit.execution.run_chain import chains
 from memfit.execution.events import BackendEvents
 from memfit.execution.executors import INDUCTOR, check_executor, decompositions
 from memfit.execution.offload import Offloader, OffloadOptions
 from memfit.execution.partitioner import Partitioner
+from memfit.execution.run_chain import chains
 from memfit.execution.runners import (
     PLAN_META,
     SIZES_META,

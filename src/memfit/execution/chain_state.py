@@ -2,9 +2,9 @@
 (``execution.run_chain``): the segment rule the next call runs by, how the chain's graphs are
 planned, and whether a budget is held by the chain.
 
-Each call's chain is planned from the call just made (``planning.plan_chain``): the rule is chosen on
-its runs, and the plan shows those runs under it. Two choices take more than one call, since
-each changes how the graphs are planned and so needs a capture:
+Each call's chain is planned from the call just made (``planning.plan_chain``): the rule is chosen
+on its runs, and the plan shows those runs under it. Two choices take more than one call, since each
+changes how the graphs are planned and so needs a capture:
 
 * ``"memory"`` tries, once, each graph keeping the least it can
   (``planning.frontier.least_kept_point``), and keeps that only where the chain then reaches a
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.planning.budget import Budget
+from memfit.planning.plan import Plan
 from memfit.planning.plan_chain import (
     KEEP_ALL,
     ChainPlan,
@@ -38,7 +39,6 @@ from memfit.planning.plan_chain import (
     simulate,
     summary,
 )
-from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 from memfit.planning.step_budget import step_budget_bytes
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from memfit.capture.attention import Attention
 from memfit.capture.loss_head import LossHead
 from memfit.execution.executors import Executor
-from memfit.execution.offload.options import OffloadOptions, OffloadTarget
+from memfit.execution.offload.offload_options import OffloadOptions, OffloadTarget
 from memfit.planning.budget import Budget
 from memfit.planning.policy import Policy, parse_policy
 

@@ -35,10 +35,10 @@ from memfit._compat import (
     traced_logging,
 )
 from memfit.execution.backend import make_backend
-from memfit.execution.run_chain import recording
 from memfit.execution.offload import OffloadError, OffloadStore
 from memfit.execution.options import Executor, Options
 from memfit.execution.regions import DYNAMO_RECOMPILE_LIMIT
+from memfit.execution.run_chain import recording
 from memfit.execution.session import STEP_ROUNDS, CallSession, InRegion
 from memfit.planning.budget import BudgetError
 from memfit.planning.plan import Plan

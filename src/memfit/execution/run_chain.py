@@ -42,8 +42,8 @@ import torch.fx as fx
 from memfit._compat import StorageWeakRef, backward_keeps_graph
 from memfit.analysis.graph import is_random
 from memfit.execution.executors import EAGER, STATIC_INPUT
-from memfit.planning.plan_chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue, segment_cost
 from memfit.planning.plan import GraphPlan
+from memfit.planning.plan_chain import KEEP_ALL, ChainPlan, ChainRun, ChainValue, segment_cost
 from memfit.planning.policy import Policy
 
 __all__ = ["ForwardGraph", "StepChain", "chains", "recording", "restore_saved"]

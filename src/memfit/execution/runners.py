@@ -33,12 +33,12 @@ from memfit.execution.accumulate import (
     accumulating,
     output_values,
 )
-from memfit.execution.run_chain import ForwardGraph, restore_saved
-from memfit.execution.run_chain import current as current_chain
 from memfit.execution.executors import (
     EAGER,
     compile_graph,
 )
+from memfit.execution.run_chain import ForwardGraph, restore_saved
+from memfit.execution.run_chain import current as current_chain
 from memfit.execution.start_watch import StartWatch
 
 __all__ = [

@@ -1,11 +1,11 @@
 """A call session: what every training call of a memfit-applied model (or step) goes through.
 
-Capture, plan, run, observe, replan: ``execution.planned_call.PlannedCall`` runs the compiled target,
-and everything it learns or decides around that lives here, in one object with explicit state.
-The backend (``execution.backend``) reports to the session through one interface
-(``execution.events.BackendEvents``), which ``CallSession`` implements; the session holds the
-one ``BackendSettings`` the backend plans by (``execution.settings``: the policy, stored once),
-and gives its warnings through one ``CallWarnings`` (``execution.call_messages``), each once.
+Capture, plan, run, observe, replan: ``execution.planned_call.PlannedCall`` runs the compiled
+target, and everything it learns or decides around that lives here, in one object with explicit
+state. The backend (``execution.backend``) reports to the session through one interface
+(``execution.events.BackendEvents``), which ``CallSession`` implements; the session holds the one
+``BackendSettings`` the backend plans by (``execution.settings``: the policy, stored once), and
+gives its warnings through one ``CallWarnings`` (``execution.call_messages``), each once.
 
 What the session keeps from call to call, each part a small record:
 
@@ -55,18 +55,18 @@ from memfit.execution.call_messages import (
     swap_saved_little,
     unplanned,
 )
-from memfit.execution.run_chain import StepChain, chains
 from memfit.execution.chain_state import ChainState
 from memfit.execution.executors import INDUCTOR
 from memfit.execution.offload import Offloader
 from memfit.execution.options import Executor, Options
 from memfit.execution.regions import Regions
+from memfit.execution.run_chain import StepChain, chains
 from memfit.execution.settings import BackendSettings, StepBudget
 from memfit.execution.step_check import STEP_ROUNDS, StepShares, refused_step
 from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.measurement.window import MemoryWindow
-from memfit.planning.plan_chain import ChainRun, ChainValue
 from memfit.planning.plan import GraphPlan, Plan
+from memfit.planning.plan_chain import ChainRun, ChainValue
 from memfit.planning.policy import Policy
 from memfit.planning.step_budget import GraphShare
 

@@ -21,7 +21,7 @@ from memfit.pipeline.intervals import CapacityError as CapacityError
 from memfit.pipeline.intervals import balance_intervals as balance_intervals
 from memfit.pipeline.launch import RankError as RankError
 from memfit.pipeline.launch import launch as launch
-from memfit.pipeline.options import PipelineOptions as PipelineOptions
+from memfit.pipeline.pipeline_options import PipelineOptions as PipelineOptions
 from memfit.pipeline.plan_pipeline import plan as plan
 from memfit.pipeline.runtime import Pipeline as Pipeline
 from memfit.pipeline.schedule import PipelineSchedule as PipelineSchedule

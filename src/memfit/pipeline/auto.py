@@ -33,8 +33,8 @@ import torch.nn as nn
 
 from memfit.pipeline.candidates import Candidate, candidate_table
 from memfit.pipeline.costs import Search, prepare_search
-from memfit.pipeline.options import Configuration, PipelineOptions, configure, microbatch
 from memfit.pipeline.partition import PipelineCaptureError
+from memfit.pipeline.pipeline_options import Configuration, PipelineOptions, configure, microbatch
 from memfit.pipeline.schedule import (
     PipelineSchedule,
     check_schedule,

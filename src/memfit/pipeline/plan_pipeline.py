@@ -1,11 +1,12 @@
 """``memfit.pipeline.plan``: where to cut a model into stages over K ranks, and what each costs.
 
-``plan`` checks its options before anything runs (``options.configure``, ``options.microbatch``),
-captures and profiles the model on one micro-batch (``costs.prepare_search``), and runs the cut
-search with memfit's planner checking every rank (``search.plan_from_search``); what each stage
-keeps, holds and costs is ``stages.StagePlan``, the schedules' part ``schedule``. With
-``schedule="auto"`` it does so for every configuration and keeps the fastest that fits
-(``auto``). ``Pipeline`` (``runtime``) takes the same arguments and runs the same search.
+``plan`` checks its options before anything runs (``pipeline_options.configure``,
+``pipeline_options.microbatch``), captures and profiles the model on one micro-batch
+(``costs.prepare_search``), and runs the cut search with memfit's planner checking every rank
+(``search.plan_from_search``); what each stage keeps, holds and costs is ``stages.StagePlan``, the
+schedules' part ``schedule``. With ``schedule="auto"`` it does so for every configuration and keeps
+the fastest that fits (``auto``). ``Pipeline`` (``runtime``) takes the same arguments and runs the
+same search.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 from memfit.pipeline.auto import choose
 from memfit.pipeline.costs import prepare_search
-from memfit.pipeline.options import (
+from memfit.pipeline.pipeline_options import (
     PipelineOptions,
     configure,
     deprecated_keywords,

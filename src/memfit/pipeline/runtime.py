@@ -56,7 +56,8 @@ from memfit.execution.state import preserved
 from memfit.measurement import measure
 from memfit.pipeline.candidates import Candidate
 from memfit.pipeline.costs import Search, measure_items, prepare_search
-from memfit.pipeline.options import (
+from memfit.pipeline.partition import StageGraph
+from memfit.pipeline.pipeline_options import (
     Configuration,
     PipelineOptions,
     configure,
@@ -64,7 +65,6 @@ from memfit.pipeline.options import (
     is_auto,
     microbatch,
 )
-from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.placement import local_stages, stage_ranks
 from memfit.pipeline.plan_pipeline import plan
 from memfit.pipeline.schedule import PipelineSchedule, is_single, splits_backward

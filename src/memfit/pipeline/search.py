@@ -30,8 +30,8 @@ import torch
 
 from memfit.pipeline.costs import TRAINING_FACTOR, Search, state_bytes
 from memfit.pipeline.intervals import CapacityError, balance_intervals
-from memfit.pipeline.options import Configuration
 from memfit.pipeline.partition import StageGraph, split_stages
+from memfit.pipeline.pipeline_options import Configuration
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import step_peak
 from memfit.pipeline.stage_planner import StageRefused, plan_rank, stage_facts

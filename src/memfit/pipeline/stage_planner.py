@@ -36,8 +36,8 @@ import torch
 from memfit.execution.module import plan as memfit_plan
 from memfit.execution.options import Options
 from memfit.pipeline.costs import Search, state_bytes
-from memfit.pipeline.options import Configuration
 from memfit.pipeline.partition import StageGraph
+from memfit.pipeline.pipeline_options import Configuration
 from memfit.pipeline.placement import stage_ranks
 from memfit.pipeline.schedule import in_flight
 from memfit.pipeline.stages import StagePlan, rank_peak

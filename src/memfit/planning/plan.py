@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from memfit.capture.attention import AttentionSite
 from memfit.capture.loss_head import LossHeadSite
-from memfit.planning.plan_chain import ChainSummary
 from memfit.planning.decision import Decision
+from memfit.planning.plan_chain import ChainSummary
 from memfit.units import format_bytes
 
 __all__ = ["GraphPlan", "FrontierPoint", "Plan", "RegionPlan", "TransferPlan", "sized_key"]

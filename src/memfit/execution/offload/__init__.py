@@ -38,13 +38,13 @@ from memfit.execution.offload.link import (
     copy_overlap,
     measure_link,
 )
-from memfit.execution.offload.offloader import Offloader
-from memfit.execution.offload.options import (
+from memfit.execution.offload.offload_options import (
     OffloadError,
     OffloadOptions,
     OffloadTarget,
     check_directory,
 )
+from memfit.execution.offload.offloader import Offloader
 from memfit.execution.offload.rewrite import (
     JOINT_NAME,
     insert_transfers,

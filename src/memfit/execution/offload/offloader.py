@@ -1,9 +1,9 @@
 """The offload side of one memfit wrapper (``Offloader``): its options, its stores, and the link
 and byte limit each graph is planned to offload with.
 
-Part of ``memfit.execution.offload``: see its docstring. The wrapper (``execution.planned_call``) makes
-one; the partitioner asks it, per joint graph, where values go and how fast, and has it reserve
-host memory for the plan; the backend counts what each step's graphs offload against it.
+Part of ``memfit.execution.offload``: see its docstring. The wrapper (``execution.planned_call``)
+makes one; the partitioner asks it, per joint graph, where values go and how fast, and has it
+reserve host memory for the plan; the backend counts what each step's graphs offload against it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from memfit._compat import disable_current_modes
 from memfit.analysis.graph import JointGraph, activation_device
 from memfit.analysis.transfers import Link
 from memfit.execution.offload.link import copy_overlap, measure_link
-from memfit.execution.offload.options import OffloadOptions
+from memfit.execution.offload.offload_options import OffloadOptions
 from memfit.execution.offload.store import OffloadStore
 from memfit.planning.plan import GraphPlan
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memfit.execution.offload.options import OffloadError, OffloadTarget, check_directory
+from memfit.execution.offload.offload_options import OffloadError, OffloadTarget, check_directory
 
 __all__ = [
     "Arena",

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.cli.errors import CliError
-from memfit.cli.options import (
+from memfit.cli.arguments import (
     parse_batch_budget,
     parse_device,
     parse_dtype,
     parse_policies,
     parse_shape,
 )
+from memfit.cli.errors import CliError
 
 
 @pytest.mark.parametrize(
