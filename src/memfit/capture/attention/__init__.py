@@ -25,7 +25,7 @@ Sites whose probabilities have another reader (``output_attentions=True``) are l
 reported with the reason; nothing is replaced silently and nothing is skipped silently.
 
 The modules, by job: ``graph`` reads a Dynamo graph (which torch call a node is, its shape, where
-in the model it came from); ``match`` finds dot-product attention and ``additive`` additive
+in the model it came from); ``match`` finds dot-product attention and ``additive_rewrite`` additive
 attention (and rewrites it); ``kernel`` chooses a dot-product site's kernel and rewrites it,
 and ``gqa`` finds key/value heads an SDPA call's model repeated, which ``kernel`` passes
 unrepeated with ``enable_gqa``;

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from memfit.capture.attention.additive import match_additive, rewrite_additive
+from memfit.capture.attention.additive_rewrite import match_additive, rewrite_additive
 from memfit.capture.attention.graph import (
     MATMUL,
     SDPA_CALL,
