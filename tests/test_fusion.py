@@ -327,7 +327,7 @@ def test_candidates_are_the_same_with_torchs_default_max_flow(graph, monkeypatch
 
     solved = candidates()
     assert networkx.minimum_cut.__name__ == "minimum_cut"  # networkx's own again
-    monkeypatch.setattr(_compat.partitioner, "MIN_CUT_MAX_FLOW", "preflow_push")
+    monkeypatch.setattr(_compat.aot_partitioning, "MIN_CUT_MAX_FLOW", "preflow_push")
     assert candidates() == solved
     assert len({frozenset(s) for s in solved}) > 3  # the cuts differ: the check has teeth
 

@@ -19,13 +19,13 @@ Private *attributes* count too: outside this package no code reads ``torch._dyna
 (``torch.ops.aten._softmax.default``) are public.
 
 One module per torch subsystem, every entry re-exported here: ``names`` (pytrees, AOTAutograd's
-backend factory, fake modes, storage identities), ``partitioner`` (AOTAutograd's split and
+backend factory, fake modes, storage identities), ``aot_partitioning`` (AOTAutograd's split and
 torch's min-cut), ``autograd`` (tangents, a compiled function's ctx, donation, the engine's
 accumulation and a tensor's hooks, boxed code), ``dynamo`` (counters, the recompile limit),
-``logging_config`` (logging inside a captured forward), ``sizes`` (symbolic sizes), ``profiler``
-(raw events), ``inductor`` (what the benchmarks and the Inductor executor compile with),
-``fake`` (fake tensors to plan on), ``measurement``, ``ops`` (an op's schema), ``modules``
-(nn.Module's children).
+``logging_config`` (logging inside a captured forward), ``symbolic_sizes``, ``profiler`` (raw
+events), ``inductor`` (what the benchmarks and the Inductor executor compile with), ``fake`` (fake
+tensors to plan on), ``measurement``, ``op_schema`` (an op's schema), ``modules`` (nn.Module's
+children).
 """
 
 from __future__ import annotations
@@ -178,24 +178,24 @@ from memfit._compat.names import (  # noqa: E402
     tree_map_only,
     tree_unflatten,
 )
-from memfit._compat.ops import (  # noqa: E402
+from memfit._compat.op_schema import (  # noqa: E402
     op_schema,
 )
-from memfit._compat.partitioner import (  # noqa: E402
+from memfit._compat.aot_partitioning import (  # noqa: E402
     MIN_CUT_MAX_FLOW,
     extract_fwd_bwd_modules,
     min_cut_node_info,
     min_cut_saved_values,
     min_cut_saved_values_at,
 )
-from memfit._compat.partitioner import _partitioners as _partitioners  # noqa: E402
+from memfit._compat.aot_partitioning import _partitioners as _partitioners  # noqa: E402
 from memfit._compat.profiler import (  # noqa: E402
     cpu_memory_device_types,
     profiler_allocations,
     profiler_enabled,
     profiler_events,
 )
-from memfit._compat.sizes import (  # noqa: E402
+from memfit._compat.symbolic_sizes import (  # noqa: E402
     dense_memory_format,
     is_sym_node,
     size_expr,

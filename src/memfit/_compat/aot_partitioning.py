@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._functorch import partitioners as _partitioners  # noqa: E402
 
 from memfit._compat.autograd import _MISSING
-from memfit._compat.sizes import is_sym_node
+from memfit._compat.symbolic_sizes import is_sym_node
 
 __all__ = [
     "MIN_CUT_MAX_FLOW",
