@@ -115,6 +115,14 @@ if torch.__version__.split("+")[0] not in CHECKED_TORCH_VERSIONS:
         stacklevel=2,
     )
 
+from memfit._compat.aot_partitioning import (  # noqa: E402
+    MIN_CUT_MAX_FLOW,
+    extract_fwd_bwd_modules,
+    min_cut_node_info,
+    min_cut_saved_values,
+    min_cut_saved_values_at,
+)
+from memfit._compat.aot_partitioning import _partitioners as _partitioners  # noqa: E402
 from memfit._compat.autograd import (  # noqa: E402
     accumulate_grad_nodes,
     backward_keeps_graph,
@@ -181,14 +189,6 @@ from memfit._compat.names import (  # noqa: E402
 from memfit._compat.op_schema import (  # noqa: E402
     op_schema,
 )
-from memfit._compat.aot_partitioning import (  # noqa: E402
-    MIN_CUT_MAX_FLOW,
-    extract_fwd_bwd_modules,
-    min_cut_node_info,
-    min_cut_saved_values,
-    min_cut_saved_values_at,
-)
-from memfit._compat.aot_partitioning import _partitioners as _partitioners  # noqa: E402
 from memfit._compat.profiler import (  # noqa: E402
     cpu_memory_device_types,
     profiler_allocations,
