@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 import memfit
+import memfit.pipeline.cut_search
 import memfit.pipeline.runtime
-import memfit.pipeline.search
 from memfit.pipeline import Pipeline, PipelineOptions, StagePlan
 from pipeline_models import build
 
@@ -82,7 +82,7 @@ def forced_cuts(cuts: tuple[int, ...] | None) -> Iterator[None]:
     if cuts is None:
         yield
         return
-    modules = (memfit.pipeline.search, memfit.pipeline.runtime)
+    modules = (memfit.pipeline.cut_search, memfit.pipeline.runtime)
     saved = [m.choose_cuts for m in modules]
     for m in modules:
         m.choose_cuts = lambda *args, **kwargs: list(cuts)

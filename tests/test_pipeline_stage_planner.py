@@ -12,9 +12,9 @@ import pytest
 import memfit.pipeline.stage_planner as stage_planner
 from memfit.pipeline import PipelineOptions
 from memfit.pipeline.costs import prepare_search
+from memfit.pipeline.cut_search import choose_cuts
 from memfit.pipeline.partition import split_stages
 from memfit.pipeline.pipeline_options import configure, microbatch
-from memfit.pipeline.search import choose_cuts
 from memfit.pipeline.stage_planner import (
     StageRefused,
     plan_rank,

@@ -5,17 +5,17 @@ step's activations under each policy (``memfit.plan``; on a model built under
 ``torch.device("meta")``, for the device's type without allocating), adds what the step holds
 besides them (``memfit.analysis.step_memory``: weights, gradients, optimizer state and step
 temporaries), compares the whole peak with the device's memory (``memfit.Device``), searches
-the largest batch and sequence length that fit in a few plans (``search``), and estimates the
+the largest batch and sequence length that fit in a few plans (``size_search``), and estimates the
 step's time from the device's FLOP/s and bandwidth (``step_time``). ``memfit fit`` is its
 command line.
 
 Modules: ``step_plan`` (the one call of ``memfit.plan``, and inputs at another size),
-``search`` (the largest size that fits, pure), ``step_time`` (the roofline estimate), ``fit``
+``size_search`` (the largest size that fits, pure), ``step_time`` (the roofline estimate), ``fit``
 (the whole step's peak, the rows, the report).
 """
 
 from memfit.fitting.fit import DEFAULT_POLICIES, FitReport, FitRow, StepPeak, fit
-from memfit.fitting.search import SizeSearch, largest_fitting
+from memfit.fitting.size_search import SizeSearch, largest_fitting
 from memfit.fitting.step_plan import plan_step
 
 __all__ = [

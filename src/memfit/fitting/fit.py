@@ -32,7 +32,7 @@ from memfit._compat import tree_map
 from memfit.analysis.devices import Device, get_device
 from memfit.analysis.step_memory import StepMemory, step_memory
 from memfit.execution.fake_target import is_meta
-from memfit.fitting.search import largest_fitting
+from memfit.fitting.size_search import largest_fitting
 from memfit.fitting.step_plan import plan_step, size_of, with_size
 from memfit.fitting.step_time import compute_dtype_name, estimate_step_seconds
 from memfit.measurement.resident import input_bytes
@@ -215,7 +215,7 @@ def fit(
     ``torch.device("meta")``, for the device's type without allocating; on a real model where it
     lives, running one forward) and its whole peak predicted (``StepPeak``); with ``search``, the
     largest batch (and, with ``seq_dim``, the largest sequence length at this batch) whose peak
-    fits, in a few plans whatever the answer (``fitting.search``), up to ``limit`` (the
+    fits, in a few plans whatever the answer (``fitting.size_search``), up to ``limit`` (the
     sequence up to ``seq_limit`` if given: a model's longest position). Each row has a roofline
     step time at the asked size, an estimate.
 

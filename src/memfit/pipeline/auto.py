@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from memfit.pipeline.candidates import Candidate, candidate_table
 from memfit.pipeline.costs import Search, prepare_search
+from memfit.pipeline.cut_search import plan_from_search
 from memfit.pipeline.partition import PipelineCaptureError
 from memfit.pipeline.pipeline_options import Configuration, PipelineOptions, configure, microbatch
 from memfit.pipeline.schedule import (
@@ -41,7 +42,6 @@ from memfit.pipeline.schedule import (
     is_single,
     is_v_shaped,
 )
-from memfit.pipeline.search import plan_from_search
 from memfit.pipeline.stages import PipelinePlan
 from memfit.planning.budget import BudgetError
 from memfit.units import format_bytes

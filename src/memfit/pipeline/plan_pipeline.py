@@ -3,10 +3,10 @@
 ``plan`` checks its options before anything runs (``pipeline_options.configure``,
 ``pipeline_options.microbatch``), captures and profiles the model on one micro-batch
 (``costs.prepare_search``), and runs the cut search with memfit's planner checking every rank
-(``search.plan_from_search``); what each stage keeps, holds and costs is ``stages.StagePlan``, the
-schedules' part ``schedule``. With ``schedule="auto"`` it does so for every configuration and keeps
-the fastest that fits (``auto``). ``Pipeline`` (``runtime``) takes the same arguments and runs the
-same search.
+(``cut_search.plan_from_search``); what each stage keeps, holds and costs is ``stages.StagePlan``,
+the schedules' part ``schedule``. With ``schedule="auto"`` it does so for every configuration and
+keeps the fastest that fits (``auto``). ``Pipeline`` (``runtime``) takes the same arguments and runs
+the same search.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from memfit.pipeline.auto import choose
 from memfit.pipeline.costs import prepare_search
+from memfit.pipeline.cut_search import plan_from_search
 from memfit.pipeline.pipeline_options import (
     PipelineOptions,
     configure,
@@ -26,7 +27,6 @@ from memfit.pipeline.pipeline_options import (
     is_auto,
     microbatch,
 )
-from memfit.pipeline.search import plan_from_search
 from memfit.pipeline.stages import PipelinePlan
 
 __all__ = ["plan"]

@@ -56,6 +56,7 @@ from memfit.execution.state import preserved
 from memfit.measurement import measure
 from memfit.pipeline.candidates import Candidate
 from memfit.pipeline.costs import Search, measure_items, prepare_search
+from memfit.pipeline.cut_search import Span, StagesFound, choose_cuts, search_stages
 from memfit.pipeline.partition import StageGraph
 from memfit.pipeline.pipeline_options import (
     Configuration,
@@ -68,7 +69,6 @@ from memfit.pipeline.pipeline_options import (
 from memfit.pipeline.placement import local_stages, stage_ranks
 from memfit.pipeline.plan_pipeline import plan
 from memfit.pipeline.schedule import PipelineSchedule, is_single, splits_backward
-from memfit.pipeline.search import Span, StagesFound, choose_cuts, search_stages
 from memfit.pipeline.stages import StagePlan, rank_step_peak_bytes
 from memfit.pipeline.streams import OwnStream, set_rng_state
 from memfit.planning.budget import BudgetError
@@ -200,7 +200,7 @@ class Pipeline:
     def _find_stages(
         self, model: nn.Module, inputs: tuple[Any, ...], config: Configuration, max_items: int
     ) -> tuple[Search, StagesFound]:
-        """Capture and profile the model, and run the cut search (``search.search_stages``):
+        """Capture and profile the model, and run the cut search (``cut_search.search_stages``):
         rank 0 chooses the cuts, each rank plans its own stages, and every rank refuses the
         spans any rank's planner could not fit."""
         micro = microbatch(inputs, config.microbatches)

@@ -1,4 +1,4 @@
-"""``memfit.pipeline.search``: the one cut search ``plan`` and ``Pipeline`` run, and how it cuts
+"""``memfit.pipeline.cut_search``: the one cut search ``plan`` and ``Pipeline`` run, and how it cuts
 again around a span memfit's planner refuses (the planner is replaced here, to refuse at will)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 import memfit
-import memfit.pipeline.search as search_module
+import memfit.pipeline.cut_search as search_module
 from memfit.pipeline import PipelineOptions, plan
 from memfit.pipeline.costs import prepare_search
+from memfit.pipeline.cut_search import search_stages
 from memfit.pipeline.pipeline_options import configure, microbatch
-from memfit.pipeline.search import search_stages
 from memfit.pipeline.stage_planner import StageRefused
 from pipeline_models import build
 

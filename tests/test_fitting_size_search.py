@@ -1,4 +1,4 @@
-"""memfit.fitting.search.largest_fitting, checked against brute force on peaks of known shape,
+"""memfit.fitting.size_search.largest_fitting, checked against brute force on peaks of known shape,
 and the number of plans it makes: four on an affine peak, whatever the answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memfit.fitting.search import largest_fitting
+from memfit.fitting.size_search import largest_fitting
 
 
 def _brute(peak: Callable[[int], int], capacity: int, limit: int) -> int:
