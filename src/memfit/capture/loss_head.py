@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from memfit._compat import size_hint
-from memfit.capture.attention.graph import (
+from memfit.capture.attention.dynamo_nodes import (
     LINEAR,
     Calls,
     argument,

@@ -24,12 +24,11 @@ Existing SDPA calls that would take the math path are sent to ``memfit.nn.attent
 Sites whose probabilities have another reader (``output_attentions=True``) are left alone and
 reported with the reason; nothing is replaced silently and nothing is skipped silently.
 
-The modules, by job: ``graph`` reads a Dynamo graph (which torch call a node is, its shape, where
-in the model it came from); ``match`` finds dot-product attention and ``additive_rewrite`` additive
-attention (and rewrites it); ``kernel`` chooses a dot-product site's kernel and rewrites it,
-and ``gqa`` finds key/value heads an SDPA call's model repeated, which ``kernel`` passes
-unrepeated with ``enable_gqa``;
-``replace`` is the pass over a graph; ``site`` is what it reports.
+The modules, by job: ``dynamo_nodes`` reads a Dynamo graph (which torch call a node is, its shape,
+where in the model it came from); ``match`` finds dot-product attention and ``additive_rewrite``
+additive attention (and rewrites it); ``kernel`` chooses a dot-product site's kernel and rewrites
+it, and ``gqa`` finds key/value heads an SDPA call's model repeated, which ``kernel`` passes
+unrepeated with ``enable_gqa``; ``replace`` is the pass over a graph; ``site`` is what it reports.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from memfit.capture.attention.graph import (
+from memfit.capture.attention.dynamo_nodes import (
     ADD,
     FILL,
     LINEAR,

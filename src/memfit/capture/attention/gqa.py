@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from memfit.capture.attention.graph import UNSQUEEZE, argument, is_call, shape_of
+from memfit.capture.attention.dynamo_nodes import UNSQUEEZE, argument, is_call, shape_of
 
 __all__ = ["repeated_heads"]
 

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit.capture.attention.gqa import repeated_heads
-from memfit.capture.attention.graph import (
+from memfit.capture.attention.dynamo_nodes import (
     argument,
     erase_unused,
     location,
@@ -25,6 +24,7 @@ from memfit.capture.attention.graph import (
     size_args,
     value_of,
 )
+from memfit.capture.attention.gqa import repeated_heads
 from memfit.capture.attention.match import Match
 from memfit.capture.attention.site import MEMFIT, SDPA, AttentionSite
 from memfit.nn.attention import attention, fused_sdpa, why_not_fused_sdpa

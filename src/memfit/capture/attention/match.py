@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from memfit.capture.attention.graph import (
+from memfit.capture.attention.dynamo_nodes import (
     ADD,
     DIV,
     DROPOUT,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from memfit.capture.attention.additive_rewrite import match_additive, rewrite_additive
-from memfit.capture.attention.graph import (
+from memfit.capture.attention.dynamo_nodes import (
     MATMUL,
     SDPA_CALL,
     SOFTMAX,
