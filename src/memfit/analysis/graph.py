@@ -477,7 +477,7 @@ class JointGraph:
 
     def bytes_of(self, nodes: Iterable[fx.Node], *, primals: bool = False) -> int:
         """Bytes of the distinct storages behind ``nodes``, primals' storages excluded unless
-        ``primals`` (a graph's inputs: a chain's replay holds them, ``planning.chain``)."""
+        ``primals`` (a graph's inputs: a chain's replay holds them, ``planning.plan_chain``)."""
         primal_keys = frozenset() if primals else self.primal_keys
         keys = {k for n in nodes for k in self.storages.get(n, ()) if k not in primal_keys}
         return sum(self.storage_bytes[k] for k in keys)

@@ -327,7 +327,7 @@ def least_peak_point(frontier: list[Candidate], base_peak_bytes: int, estimate: 
 
 def least_kept_point(jg: JointGraph, frontier: list[Candidate]) -> Candidate:
     """``"memory"``'s point for a graph whose runs a step's chain drops and replays
-    (``planning.chain``): the least kept, then the least peak, among the frontier and the plan
+    (``planning.plan_chain``): the least kept, then the least peak, among the frontier and the plan
     that keeps only its inputs and what no plan recomputes (random masks).
 
     Why not the lowest peak: what a dropped run keeps comes back when its segment is replayed

@@ -208,7 +208,7 @@ class Plan:
     #: calls of submodules recomputed whole, in the order they ran (graph breaks inside them)
     regions: tuple[RegionPlan, ...] = ()
     #: with graph breaks, the runs dropped in the forward and replayed in the backward, and the
-    #: step's peak that follows (``planning.chain``); None: each graph keeps what it keeps
+    #: step's peak that follows (``planning.plan_chain``); None: each graph keeps what it keeps
     chain: ChainSummary | None = None
 
     def outside_regions(self) -> list[GraphPlan]:
@@ -421,7 +421,7 @@ class Plan:
         outlives the graph that made it; measured: DDP's optimizer splits a model into one graph
         per bucket, and a prediction without them was 3.4x low). A region is one part of that
         order (``parts``). Where the graphs were planned as a chain, the chain's simulation of the
-        step (``planning.chain``)."""
+        step (``planning.plan_chain``)."""
         if self.chain is not None:
             return self.chain.peak_bytes
         graphs = self.parts()

@@ -9,7 +9,7 @@ of 100 layers keeps 100 layers' activations whatever each graph does inside. Pla
 the runs are cut into *segments* of consecutive runs, as ``torch.utils.checkpoint`` cuts a
 sequential model (Chen et al.'s sqrt(n) chain): a dropped segment keeps only the values that
 enter it from outside; when the backward reaches it, memfit runs the segment's graphs forward
-again (``execution.chain``), each on the values the runs before it just made, and each run's
+again (``execution.run_chain``), each on the values the runs before it just made, and each run's
 backward then finds what its plan keeps. Nothing in the user's Python runs again: the graphs
 replayed are the ones that ran, so the branch taken is the one taken in the forward.
 
@@ -19,7 +19,7 @@ sequence of graphs never seen before: runs join the open segment until what they
 threshold per segment count on the step just recorded, simulates each (``simulate``), and keeps
 the one with the least peak; the next step runs under it, whatever its branches.
 
-The data here is plain: ``execution.chain`` records ``ChainRun``/``ChainValue`` as a step runs
+The data here is plain: ``execution.run_chain`` records ``ChainRun``/``ChainValue`` as a step runs
 and reads ``ChainPlan``; ``Plan`` shows a ``ChainSummary``.
 """
 
@@ -67,7 +67,8 @@ class ChainRun:
 
 def segment_cost(kept_bytes: int, output_bytes: int) -> int:
     """What a run adds to its segment: what it keeps and its outputs. One rule for the runs
-    ``execution.chain`` cuts as a step runs and for the runs ``segments_of`` cuts in planning."""
+    ``execution.run_chain`` cuts as a step runs and for the runs ``segments_of`` cuts in
+    planning."""
     return kept_bytes + output_bytes
 
 
@@ -115,7 +116,7 @@ class ChainSummary:
 
 
 def segments_of(runs: Sequence[ChainRun], plan: ChainPlan) -> list[tuple[int, int]]:
-    """The segments the online rule of ``plan`` cuts ``runs`` into, as ``execution.chain``
+    """The segments the online rule of ``plan`` cuts ``runs`` into, as ``execution.run_chain``
     cuts them while the step runs (a run that cannot be dropped ends the open segment)."""
     if plan.segment_bytes is None:
         return []
@@ -166,7 +167,7 @@ def simulate(
     added = [r.random_state_bytes if dropped[i] else r.kept for i, r in enumerate(runs)]
     transient = [0] * n  # inputs alive only until they are read
     released = [0] * n  # freed after each run's backward
-    early = [0] * n  # freed as each run's backward starts (``execution.chain``'s release)
+    early = [0] * n  # freed as each run's backward starts (``execution.run_chain``'s release)
     #: freed as the backward reaches each run: what code outside memfit's graphs held of its
     #: outputs (the caller's output, as ``GraphPlan.backward_peak`` counts it if still held)
     let_go = [0] * n

@@ -152,7 +152,7 @@ def plan_graph(
     beyond the simulation (Inductor's schedule, measured on a plan compiled before:
     ``execution.partitioner``). With a ``cache`` of ``jg``, the frontier is computed once for all
     the plans asked of it. ``least_kept``: the graph is one of a step's chain of graphs
-    (``planning.chain``) for which ``"memory"`` keeps the least it can (``least_kept_point``).
+    (``planning.plan_chain``) for which ``"memory"`` keeps the least it can (``least_kept_point``).
     """
     if cache is not None and cache.jg is not jg:
         raise ValueError("plan_graph: the frontier cache belongs to another graph")
@@ -193,9 +193,9 @@ def plan_graph(
 
 
 def _never_worse_than_none(request: _Request, chosen: _Chosen) -> _Chosen:
-    """``chosen``, or plain autograd's plan where ``chosen`` would peak above it under a policy
-    that must never do so. A graph of a chain is judged by the step's peak (``planning.chain``),
-    not by its own."""
+    """``chosen``, or plain autograd's plan where ``chosen`` would peak above it under a policy that
+    must never do so. A graph of a chain is judged by the step's peak (``planning.plan_chain``), not
+    by its own."""
     base_sim = request.base_sim
     if (
         not request.policy.never_worse_than_none
