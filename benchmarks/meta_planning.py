@@ -77,6 +77,46 @@ def plan_once(policy: str, layers: int, seq: int, budget: int | None) -> dict[st
     }
 
 
+def search_once(device: str, layers: int, seq: int) -> dict[str, Any]:
+    """``memfit.fit``'s largest-batch search under ``"memory"`` for ``device``, in this process:
+    how many plans it made and how long it took (issue 67 item 5: a search's cost must not grow
+    with the batch it finds)."""
+    import torch
+    import transformers
+
+    import memfit
+
+    config = transformers.LlamaConfig(
+        **{**LLAMA_7B, "num_hidden_layers": layers}, attn_implementation="sdpa"
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    built = time.perf_counter()
+    rep = memfit.fit(model, device=device, policies=["memory"], input_ids=ids, labels=ids)
+    row = rep.rows[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "device": device,
+        "largest_batch": row.largest_batch,
+        "exact": row.exact,
+        "plans": row.plans,
+        "search_s": round(time.perf_counter() - built, 1),
+        "process_cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+    }
+
+
+def run_search(device: str, layers: int, seq: int) -> dict[str, Any]:
+    """``search_once`` in a fresh process."""
+    args = [sys.executable, __file__, "--search-one", device, "--layers", str(layers)]
+    proc = subprocess.run([*args, "--seq", str(seq)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"device": device, "error": " | ".join(proc.stderr.strip().splitlines()[-3:])}
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def run_policy(policy: str, layers: int, seq: int, budget: int | None) -> dict[str, Any]:
     """``plan_once`` in a fresh process (its own Dynamo caches and peak RSS)."""
     args = [sys.executable, __file__, "--one", policy, "--layers", str(layers), "--seq", str(seq)]
@@ -110,10 +150,35 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _search_table(rows: list[dict[str, Any]]) -> str:
+    from memfit.units import format_bytes
+
+    lines = [
+        "| device | largest batch | plans | search wall time | process CPU time | peak host RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['device']} | error: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['device']} | {r['largest_batch']}{'' if r['exact'] else ' ~'} | {r['plans']} | "
+            f"{r['search_s']:.1f} s | {r['process_cpu_s']:.0f} s | "
+            f"{format_bytes(r['peak_rss_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers at sequence 512")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--search-one", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--searches",
+        default="h100-80gb,h200",
+        help="devices to time memfit.fit's largest-batch search for ('' for none)",
+    )
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
@@ -124,6 +189,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(plan_once(args.one, layers, seq, args.budget)))
         return
+    if args.search_one:
+        print(json.dumps(search_once(args.search_one, layers, seq)))
+        return
 
     from memfit.bench.environment import load_average, report
 
@@ -133,6 +201,7 @@ def main() -> None:
     if all(isinstance(p, int) for p in peaks):
         budget = (peaks[0] + peaks[1]) // 2
         rows.append(run_policy("budget", layers, seq, budget))
+    searches = [run_search(d, layers, seq) for d in args.searches.split(",") if d]
     name = "meta_planning_quick" if args.quick else "meta_planning"
     out = args.out or RESULTS / name
     record = report(
@@ -146,7 +215,8 @@ def main() -> None:
         sequence=seq,
         dtype="bfloat16",
         device="cuda (planned on fake tensors; no GPU here)",
-        note="shared 2-core machine, loaded by other sessions while this ran: see load_average",
+        note="2-core machine; see load_average for what else ran",
+        searches=searches,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
@@ -155,7 +225,10 @@ def main() -> None:
         f"# memfit.plan on a meta Llama ({layers} layers, seq {seq}, bf16) for CUDA\n\n"
         f"{record['date_utc']}, torch {record['software']['torch']}, "
         f"{record['machine'].get('cpu_model', '')}, load {record['load_average']}\n\n"
-        f"{table}\n"
+        f"{table}\n\n"
+        "memfit.fit's largest-batch search under `\"memory\"` (AdamW foreach, bf16), each in a "
+        "fresh process:\n\n"
+        f"{_search_table(searches)}\n"
     )
     print(table)
 
