@@ -9,7 +9,7 @@ from memfit.analysis.transfers import Link
 from memfit.bench.graphs import joint_graphs
 from memfit.bench.zoo import cifar_resnet
 from memfit.planning import planner
-from memfit.planning.budget import Budget
+from memfit.planning.budget import Budget, BudgetError
 from memfit.planning.planner import FrontierCache, plan_graph
 from memfit.planning.policy import BUDGET, NAMED, Policy
 
@@ -104,3 +104,18 @@ def test_every_policy_plans_from_its_entry_in_the_one_table() -> None:
         assert plan.policy == name
         assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes, name
     assert plans[BUDGET].predicted_peak_bytes <= least < none.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_budget_no_plan_meets_says_what_would(graphs, offload: bool) -> None:
+    """Below the least peak, the error says how to go lower: offloading where the policy does not
+    yet offload, else a smaller batch; and it keeps the least peak memfit can reach."""
+    jg, _ = graphs
+    policy = Policy(BUDGET, budget=Budget(bytes=1024), offload=offload)
+    link = Link(1e18, 1e18) if offload else None
+    with pytest.raises(BudgetError) as raised:
+        plan_graph(jg, policy, link=link)
+    message = str(raised.value)
+    assert ("offload=True" in message) is not offload
+    assert "smaller batch" in message
+    assert raised.value.least_bytes is not None and raised.value.least_bytes > 1024

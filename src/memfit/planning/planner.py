@@ -286,7 +286,13 @@ def _budget_error(request: _Request, err: BudgetError, fraction: float | None) -
             f"{request.spent_bytes} bytes of the budget are already kept by earlier graphs of "
             f"this step: the model has graph breaks",
         )
-    return err
+    if not request.policy.offload and request.policy.name != "swap":
+        return _explained(
+            err,
+            "to go lower: offload=True lets the plan move saved activations to host memory "
+            "(to disk on CPU) at the cost of the transfers, or train a smaller batch",
+        )
+    return _explained(err, "to go lower: train a smaller batch, or give the step more memory")
 
 
 def _plan_least_memory(request: _Request) -> _Chosen:
