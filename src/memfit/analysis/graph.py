@@ -182,13 +182,22 @@ class BackwardStart:
     missing: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        """One line for a plan's note."""
+        """One line for a plan's note, in the words of the step (how many of the model's outputs
+        it dropped or did not differentiate), not the graph's node names."""
         parts = []
         if self.dropped:
-            parts.append(f"outputs dropped before the backward: {', '.join(sorted(self.dropped))}")
+            n = len(self.dropped)
+            parts.append(
+                f"{n} output{'s' if n > 1 else ''} of the model dropped before backward() "
+                f"(freed as soon as the forward returns, e.g. logits the step does not keep)"
+            )
         if self.missing:
-            parts.append(f"without a gradient: {', '.join(sorted(self.missing))}")
-        return "; ".join(parts) or "every output held through the backward, with a gradient"
+            n = len(self.missing)
+            parts.append(
+                f"{n} output{'s' if n > 1 else ''} given no gradient (the backward does not "
+                f"start from {'them' if n > 1 else 'it'})"
+            )
+        return "; ".join(parts) or "every output held through backward(), each with a gradient"
 
 
 @dataclass

@@ -176,7 +176,7 @@ class Partitioner:
             self.events.unmeasured()
         graph_plan = dataclasses.replace(graph_plan, returns_loss=returns_loss(jg))
         if g.seen is not None:  # planned again for what earlier steps' backwards showed
-            said = f"planned for the backward start seen on earlier steps: {g.seen.describe()}"
+            said = f"planned for how earlier steps used the outputs: {g.seen.describe()}"
             note = f"{graph_plan.note}; {said}" if graph_plan.note else said
             graph_plan = dataclasses.replace(graph_plan, note=note)
         by_size: PlansBySize | None = None
