@@ -226,7 +226,7 @@ def main() -> None:
         f"{record['date_utc']}, torch {record['software']['torch']}, "
         f"{record['machine'].get('cpu_model', '')}, load {record['load_average']}\n\n"
         f"{table}\n\n"
-        "memfit.fit's largest-batch search under `\"memory\"` (AdamW foreach, bf16), each in a "
+        'memfit.fit\'s largest-batch search under `"memory"` (AdamW foreach, bf16), each in a '
         "fresh process:\n\n"
         f"{_search_table(searches)}\n"
     )
