@@ -1,11 +1,13 @@
 """JointGraph: forward/backward by dataflow, bytes per storage, what backward needs."""
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.analysis.graph import CUDA_BLOCK_BYTES, allocated_bytes, is_random
+import memfit
+from memfit.analysis.graph import CUDA_BLOCK_BYTES, allocated_bytes, is_random, is_view_op
 from memfit.analysis.sizes import Sizes
 from memfit.bench.graphs import joint_graphs
 
@@ -31,6 +33,73 @@ def test_saved_needed_includes_primals_and_random_values() -> None:
     assert any(n.op == "placeholder" for n in needed)  # inputs/weights reach the backward
     random_items = [n for n in needed if jg.never_recompute(n)]
     assert random_items, "the dropout mask must be kept whatever the policy says"
+
+
+class _ReturnsAView(nn.Module):
+    """Returns ``tanh(x)`` flattened beside ``lin(tanh(x))``: the linear's backward reads a view
+    of the tanh (its input, flattened) and the tanh's backward the tanh itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(x)
+        return self.lin(h).sum(), h.flatten()
+
+
+def test_a_view_of_a_saved_value_is_made_again_from_it_not_handed_over() -> None:
+    """Kept beside the value it views, a view is no input of the backward of its own: it is
+    taken again from that value (a second input held the same storage, to the end of a
+    backward specialized to missing tangents that no longer read it). A view of an input, or
+    a view kept alone, is handed over as before."""
+    (jg,) = joint_graphs(_ReturnsAView(), torch.randn(8, 2, 16, requires_grad=True))
+    tanh = next(n for n in jg.forward if n.target is torch.ops.aten.tanh.default)
+    views = [
+        n
+        for n in jg.forward
+        if is_view_op(n) and n.args[0] is tanh and jg.storages[n] == jg.storages[tanh]
+    ]
+    assert views, "the linear reads the tanh through a view"
+    assert jg.saved_needed([tanh, *views]) >= {tanh}
+    assert not jg.saved_needed([tanh, *views]) & set(views)
+    assert jg.saved_needed(views) & set(views)  # the tanh recomputed: the view is handed over
+    t = next(n for n in jg.nodes if n.target is torch.ops.aten.t.default and not jg.is_backward(n))
+    assert t in jg.saved_needed([t])  # a view of a parameter stays as it was
+
+
+@pytest.mark.slow  # 13 s on 2 cores
+def test_a_llama_whose_loss_head_is_rewritten_peaks_as_planned_to_the_byte() -> None:
+    """``"memory"`` on a tiny HF Llama whose loss head memfit rewrites (hidden 128, 2 layers,
+    vocab 2048, 4 x 256 tokens; ``benchmarks/fit_accuracy.py``'s CPU rehearsal): it returns
+    its logits too, and kept the head's input through a view only their backward read, which
+    a step giving only the loss a gradient never runs. That input, 512 KiB, outlived the loss
+    head's backward and the measured step peaked that much above the plan; now neither does."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=352,
+        vocab_size=2048,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = memfit.checkpoint(transformers.LlamaForCausalLM(config).train(), "memory")
+    ids = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    for _ in range(2):  # planned on the first call, its start seen on the first backward
+        step()
+        model.zero_grad(set_to_none=True)
+    (site,) = model.memfit.plan.loss_heads
+    assert site.fused, site
+    assert memfit.measure(step).peak_bytes == model.memfit.plan.predicted_peak_bytes
 
 
 class _Attention(nn.Module):

@@ -259,6 +259,8 @@ class JointGraph:
     _never: set[fx.Node] = field(init=False, repr=False)
     _size_values: set[fx.Node] = field(init=False, repr=False)
     _backward_reads: list[fx.Node] = field(init=False, repr=False)
+    #: each forward view to the input it views (the same storage): see ``saved_needed``
+    _view_sources: dict[fx.Node, fx.Node] = field(init=False, repr=False)
     _grads_by_primal: list[fx.Node | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -334,6 +336,20 @@ class JointGraph:
         self._backward_reads = [
             a for n in self.backward for a in self.inputs[n] if a not in self._backward_set
         ]
+        # Views of inputs are left out: one of a buffer the forward updates would be taken again
+        # from the updated buffer (``bases_of_input_views`` in ``execution.split`` says more),
+        # and their storage costs nothing here. Sizes that are graph values (symbolic shapes)
+        # are handed to the backward with the value viewed (``_walk_back``).
+        self._view_sources = {
+            n: n.args[0]
+            for n in self.forward
+            if is_view_op(n)
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0].op != "placeholder"
+            and all(a is n.args[0] or a in self._size_values for a in self.inputs[n])
+            and len(self.storages[n]) == 1
+            and self.storages[n] == self.storages[n.args[0]]
+        }
 
     def place_on(self, device: torch.device) -> None:
         """Count every storage as ``device``'s allocator takes it, whatever device the graph was
@@ -442,6 +458,15 @@ class JointGraph:
         Walks up from every backward node through forward nodes that are not saved (they will be
         recomputed) and stops at saved nodes and primals; the primals it reaches are included,
         and so are random and impure values (``never_recompute``), whatever ``saved`` says.
+
+        A view of a value that is saved too is not handed over again: the backward makes it from
+        that value (no bytes, no FLOPs). Handed over as an input of its own, it pinned the same
+        storage through a second reference, and a backward specialized to missing tangents
+        (``analysis.backward_start``) that no longer reads it held it to its end: a Hugging Face
+        Llama whose loss head memfit rewrites returns its logits as well, and the logits'
+        backward, which never runs, read the head's input through such a view, so that
+        ``[batch, seq, hidden]`` input outlived the loss head's backward (512 KiB at batch 4 of
+        the tiny Llama, its measured step that much above the plan).
         """
         return self._walk_back(saved)[0]
 
@@ -468,6 +493,9 @@ class JointGraph:
             if n in visited:
                 continue
             visited.add(n)
+            if n in saved_set and self._view_sources.get(n) in saved_set:
+                stack.extend(inputs[n])  # made again from the value it views (docstring)
+                continue
             if n in saved_set or n.op == "placeholder" or n in never or n in sizes:
                 needed.add(n)  # primals and sizes are handed to backward at no cost
                 continue
