@@ -36,8 +36,10 @@ def test_demo_quick_prints_a_row_per_mode_and_writes_the_figure(tmp_path: Path) 
     assert set(rows) == expected, proc.stdout
     for cells in rows.values():
         assert cells[1].endswith(("MiB", "KiB")), cells  # measured peak
-        assert cells[2].endswith("x") and cells[5].endswith("x"), cells  # ratios to none
-    assert rows["none"][2] == "1.00x"
+        # ratios: the peak to plain PyTorch's (measured, its own row) and to none, time to none
+        assert cells[2].endswith("x") and cells[3].endswith("x") and cells[6].endswith("x"), cells
+    assert rows["none"][3] == "1.00x"
+    assert "plain PyTorch" in proc.stdout
     peak = {policy: float(cells[1].split()[0]) for policy, cells in rows.items()}
     assert peak["memory"] < peak["none"], peak
     assert peak["budget 80%"] <= 0.8 * peak["none"] + 0.1, peak  # the budget holds, measured

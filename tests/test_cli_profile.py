@@ -55,6 +55,7 @@ def test_exit_status_and_tables(profiled) -> None:
     ):
         assert title in proc.stdout, proc.stdout
     assert "Next:" in proc.stdout
+    assert "plain PyTorch" in proc.stdout and "vs plain" in proc.stdout  # savings against plain
 
 
 def test_report_matches_its_schema_and_the_model(profiled) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 from memfit.bench.resnet import cifar_resnet
 from memfit.cli.arguments import HelpFormatter
 from memfit.cli.figures import timeline_figure
-from memfit.cli.steps import Workload, run_policies
+from memfit.cli.steps import Workload, plain_peak_bytes, run_policies
 from memfit.cli.tables import duration, policy_table
 from memfit.planning.budget import Budget
 from memfit.planning.policy import BUDGET, Policy
@@ -156,10 +156,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
         TimeElapsedColumn(),
         console=console,
     ) as progress:
+        plain = plain_peak_bytes(work, device)
         results = run_policies(
             work, demo_policies(cfg.budget, device), device, cfg.timing_runs, progress
         )
-    console.print(policy_table(results, title="one training step (forward + loss + backward)"))
+    title = "one training step (forward + loss + backward)"
+    console.print(policy_table(results, title=title, plain_peak_bytes=plain))
     for r in results:
         if r.recaptured:
             console.print(

@@ -45,7 +45,13 @@ from memfit.cli.arguments import (
 from memfit.cli.batch_search import Probe, batch_size_of, measure_probe, search_max_batch
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.figures import pareto_figure, timeline_figure
-from memfit.cli.steps import PolicyResult, Workload, resident_bytes, run_policies
+from memfit.cli.steps import (
+    PolicyResult,
+    Workload,
+    plain_peak_bytes,
+    resident_bytes,
+    run_policies,
+)
 from memfit.cli.tables import batch_table, mib, module_table, policy_table, tensor_table
 from memfit.cli.target import build_target, move_inputs
 from memfit.measurement.activations import saved_activations
@@ -280,6 +286,8 @@ class _Profiled:
     results: list[PolicyResult] = dataclasses.field(default_factory=list)
     frontier: list[Any] | None = None
     searches: list[Any] = dataclasses.field(default_factory=list)
+    #: plain PyTorch's measured peak of one step: what the savings are quoted against
+    plain_peak_bytes: int | None = None
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -370,6 +378,9 @@ def _measure(
             f"raised {first_line(err)}"
         ) from err
     progress.update(task, advance=1, description="activations attributed")
+    task = progress.add_task("plain PyTorch: one measured step", total=1)
+    profiled.plain_peak_bytes = plain_peak_bytes(work, device)
+    progress.update(task, advance=1, description="plain PyTorch measured")
     profiled.results = run_policies(work, policies, device, args.timing_runs, progress)
     if args.pareto:
         task = progress.add_task("pareto: planning with budget 100%", total=1)
@@ -430,7 +441,11 @@ def _print_tables(args: argparse.Namespace, console: Any, profiled: _Profiled) -
     )
     console.print(tensor_table(acts, name))
     console.print(
-        policy_table(results, title="one training step per policy (forward + loss + backward)")
+        policy_table(
+            results,
+            title="one training step per policy (forward + loss + backward)",
+            plain_peak_bytes=profiled.plain_peak_bytes,
+        )
     )
     for r in results:
         if r.recaptured:

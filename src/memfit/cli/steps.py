@@ -150,6 +150,19 @@ class PolicyResult:
         return self.plan.recompute_flops / fwd if fwd else 0.0
 
 
+def plain_peak_bytes(work: Workload, device: torch.device) -> int:
+    """Plain PyTorch's measured peak of one training step (forward, loss, backward) of the model
+    as written, after one warm step: what a user would have without memfit, and so what
+    memfit's savings are quoted against (memfit's ``"none"`` is shown beside it; it can be
+    below plain, where memfit frees what eager autograd keeps, or above it)."""
+    model = work.model
+    method = Method("plain", model, work.step(model), model, record_failures=False)
+    first_step(method, device)
+    peak = int(measure_peak(method, device).peak_bytes or 0)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
 def run_policies(
     work: Workload,
     policies: Sequence[Policy],

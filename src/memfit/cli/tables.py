@@ -35,13 +35,19 @@ def _table(title: str, columns: Sequence[tuple[str, str]]) -> Table:
     return table
 
 
-def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
-    """Measured peak and step time per policy, each also as a ratio to ``none``."""
+def policy_table(
+    results: Sequence[PolicyResult], title: str, plain_peak_bytes: int | None = None
+) -> Table:
+    """Measured peak and step time per policy, each also as a ratio to ``none``; with
+    ``plain_peak_bytes`` (plain PyTorch's step, measured), a first row for it and the peaks as a
+    ratio to it too: the savings a user gets, with memfit's ``none`` beside them."""
     base = next((r for r in results if r.label == "none"), results[0])
     offloads = any(r.plan.offloaded for r in results)
+    plain = plain_peak_bytes or None
     columns = [
         ("policy", "left"),
         ("measured peak", "right"),
+        *([("vs plain", "right")] if plain else []),
         ("vs none", "right"),
         ("predicted peak", "right"),
         ("step time", "right"),
@@ -52,11 +58,20 @@ def policy_table(results: Sequence[PolicyResult], title: str) -> Table:
         to = next(r.plan.offload_to for r in results if r.plan.offloaded)
         columns.append((f"offloaded ({to})", "right"))
     table = _table(title, [*columns, ("first step", "right")])
+
+    def vs(peak: int, of: int | None) -> str:
+        return f"{peak / of:.2f}x" if of else "-"
+
+    if plain:
+        cells = ["plain PyTorch", mib(plain), "1.00x", vs(plain, base.peak_bytes)]
+        cells += ["-"] * (len(columns) - len(cells))
+        table.add_row(*cells, "-")
     for r in results:
         cells = [
             r.label,
             mib(r.peak_bytes),
-            f"{r.peak_bytes / base.peak_bytes:.2f}x" if base.peak_bytes else "-",
+            *([vs(r.peak_bytes, plain)] if plain else []),
+            vs(r.peak_bytes, base.peak_bytes),
             mib(r.predicted_peak_bytes),
             duration(r.step_time),
             f"{r.step_time / base.step_time:.2f}x" if base.step_time else "-",

@@ -477,7 +477,7 @@ class Plan:
             f"memfit plan ({self.policy!r}, {len(self.graphs)} graph"
             f"{'s' if len(self.graphs) != 1 else ''})",
             f"  predicted peak    {format_bytes(self.predicted_peak_bytes)}"
-            f"  ({ratio:.0%} of {format_bytes(base)} without checkpointing)",
+            f"  ({ratio:.0%} of the {format_bytes(base)} memfit predicts keeping everything)",
             f"  kept for backward {format_bytes(self.kept_bytes)} in {len(self.kept)} tensors"
             + (f" and the inputs of {len(self.regions)} regions" if self.regions else ""),
             f"  recomputed        {len(self.recomputed)} ops, {self.recompute_flops:.3g} FLOPs"
