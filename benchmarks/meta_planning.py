@@ -38,21 +38,29 @@ LLAMA_7B = dict(
 )
 
 
-def plan_once(policy: str, layers: int, seq: int, budget: int | None) -> dict[str, Any]:
-    """One plan in this process: build on meta, plan for CUDA, time and peak RSS."""
-    started = time.perf_counter()
+def meta_llama(layers: int, seq: int) -> tuple[Any, Any]:
+    """The 7B Llama shape with ``layers`` layers, in bf16 on the meta device, and meta token ids
+    of one sequence of ``seq``: nothing allocated."""
     import torch
     import transformers
 
-    import memfit
-
-    imported = time.perf_counter()
     config = transformers.LlamaConfig(
         **{**LLAMA_7B, "num_hidden_layers": layers}, attn_implementation="sdpa"
     )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, torch.zeros(1, seq, dtype=torch.long, device="meta")
+
+
+def plan_once(policy: str, layers: int, seq: int, budget: int | None) -> dict[str, Any]:
+    """One plan in this process: build on meta, plan for CUDA, time and peak RSS."""
+    started = time.perf_counter()
+    import transformers  # noqa: F401  (timed here as part of the import, not of the build)
+
+    import memfit
+
+    imported = time.perf_counter()
+    model, ids = meta_llama(layers, seq)
     built = time.perf_counter()
     chosen: Any = budget if policy == "budget" else policy
     plan = memfit.plan(model, input_ids=ids, labels=ids, policy=chosen, device="cuda")
@@ -81,17 +89,9 @@ def search_once(device: str, layers: int, seq: int) -> dict[str, Any]:
     """``memfit.fit``'s largest-batch search under ``"memory"`` for ``device``, in this process:
     how many plans it made and how long it took (issue 67 item 5: a search's cost must not grow
     with the batch it finds)."""
-    import torch
-    import transformers
-
     import memfit
 
-    config = transformers.LlamaConfig(
-        **{**LLAMA_7B, "num_hidden_layers": layers}, attn_implementation="sdpa"
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    model, ids = meta_llama(layers, seq)
     built = time.perf_counter()
     rep = memfit.fit(model, device=device, policies=["memory"], input_ids=ids, labels=ids)
     row = rep.rows[0]

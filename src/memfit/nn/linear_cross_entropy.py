@@ -70,10 +70,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk(chunk_size: int, h: Tensor, vocab: int) -> int:
+    return _chunk_tokens(chunk_size, h.shape[0], h.shape[1], vocab, h.dtype)
+
+
+def _chunk_tokens(chunk_size: int, tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk: ``chunk_size`` (at most all of them), or ``default_token_chunk`` at the
+    compute dtype's size when it is 0."""
     if chunk_size > 0:
-        return min(chunk_size, max(h.shape[0], 1))
-    size = torch.finfo(_compute_dtype(h.dtype)).bits // 8
-    return default_token_chunk(h.shape[0], h.shape[1], vocab, size)
+        return min(chunk_size, max(tokens, 1))
+    size = torch.finfo(_compute_dtype(dtype)).bits // 8
+    return default_token_chunk(tokens, hidden, vocab, size)
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, cdt: torch.dtype) -> Tensor:
@@ -107,11 +113,7 @@ def working_bytes(
     """
     h_size = torch.finfo(dtype).bits // 8
     c_size = torch.finfo(_compute_dtype(dtype)).bits // 8
-    chunk = (
-        min(chunk_size, max(tokens, 1))
-        if chunk_size > 0
-        else default_token_chunk(tokens, hidden, vocab, c_size)
-    )
+    chunk = _chunk_tokens(chunk_size, tokens, hidden, vocab, dtype)
     block = chunk * vocab
     small = 16 * chunk + 2048
     cast = h_size != c_size
