@@ -12,7 +12,9 @@ build or that memfit cannot serve is in the table with its reason.
 Writes ``benchmarks/results/hf_sweep.json`` and ``.md`` (machine, torch and transformers
 versions, date; after every row, so a run cut short keeps what it measured). Run:
 ``.venv/bin/python benchmarks/hf_sweep.py [--only gpt2,llama] [--timeout 600] [--length 64]``;
-``--quick``: three architectures (GPT-2, BERT, ViT), into ``hf_sweep_quick.*``.
+``--resume`` keeps the rows already written (each names the date and commit it was measured at)
+and measures the rest; ``--quick``: three architectures (GPT-2, BERT, ViT), into
+``hf_sweep_quick.*``.
 """
 
 from __future__ import annotations
@@ -152,6 +154,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--timed", type=int, default=3, help="timed steps per way (median)")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows already in the results file and measure only the others",
+    )
     args = parser.parse_args()
     names = interleaved(
         args.only.split(",") if args.only else list(QUICK if args.quick else hf_tiny.ARCHITECTURES)
@@ -172,6 +179,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = "hf_sweep" + ("_quick" if args.quick else "")
     rows: list[dict[str, Any]] = []
+    kept = out / f"{stem}.json"
+    if args.resume and kept.exists():
+        # A row measured by an earlier run is kept as it was, with the date and commit it names;
+        # the header names this run's machine and date.
+        rows = [r for r in json.loads(kept.read_text())["rows"] if r["name"] in names]
+        names = [n for n in names if n not in {r["name"] for r in rows}]
     started = time.perf_counter()
 
     def write() -> str:
@@ -194,6 +207,7 @@ def main() -> None:
             timed=args.timed,
             threads=torch.get_num_threads(),
         )
+        row["measured"] = {"date": meta["date"], "commit": software.get("git_commit", "")[:10]}
         rows.append(row)
         short = {k: row.get(k) for k in ("name", "criteria", "wall_s", "cpu_s", "error")}
         print(json.dumps(short, default=float), file=sys.stderr, flush=True)
