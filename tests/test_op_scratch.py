@@ -145,7 +145,7 @@ def test_inside_a_user_profiler_scratch_is_measured_in_another_process_alike(mon
     with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         kept = torch.empty(FLOATS_PER_MB)
         there = measure_op_memory(jg.nodes).scratch
-    assert sizes == [3] and there == here
+    assert len(sizes) == 1 and there == here  # every op in one call of the other process
     assert _memory_peak(prof) == (MB, MB)  # the user's session saw its own tensor, and only it
     del kept
 

@@ -2,7 +2,7 @@
 
 Anything that changes which values exist, or which can be recomputed, must happen before memfit
 simulates and plans: a rewrite after planning would leave the plan describing a graph that no
-longer runs. Three such rewrites exist, in this order:
+longer runs. Four such rewrites exist, in this order:
 
 1. ``strip_marks``: ``memfit.mark`` nodes are removed and the values they marked are tagged, so
    the ``"collection"`` policy can keep them and no mark op ever runs;
@@ -17,7 +17,10 @@ longer runs. Three such rewrites exist, in this order:
    0.98-1.04x ``torch.compile``'s (median 1.02). Rewritten first, the backward is
    ``torch.compile``'s code but for the copy that gives weight gradients eager's layout
    (``executors._keep_eager_layouts``). The eager executor runs eager's ops as they are;
-3. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
+3. for the eager executor only, ``eager_cpu_dropout_backward``: a CPU dropout's backward written
+   as eager CPU computes it, its scale rounded to the gradient's dtype (``capture.dropout``);
+   Inductor decomposes dropout its own way;
+4. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
    touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
    decomposed before memfit sees the graph (``executors.decompositions``): nothing to twin.
 """
@@ -28,6 +31,7 @@ import torch.fx as fx
 
 from memfit._compat import inductor_joint_graph_passes
 from memfit.capture.batchnorm import add_batchnorm_twins
+from memfit.capture.dropout import eager_cpu_dropout_backward
 from memfit.capture.mark import strip_marks
 from memfit.capture.merge import merge_backward_duplicates
 
@@ -41,4 +45,6 @@ def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> Non
     if inductor:
         inductor_joint_graph_passes(joint)
         merge_backward_duplicates(joint)
+    else:
+        eager_cpu_dropout_backward(joint)
     add_batchnorm_twins(joint)
