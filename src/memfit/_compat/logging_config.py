@@ -1,6 +1,4 @@
 """Logging inside a captured forward without a graph break: Dynamo's logging config.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

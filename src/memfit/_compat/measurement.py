@@ -1,6 +1,4 @@
 """Whether a profiler session is running anywhere (a measurement must not nest in one).
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations
