@@ -1,5 +1,4 @@
-"""Dynamo's counters (graph breaks, frames converted, graphs) and its recompile limit.
-"""
+"""Dynamo's counters (graph breaks, frames converted, graphs) and its recompile limit."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Logging inside a captured forward without a graph break: Dynamo's logging config.
-"""
+"""Logging inside a captured forward without a graph break: Dynamo's logging config."""
 
 from __future__ import annotations
 

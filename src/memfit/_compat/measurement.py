@@ -1,5 +1,4 @@
-"""Whether a profiler session is running anywhere (a measurement must not nest in one).
-"""
+"""Whether a profiler session is running anywhere (a measurement must not nest in one)."""
 
 from __future__ import annotations
 

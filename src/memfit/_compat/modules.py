@@ -1,5 +1,4 @@
-"""nn.Module's own tables of children, parameters and buffers, read as they are.
-"""
+"""nn.Module's own tables of children, parameters and buffers, read as they are."""
 
 from __future__ import annotations
 

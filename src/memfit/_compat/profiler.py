@@ -1,5 +1,4 @@
-"""The profiler's raw events, from which memfit counts CPU memory exactly.
-"""
+"""The profiler's raw events, from which memfit counts CPU memory exactly."""
 
 from __future__ import annotations
 

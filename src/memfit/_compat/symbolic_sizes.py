@@ -1,5 +1,4 @@
-"""Symbolic sizes: hints, expressions and symbols of SymInts, and dense memory formats.
-"""
+"""Symbolic sizes: hints, expressions and symbols of SymInts, and dense memory formats."""
 
 from __future__ import annotations
 
