@@ -10,10 +10,10 @@ factory's model is planned where it is built (CPU), its inputs resized to ``--ba
 ``--seq`` along ``--seq-dim``).
 
 For each policy it prints weights, gradients, optimizer state and temporaries, activations and
-the whole step's predicted peak (``memfit.fitting.fit``, the ``max_memory_allocated`` counter),
-whether it fits in the device's memory less its CUDA context, the largest batch (and sequence
-length) that fits, and a roofline step time, an estimate. ``--json`` prints the same as JSON
-instead; ``--png PATH`` draws the bytes per policy against the device. When the asked batch
+the whole step's predicted peak (``memfit.fitting.device_fit``, the ``max_memory_allocated``
+counter), whether it fits in the device's memory less its CUDA context, the largest batch (and
+sequence length) that fits, and a roofline step time, an estimate. ``--json`` prints the same as
+JSON instead; ``--png PATH`` draws the bytes per policy against the device. When the asked batch
 fits under no policy, the exit status is 1 and the last line says what would fit.
 """
 
