@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from memfit.pipeline import balance, balance_pipeline, pipeline_step_time, stage_sums
+from memfit.pipeline import balance_pipeline, pipeline_step_time
 
 
 def compositions(n: int, k: int) -> Iterator[list[int]]:
@@ -31,6 +31,18 @@ def sums(values: Sequence[float], sizes: Sequence[int]) -> list[float]:
         out.append(math.fsum(values[i : i + size]))
         i += size
     return out
+
+
+def least_slowest(
+    costs: Sequence[float],
+    k: int,
+    *,
+    memory: Sequence[float] | None = None,
+    capacity: float | None = None,
+) -> list[int]:
+    """``balance_pipeline`` without cut costs: the partition with the least slowest stage (the
+    search's start and lower bound; any ``M`` gives it)."""
+    return balance_pipeline(costs, k, microbatches=2, memory=memory, capacity=capacity)
 
 
 def step_time(
@@ -66,28 +78,26 @@ def feasible(n: int, k: int, memory: list[float] | None, capacity: float | None)
 
 
 def test_literal_partitions() -> None:
-    assert balance([1, 1, 1, 1, 4], 2) == [4, 1]
-    assert balance([5], 1) == [1]
-    assert balance([2, 2, 2, 2], 4) == [1, 1, 1, 1]
-    assert balance([3, 1, 2], 2) == [1, 2]
+    assert least_slowest([1, 1, 1, 1, 4], 2) == [4, 1]
+    assert least_slowest([5], 1) == [1]
+    assert least_slowest([2, 2, 2, 2], 4) == [1, 1, 1, 1]
+    assert least_slowest([3, 1, 2], 2) == [1, 2]
     # seven equal items, three stages of at most 3: ties go to the earliest cuts
-    assert balance([1] * 7, 3) == [1, 3, 3]
-    assert balance([0, 0, 0], 2) == [1, 2]
+    assert least_slowest([1] * 7, 3) == [1, 3, 3]
+    assert least_slowest([0, 0, 0], 2) == [1, 2]
 
 
 def test_literal_memory() -> None:
     # unconstrained, the last item stands alone; at most three items per stage it cannot
-    assert balance([1, 1, 1, 1, 4], 2, memory=[1] * 5, capacity=3) == [3, 2]
-    assert balance([4, 1, 1, 1, 1], 2) == [1, 4]
-    assert balance([4, 1, 1, 1, 1], 2, memory=[1] * 5, capacity=3) == [2, 3]
+    assert least_slowest([1, 1, 1, 1, 4], 2, memory=[1] * 5, capacity=3) == [3, 2]
+    assert least_slowest([4, 1, 1, 1, 1], 2) == [1, 4]
+    assert least_slowest([4, 1, 1, 1, 1], 2, memory=[1] * 5, capacity=3) == [2, 3]
     # memory can force a stage past the cost optimum
-    assert balance([1, 1, 1, 1], 2, memory=[3, 0, 0, 0], capacity=3) == [2, 2]
-    assert balance([1, 1, 1, 1], 2, memory=[3, 1, 0, 0], capacity=3) == [1, 3]
+    assert least_slowest([1, 1, 1, 1], 2, memory=[3, 0, 0, 0], capacity=3) == [2, 2]
+    assert least_slowest([1, 1, 1, 1], 2, memory=[3, 1, 0, 0], capacity=3) == [1, 3]
 
 
-def test_literal_sums_and_step_time() -> None:
-    assert stage_sums([1, 2, 3, 4], [3, 1]) == [6.0, 4.0]
-    assert stage_sums([1, 2, 3, 4], [1, 1, 1, 1]) == [1.0, 2.0, 3.0, 4.0]
+def test_literal_step_time() -> None:
     # stages 1+2+3 (+ cut 1) and 4: (4 - 1) * 7 + (7 + 4)
     assert pipeline_step_time([1, 2, 3, 4], [3, 1], microbatches=4, cut_costs=[0, 0, 1]) == 32.0
     assert pipeline_step_time([1, 2, 3, 4], [3, 1], microbatches=1) == 10.0
@@ -97,7 +107,7 @@ def test_literal_pipeline() -> None:
     # the even split pays the one dear cut: 3 * (2 + 10) + 14 = 50; [1, 3] and [3, 1] take
     # 3 * 3 + 4 = 13 with the same slowest stage, so the earlier cut wins
     costs = [1.0, 1.0, 1.0, 1.0]
-    assert balance(costs, 2) == [2, 2]
+    assert least_slowest(costs, 2) == [2, 2]
     assert balance_pipeline(costs, 2, microbatches=4, cut_costs=[0, 10, 0]) == [1, 3]
     assert balance_pipeline(costs, 2, microbatches=4) == [2, 2]
     # one micro-batch: no pipelining, only the cut's cost matters
@@ -105,7 +115,7 @@ def test_literal_pipeline() -> None:
     assert balance_pipeline(costs, 2, microbatches=1, cut_costs=[1, 3, 2]) == [1, 3]
     # many micro-batches: the cut that would even the stages costs more than the imbalance
     six = [1.0] * 6
-    assert balance(six, 2) == [3, 3]
+    assert least_slowest(six, 2) == [3, 3]
     assert balance_pipeline(six, 2, microbatches=64, cut_costs=[0, 0, 3, 0, 0]) == [2, 4]
     # one micro-batch, a free cut at the end: the cut decides alone
     assert balance_pipeline(six, 2, microbatches=1, cut_costs=[9, 9, 1, 9, 0]) == [5, 1]
@@ -117,7 +127,7 @@ def test_literal_pipeline() -> None:
 
 
 @pytest.mark.parametrize("with_memory", [False, True])
-def test_balance_is_optimal(with_memory: bool) -> None:
+def test_least_slowest_is_optimal(with_memory: bool) -> None:
     rng = random.Random(1 + with_memory)
     checked = 0
     for trial in range(400):
@@ -126,10 +136,10 @@ def test_balance_is_optimal(with_memory: bool) -> None:
         options = feasible(len(costs), k, memory, capacity)
         if not options:
             continue  # the error cases have their own test
-        got = balance(costs, k, memory=memory, capacity=capacity)
+        got = least_slowest(costs, k, memory=memory, capacity=capacity)
         assert got in options, (costs, k, memory, capacity, got)
         best = min(max(sums(costs, s)) for s in options)
-        assert max(stage_sums(costs, got)) == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert max(sums(costs, got)) == pytest.approx(best, rel=1e-12, abs=1e-12)
         if integers:  # exact sums: the tie rule is checked too
             earliest = min(
                 (s for s in options if max(sums(costs, s)) == best),
@@ -170,7 +180,7 @@ def test_balance_pipeline_is_optimal(with_memory: bool) -> None:
     assert checked > 200
 
 
-def test_balance_pipeline_without_cut_costs_is_balance() -> None:
+def test_balance_pipeline_without_cut_costs_is_the_same_for_every_m() -> None:
     rng = random.Random(5)
     for _ in range(100):
         costs, k, memory, capacity = random_case(rng, rng.random() < 0.5, True)
@@ -179,7 +189,7 @@ def test_balance_pipeline_without_cut_costs_is_balance() -> None:
         m = rng.randint(1, 8)
         assert balance_pipeline(
             costs, k, microbatches=m, memory=memory, capacity=capacity
-        ) == balance(costs, k, memory=memory, capacity=capacity)
+        ) == least_slowest(costs, k, memory=memory, capacity=capacity)
 
 
 def test_capacity_error_names_the_smallest_feasible_capacity() -> None:
@@ -191,15 +201,13 @@ def test_capacity_error_names_the_smallest_feasible_capacity() -> None:
         if feasible(len(costs), k, memory, capacity):
             continue
         need = min(max(sums(memory, s)) for s in compositions(len(costs), k))
-        for function in (balance, balance_pipeline):
-            kwargs = {"microbatches": 2} if function is balance_pipeline else {}
-            with pytest.raises(ValueError) as info:
-                function(costs, k, memory=memory, capacity=capacity, **kwargs)  # type: ignore[operator]
-            message = str(info.value)
-            assert f"smallest capacity that fits {k} stages is {need!r}" in message
-            assert f"capacity ({capacity!r})" in message
+        with pytest.raises(ValueError) as info:
+            balance_pipeline(costs, k, microbatches=2, memory=memory, capacity=capacity)
+        message = str(info.value)
+        assert f"smallest capacity that fits {k} stages is {need!r}" in message
+        assert f"capacity ({capacity!r})" in message
         # and that capacity does fit
-        assert max(sums(memory, balance(costs, k, memory=memory, capacity=need))) <= need
+        assert max(sums(memory, least_slowest(costs, k, memory=memory, capacity=need))) <= need
         raised += 1
     assert raised > 30
 
@@ -247,8 +255,6 @@ def test_capacity_error_names_the_smallest_feasible_capacity() -> None:
 )
 def test_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        balance(**kwargs)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=message):
         balance_pipeline(**kwargs, microbatches=4)  # type: ignore[arg-type]
 
 
@@ -260,7 +266,7 @@ def test_pipeline_errors() -> None:
     with pytest.raises(ValueError, match=r"cut_costs\[0\] is -1"):
         balance_pipeline([1, 2], 1, microbatches=2, cut_costs=[-1])
     with pytest.raises(ValueError, match=r"sizes sum to 3 but there are 2 values"):
-        stage_sums([1, 2], [1, 2])
+        pipeline_step_time([1, 2], [1, 2], microbatches=1)
     with pytest.raises(ValueError, match=r"sizes\[1\] is 0; stage sizes must be ints >= 1"):
         pipeline_step_time([1, 2], [2, 0], microbatches=1)
 
@@ -276,15 +282,15 @@ def test_ten_thousand_items_sixty_four_stages() -> None:
     rng = random.Random(3)
     costs = [rng.uniform(0, 1) for _ in range(10_000)]
     memory = [rng.uniform(0, 1) for _ in range(10_000)]
-    sizes = balance(costs, 64)
+    sizes = least_slowest(costs, 64)
     assert valid(sizes, 10_000, 64)
     # no stage can be cheaper than the average, nor an optimal one dearer than average + item
-    assert sum(costs) / 64 <= max(stage_sums(costs, sizes)) <= sum(costs) / 64 + max(costs)
-    capped = balance(costs, 64, memory=memory, capacity=100.0)
+    assert sum(costs) / 64 <= max(sums(costs, sizes)) <= sum(costs) / 64 + max(costs) + 1e-9
+    capped = least_slowest(costs, 64, memory=memory, capacity=100.0)
     assert valid(capped, 10_000, 64)
-    assert max(stage_sums(memory, capped)) <= 100.0
-    assert max(stage_sums(costs, capped)) >= max(stage_sums(costs, sizes))
-    assert balance_pipeline(costs, 64, microbatches=8) == sizes
+    assert max(sums(memory, capped)) <= 100.0 + 1e-9
+    assert max(sums(costs, capped)) >= max(sums(costs, sizes)) - 1e-9
+    assert balance_pipeline(costs, 64, microbatches=8) == sizes  # the same for every M
 
 
 def test_pipeline_with_cut_costs_on_a_few_hundred_items() -> None:
@@ -294,7 +300,7 @@ def test_pipeline_with_cut_costs_on_a_few_hundred_items() -> None:
     sizes = balance_pipeline(costs, 8, microbatches=8, cut_costs=cuts)
     assert valid(sizes, 300, 8)
     # never slower than the partition that ignores the cuts
-    plain = balance(costs, 8)
+    plain = least_slowest(costs, 8)
     assert pipeline_step_time(costs, sizes, microbatches=8, cut_costs=cuts) <= pipeline_step_time(
         costs, plain, microbatches=8, cut_costs=cuts
     )

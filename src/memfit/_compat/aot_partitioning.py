@@ -1,7 +1,5 @@
 """AOTAutograd's partitioning helpers: splitting a joint graph by a set of saved values, and
 torch's own min-cut choice of saved values (for the Inductor executor's fusible candidates).
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

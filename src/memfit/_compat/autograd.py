@@ -1,7 +1,5 @@
 """Autograd and AOTAutograd's runtime: tangents, the ctx of a compiled function, buffer donation,
 the engine's gradient accumulation, FX's boxed calling convention.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Dynamo's counters (graph breaks, frames converted, graphs) and its recompile limit.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""Dynamo's counters (graph breaks, frames converted, graphs) and its recompile limit."""
 
 from __future__ import annotations
 

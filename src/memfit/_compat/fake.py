@@ -1,7 +1,5 @@
 """Fake tensors as a user's model is planned on them: the mode that makes them, and the test
 for one.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Inductor: torch.compile's settings the benchmarks compare against, and what the Inductor
 executor compiles, decomposes and schedules with.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

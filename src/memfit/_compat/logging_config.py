@@ -1,7 +1,4 @@
-"""Logging inside a captured forward without a graph break: Dynamo's logging config.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""Logging inside a captured forward without a graph break: Dynamo's logging config."""
 
 from __future__ import annotations
 

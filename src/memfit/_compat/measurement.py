@@ -1,7 +1,4 @@
-"""Whether a profiler session is running anywhere (a measurement must not nest in one).
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""Whether a profiler session is running anywhere (a measurement must not nest in one)."""
 
 from __future__ import annotations
 

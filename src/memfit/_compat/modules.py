@@ -1,7 +1,4 @@
-"""nn.Module's own tables of children, parameters and buffers, read as they are.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""nn.Module's own tables of children, parameters and buffers, read as they are."""
 
 from __future__ import annotations
 

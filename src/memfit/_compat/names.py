@@ -1,7 +1,5 @@
 """Names torch keeps in private modules that memfit uses as they are: pytrees, AOTAutograd's
 backend factory, fake-tensor mode detection, storage identities, dispatch modes.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

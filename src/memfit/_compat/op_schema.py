@@ -1,7 +1,5 @@
 """ATen ops as an FX graph holds them: the schema of an op, which says how it treats its
 arguments (which it writes, which its results alias).
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""The profiler's raw events, from which memfit counts CPU memory exactly.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""The profiler's raw events, from which memfit counts CPU memory exactly."""
 
 from __future__ import annotations
 

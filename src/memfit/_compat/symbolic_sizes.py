@@ -1,7 +1,4 @@
-"""Symbolic sizes: hints, expressions and symbols of SymInts, and dense memory formats.
-
-Part of ``memfit._compat``: see its docstring for the rule these entries follow.
-"""
+"""Symbolic sizes: hints, expressions and symbols of SymInts, and dense memory formats."""
 
 from __future__ import annotations
 

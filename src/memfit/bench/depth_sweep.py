@@ -234,27 +234,14 @@ def write_plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
             ax_peak.plot(xs, preds, linestyle=":", color=style[name]["color"], linewidth=1)
         ax_ratio.plot(xs, ratios, label=name, **style[name])
         ax_time.plot(xs, times, label=name, **style[name])
-    ax_peak.set(
-        xscale="log",
-        yscale="log",
-        xlabel="residual blocks",
-        ylabel="peak tensor memory of one step (MiB)",
-        title="peak memory (dotted: memfit's prediction)",
-    )
-    ax_ratio.set(
-        xscale="log",
-        xlabel="residual blocks",
-        ylabel="peak / eager peak",
-        title="peak memory relative to eager",
-    )
+    for ax, yscale, ylabel, title in (
+        (ax_peak, "log", "peak tensor memory of one step (MiB)",
+         "peak memory (dotted: memfit's prediction)"),
+        (ax_ratio, "linear", "peak / eager peak", "peak memory relative to eager"),
+        (ax_time, "log", "step time, median (ms)", "time of one training step"),
+    ):  # fmt: skip
+        ax.set(xscale="log", yscale=yscale, xlabel="residual blocks", ylabel=ylabel, title=title)
     ax_ratio.set_ylim(bottom=0)
-    ax_time.set(
-        xscale="log",
-        yscale="log",
-        xlabel="residual blocks",
-        ylabel="step time, median (ms)",
-        title="time of one training step",
-    )
     blocks = [res["blocks"] for res in results]
     for ax in axes:
         ax.set_xticks(blocks, [str(b) for b in blocks])

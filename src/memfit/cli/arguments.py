@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ from memfit.planning.budget import parse_budget
 from memfit.planning.policy import NAMED, Policy, parse_policy
 
 __all__ = [
+    "Command",
     "HelpFormatter",
     "parse_batch_budget",
     "parse_device",
@@ -35,6 +38,34 @@ class HelpFormatter(argparse.HelpFormatter):
         if text.startswith("examples:"):
             return "".join(indent + line for line in text.splitlines(keepends=True))
         return super()._fill_text(text, width, indent)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A ``memfit`` subcommand's name and texts, declared once beside its examples; every
+    subcommand's parser is made from one, so all their help reads alike."""
+
+    #: What the user types after ``memfit``.
+    name: str
+    #: One line in ``memfit --help``'s list of commands.
+    help: str
+    #: The paragraph ``memfit NAME --help`` opens with, wrapped to the terminal.
+    description: str
+    #: Printed as written after the flags; starts with ``examples:``.
+    examples: str
+
+    def add_to(self, sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+        """This command's parser in ``sub`` (an ``add_subparsers`` result), with the flags
+        every command shares (``parents``)."""
+        parser: argparse.ArgumentParser = sub.add_parser(
+            self.name,
+            parents=parents,
+            help=self.help,
+            description=self.description,
+            epilog=self.examples,
+            formatter_class=HelpFormatter,
+        )
+        return parser
 
 
 #: ``--dtype`` names and the torch dtypes they mean.

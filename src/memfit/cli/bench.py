@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 from memfit.bench import depth_sweep
-from memfit.cli.arguments import HelpFormatter, parse_device
+from memfit.cli.arguments import Command, parse_device
 from memfit.cli.errors import CliError
 
 __all__ = ["add_parser", "run_depth_sweep"]
@@ -27,28 +27,28 @@ examples:
   memfit bench depth-sweep --device cuda --out results/gpu
 """
 
+COMMAND = Command(
+    "bench",
+    help="run memfit's benchmarks",
+    description="Run one of memfit's benchmarks and write its results.",
+    examples=EXAMPLES,
+)
+
+DEPTH_SWEEP = Command(
+    "depth-sweep",
+    help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
+    description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
+    "129 residual blocks: plain PyTorch, memfit's policies, checkpoint_sequential. "
+    "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
+    "temporary directory, not the working directory).",
+    examples=EXAMPLES,
+)
+
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "bench",
-        parents=parents,
-        help="run memfit's benchmarks",
-        description="Run one of memfit's benchmarks and write its results.",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    p = COMMAND.add_to(sub, parents)
     benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    d = benches.add_parser(
-        "depth-sweep",
-        parents=parents,
-        help="peak memory and step time vs ResNet depth, against checkpoint_sequential",
-        description="Peak memory and step time of one training step of CIFAR ResNets from 9 to "
-        "129 residual blocks: plain PyTorch, memfit's policies, checkpoint_sequential. "
-        "Writes JSON, Markdown and PNG to --out (default: memfit-bench in the "
-        "temporary directory, not the working directory).",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    d = DEPTH_SWEEP.add_to(benches, parents)
     depth_sweep.add_arguments(d)
     d.set_defaults(run=run_depth_sweep)
     return p

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from torch import nn
 
 from memfit.bench.resnet import cifar_resnet
-from memfit.cli.arguments import HelpFormatter
+from memfit.cli.arguments import Command
 from memfit.cli.figures import timeline_figure
 from memfit.cli.steps import Workload, plain_peak_bytes, run_policies
 from memfit.cli.tables import duration, policy_table
@@ -69,6 +69,15 @@ examples:
   memfit demo --out figures   # the figure goes to figures/demo.png
 """
 
+COMMAND = Command(
+    "demo",
+    help="one training step per policy on a ResNet: table and figure",
+    description="Train one step of a CIFAR ResNet-32 under each memfit policy; print "
+    "measured peak memory and step time per policy and write a figure of memory over the "
+    "step.",
+    examples=EXAMPLES,
+)
+
 
 def demo_policies(budget: float = 0.5, device: torch.device | None = None) -> list[Policy]:
     """``none`` (the baseline), ``speed``, ``memory``, a budget (fraction of ``none``) and, on
@@ -97,16 +106,7 @@ class _WithLoss(nn.Module):
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "demo",
-        parents=parents,
-        help="one training step per policy on a ResNet: table and figure",
-        description="Train one step of a CIFAR ResNet-32 under each memfit policy; print "
-        "measured peak memory and step time per policy and write a figure of memory over the "
-        "step.",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    p = COMMAND.add_to(sub, parents)
     p.add_argument(
         "--out",
         type=Path,

@@ -10,10 +10,10 @@ factory's model is planned where it is built (CPU), its inputs resized to ``--ba
 ``--seq`` along ``--seq-dim``).
 
 For each policy it prints weights, gradients, optimizer state and temporaries, activations and
-the whole step's predicted peak (``memfit.fitting.fit``, the ``max_memory_allocated`` counter),
-whether it fits in the device's memory less its CUDA context, the largest batch (and sequence
-length) that fits, and a roofline step time, an estimate. ``--json`` prints the same as JSON
-instead; ``--png PATH`` draws the bytes per policy against the device. When the asked batch
+the whole step's predicted peak (``memfit.fitting.device_fit``, the ``max_memory_allocated``
+counter), whether it fits in the device's memory less its CUDA context, the largest batch (and
+sequence length) that fits, and a roofline step time, an estimate. ``--json`` prints the same as
+JSON instead; ``--png PATH`` draws the bytes per policy against the device. When the asked batch
 fits under no policy, the exit status is 1 and the last line says what would fit.
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from memfit.analysis.devices import Device, get_device, known_devices
 from memfit.analysis.step_memory import IMPLEMENTATIONS, OPTIMIZERS
-from memfit.cli.arguments import HelpFormatter, parse_dtype, parse_policies
+from memfit.cli.arguments import Command, parse_dtype, parse_policies
 from memfit.cli.errors import CliError, first_line
 from memfit.cli.tables import mib
 from memfit.cli.target import build_target, move_inputs
@@ -52,21 +52,21 @@ Devices: a100-40gb, a100-80gb, h100-80gb, h200, l4, rtx-4090 (--capacity for a p
 A config is built on the meta device (nothing allocated); a factory's model is planned on CPU.
 """
 
+COMMAND = Command(
+    "fit",
+    help="will a training step fit on a GPU you do not have",
+    description="Predict a training step's memory on a device per memfit policy: weights, "
+    "gradients, optimizer state, activations and the peak, whether it fits, the largest "
+    "batch that does, and an estimated step time.",
+    examples=EXAMPLES,
+)
+
 #: Auto classes tried for a config, in order: the first that accepts the config builds it.
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM")
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "fit",
-        parents=parents,
-        help="will a training step fit on a GPU you do not have",
-        description="Predict a training step's memory on a device per memfit policy: weights, "
-        "gradients, optimizer state, activations and the peak, whether it fits, the largest "
-        "batch that does, and an estimated step time.",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    p = COMMAND.add_to(sub, parents)
     p.add_argument(
         "target",
         metavar="TARGET",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import memfit
-from memfit.cli.arguments import HelpFormatter
+from memfit.cli.arguments import Command
 from memfit.cli.errors import CliError
 from memfit.cli.steps import default_loss
 from memfit.cli.target import build_target
@@ -50,19 +50,19 @@ examples:
   memfit pipeline model.py:make --ranks 4 --schedule auto --budget 2GiB --offload
 """
 
+COMMAND = Command(
+    "pipeline",
+    help="split a model into pipeline stages; --run trains it in K local processes",
+    description="Plan a pipeline of TARGET (a factory returning (model, "
+    "example_inputs), the inputs being one mini-batch): where to cut, what each stage "
+    "keeps and recomputes, the predicted step time and per-stage peak. --run launches one "
+    "process per stage and reports measured against predicted.",
+    examples=EXAMPLES,
+)
+
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "pipeline",
-        parents=parents,
-        help="split a model into pipeline stages; --run trains it in K local processes",
-        description="Plan a pipeline of TARGET (a factory returning (model, "
-        "example_inputs), the inputs being one mini-batch): where to cut, what each stage "
-        "keeps and recomputes, the predicted step time and per-stage peak. --run launches one "
-        "process per stage and reports measured against predicted.",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    p = COMMAND.add_to(sub, parents)
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:factory or module:factory")
     p.add_argument("--ranks", type=int, help="ranks (K): one process and one device each")
     p.add_argument("--stages", type=int, dest="deprecated_stages", help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ from memfit._compat import keystr, tree_flatten_with_path
 from memfit.cli import report as rep
 from memfit.cli.arguments import (
     POLICY_NAMES,
-    HelpFormatter,
+    Command,
     parse_batch_budget,
     parse_device,
     parse_dtype,
@@ -75,6 +75,15 @@ when --input-shape is given. The loss of a step is the model's output if it is a
 'loss' if it has one, else the sum of its floating-point outputs.
 """
 
+COMMAND = Command(
+    "profile",
+    help="measure where your model's training memory goes",
+    description="Measure a training step of your model: activation memory by submodule, "
+    "the largest tensors kept, peak and step time per memfit policy, and with "
+    "--budget the largest batch that fits.",
+    examples=EXAMPLES,
+)
+
 ACTIVATIONS_METHOD = (
     "one eager training step of plain PyTorch; every storage autograd saves for backward "
     "(saved_tensors_hooks), counted once, without parameters, buffers and inputs, credited to "
@@ -88,16 +97,7 @@ BUDGET_COVERS = (
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "profile",
-        parents=parents,
-        help="measure where your model's training memory goes",
-        description="Measure a training step of your model: activation memory by submodule, "
-        "the largest tensors kept, peak and step time per memfit policy, and with "
-        "--budget the largest batch that fits.",
-        epilog=EXAMPLES,
-        formatter_class=HelpFormatter,
-    )
+    p = COMMAND.add_to(sub, parents)
     _add_target_arguments(p)
     _add_policy_arguments(p)
     _add_batch_arguments(p)

@@ -10,11 +10,12 @@ step's time from the device's FLOP/s and bandwidth (``step_time``). ``memfit fit
 command line.
 
 Modules: ``step_plan`` (the one call of ``memfit.plan``, and inputs at another size),
-``size_search`` (the largest size that fits, pure), ``step_time`` (the roofline estimate), ``fit``
-(the whole step's peak, the rows, the report).
+``size_search`` (the largest size that fits, pure), ``step_time`` (the roofline estimate),
+``device_fit`` (``fit``: the whole step's peak on a named device, the rows of policies and
+batches, the report).
 """
 
-from memfit.fitting.fit import DEFAULT_POLICIES, FitReport, FitRow, StepPeak, fit
+from memfit.fitting.device_fit import DEFAULT_POLICIES, FitReport, FitRow, StepPeak, fit
 from memfit.fitting.size_search import SizeSearch, largest_fitting
 from memfit.fitting.step_plan import plan_step
 

@@ -9,14 +9,12 @@ function in K local processes and ends them all, naming the rank, when one fails
 ``PipelineOptions`` holds every knob of both, each documented where it is declared;
 ``PipelineSchedule`` names the schedules, as torch names them (``"gpipe"``, ``"1f1b"``,
 and, with several stages per rank, ``"interleaved_1f1b"``, ``"looped_bfs"``,
-``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"``, ``"dualpipev"``). ``balance``,
-``balance_pipeline`` and ``balance_intervals`` are the pure searches underneath.
+``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"``, ``"dualpipev"``). ``balance_intervals``
+is the pure search the planner cuts with; ``balance_pipeline``, the same for additive costs.
 """
 
-from memfit.pipeline.balancing import balance as balance
 from memfit.pipeline.balancing import balance_pipeline as balance_pipeline
 from memfit.pipeline.balancing import pipeline_step_time as pipeline_step_time
-from memfit.pipeline.balancing import stage_sums as stage_sums
 from memfit.pipeline.intervals import CapacityError as CapacityError
 from memfit.pipeline.intervals import balance_intervals as balance_intervals
 from memfit.pipeline.launch import RankError as RankError
@@ -36,11 +34,9 @@ __all__ = [
     "PipelineSchedule",
     "RankError",
     "StagePlan",
-    "balance",
     "balance_intervals",
     "balance_pipeline",
     "launch",
     "pipeline_step_time",
     "plan",
-    "stage_sums",
 ]

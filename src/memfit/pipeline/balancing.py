@@ -1,4 +1,4 @@
-"""Exact contiguous stage balance for pipelines: the slowest stage as fast as it can be.
+"""Exact contiguous stage balance for additive costs: the least GPipe step, and its formula.
 
 A GPipe pipeline runs a chain of layers as ``K`` contiguous stages, one per device, and pushes
 ``M`` micro-batches through them; a step takes ``(M - 1) * max(stage time) + sum(stage time)``,
@@ -6,25 +6,26 @@ so the slowest stage sets the throughput, and every stage must fit its device's 
 torchgpipe balances with the block-partition heuristic of Bárány et al. (its docstring: "might
 not be optimal"); DeepSpeed's ``partition_method="parameters"`` minimises the spread of
 parameter counts, not the largest stage. Neither looks at memory. Here the problem is solved
-exactly, with memory as a hard per-stage constraint:
+exactly, with memory as a hard per-stage constraint, for costs that add up per stage (the
+planner itself searches non-additive stage costs with ``intervals.balance_intervals``, which
+:func:`balance_pipeline` checks in the tests):
 
-* :func:`balance` minimises the largest stage cost. Nicol's parametric search (D. Nicol,
-  "Rectilinear partitioning of irregular data parallel computations", JPDC 1994; the
-  presentation of Pınar & Aykanat, JPDC 2004): the optimum is the cost of some stage, and the
+* the least largest stage cost, the search's lower bound and its start, by Nicol's parametric
+  search (D. Nicol, "Rectilinear partitioning of irregular data parallel computations", JPDC 1994;
+  the presentation of Pınar & Aykanat, JPDC 2004): the optimum is the cost of some stage, and the
   first stage of an optimal partition is found by binary search over its end with a greedy
   feasibility probe, after which the problem repeats on the rest with one stage fewer. A probe
   takes ``O(K log n)`` (bisection over prefix sums, each stage extended as far as both its cost
-  bound and the memory capacity allow); the search makes ``O(K log n)`` probes, so
-  ``O(n log n + K² log² n)`` in all, the memory limits of each position included (10,000
-  items, 64 stages: tens of milliseconds).
+  bound and the memory capacity allow); the search makes ``O(K log n)`` probes, so ``O(n log n + K²
+  log² n)`` in all, the memory limits of each position included.
 * :func:`balance_pipeline` minimises the predicted step time itself, with a transfer cost for
   each possible cut: a DP over cut positions (least total transfer under a bound on the stage
   time, a heap sweep per stage count) for candidate bounds in increasing order, stepping from
   one drop of the least transfer to the next by a galloping search, stopped once the bound
   alone rules out any improvement.
 
-Stage sums are differences of prefix sums accumulated left to right (:func:`stage_sums`), the
-same numbers the searches compare, so "optimal" holds for exactly the values reported; for
+Stage sums are differences of prefix sums accumulated left to right, the same numbers the
+searches compare, so "optimal" holds for exactly the values reported; for
 integer-valued inputs below 2**53 they are exact sums. Memory is additive per stage (a stage
 needs the sum of its items' bytes) and capacity is the same for every stage.
 
@@ -43,40 +44,11 @@ from functools import partial
 from heapq import heappop, heappush
 from itertools import accumulate
 
-__all__ = ["balance", "balance_pipeline", "stage_sums", "pipeline_step_time"]
+__all__ = ["balance_pipeline", "pipeline_step_time"]
 
 #: Relative slack when comparing step times that reach the same value by different sums
 #: (float rounding); integer-valued inputs compare exactly.
 _TOLERANCE = 1e-12
-
-
-def balance(
-    costs: Sequence[float],
-    stages: int,
-    *,
-    memory: Sequence[float] | None = None,
-    capacity: float | None = None,
-) -> list[int]:
-    """Sizes of ``stages`` contiguous, non-empty stages minimising the largest stage cost.
-
-    ``costs[i]`` is item ``i``'s cost (a layer's or node's predicted time); the result sums to
-    ``len(costs)``. With ``memory`` (bytes per item) and ``capacity`` (bytes per stage), every
-    stage's summed memory stays ``<= capacity``. Exact (Nicol's parametric search, see the
-    module docstring), ``O(n log n + K² log² n)``; among optimal partitions the one with the
-    earliest cuts.
-
-    Raises ``ValueError`` on bad input, and when no partition into ``stages`` stages fits
-    ``capacity`` (naming the smallest capacity that does).
-
-    >>> balance([1, 1, 1, 1, 4], 2)
-    [4, 1]
-    >>> balance([1, 1, 1, 1, 4], 2, memory=[1, 1, 1, 1, 1], capacity=3)
-    [3, 2]
-    """
-    cost = _check_values("costs", costs)
-    _check_stages(stages, len(cost))
-    prefix, right, left, bound = _bottleneck(cost, stages, memory, capacity)
-    return _earliest_cuts(prefix, left, stages, bound)
 
 
 def _bottleneck(
@@ -117,24 +89,25 @@ def balance_pipeline(
 
     (exact for a flow shop of identical jobs; for GPipe's forward then backward waves it is
     exact when each stage's backward time is proportional to its forward time, and otherwise
-    an upper bound). See :func:`pipeline_step_time`. ``memory``/``capacity`` as in
-    :func:`balance`. Without cut costs this is :func:`balance` (same partition).
+    an upper bound). See :func:`pipeline_step_time`. With ``memory`` (bytes per item) and
+    ``capacity`` (bytes per stage), every stage's summed memory stays ``<= capacity``; a
+    ``ValueError`` names the smallest capacity that fits when none does. Without cut costs the
+    result is the partition with the least slowest stage (``_min_bottleneck``).
 
     The algorithm. For a bound ``B`` on ``max_s t_s``, a DP over cut positions finds the least
     total cut cost ``g(B)`` with every stage within ``B`` and ``capacity`` (``O(K n log n)``,
     see ``_least_cuts``). ``g`` falls in steps as ``B`` grows, and the best time with a given
     least cut cost is at the first bound of its step, where ``T = (M - 1) * B + sum(costs) +
-    g(B)``. Bounds are the stage times of all intervals between a lower bound (:func:`balance`'s
-    optimum) and the bound at which ``(M - 1) * B`` alone makes the step slower than with
-    :func:`balance`'s partition; the search walks from step to step in increasing ``B``, each
+    g(B)``. Bounds are the stage times of all intervals between a lower bound (the least
+    slowest stage) and the bound at which ``(M - 1) * B`` alone makes the step slower than with
+    that partition; the search walks from step to step in increasing ``B``, each
     found by a galloping search, and stops when ``(M - 1) * B + sum(costs) + g(inf)`` cannot
     beat the best found or the least cut cost is reached. ``O(n L + D K n log n)`` for ``D``
     DPs (about two per step visited, more for far steps) and ``L`` items in the longest stage
     considered. Measured (one core, uniform random costs, cut costs up to 0.3 of an item):
     200 items, K = 16: 0.01-0.08 s; 500 items, K = 32: 0.2 s (M = 1), 1.1 s (M = 4), 0.3 s
     (M = 16); 1,000 items, K = 64, M = 4: 15 s (``g`` has hundreds of steps there). Meant for
-    per-layer chains; for per-node chains of thousands of items, balance per layer or use
-    :func:`balance`.
+    per-layer chains; for per-node chains of thousands of items, balance per layer.
     Exact up to a relative ``1e-12`` where different sums meet in float rounding; exact for
     integer-valued inputs. Ties: the smallest slowest stage, then the earliest cuts.
     """
@@ -161,7 +134,7 @@ def _least_step(
     lower: float,
     start: list[int],
 ) -> list[int]:
-    """``balance_pipeline``'s search with cut costs: from ``start`` (:func:`balance`'s
+    """``balance_pipeline``'s search with cut costs: from ``start`` (the least slowest stage's
     partition, whose slowest stage is ``lower``), walk the steps of the least cut cost as the
     bound on the slowest stage grows, keeping the least step time."""
     least = _least_cuts(prefix, cuts, left, stages, math.inf)
@@ -244,22 +217,6 @@ def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int:
         else:
             lo = mid + 1
     return lo
-
-
-def stage_sums(values: Sequence[float], sizes: Sequence[int]) -> list[float]:
-    """Each stage's sum of ``values``, for stage sizes ``sizes`` (as :func:`balance` returns).
-
-    Computed as differences of prefix sums, the numbers :func:`balance` compares, so
-    ``max(stage_sums(costs, balance(costs, k)))`` is exactly the optimum it found.
-
-    >>> stage_sums([1, 2, 3, 4], [3, 1])
-    [6.0, 4.0]
-    """
-    vals = _check_values("values", values)
-    _check_sizes(sizes, len(vals))
-    prefix = _prefix(vals)
-    bounds = [0, *accumulate(sizes)]
-    return [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
 
 
 def pipeline_step_time(

@@ -1,6 +1,6 @@
 """Exact stage balance when a stage's time and memory are any functions of its items.
 
-``balancing.balance`` and ``balance_pipeline`` need additive costs: a stage's memory the sum of
+``balancing.balance_pipeline`` needs additive costs: a stage's memory the sum of
 its items'. A real stage is not additive: its parameters are a union (a tied weight read twice
 is held once), it holds what crosses its incoming cut once per micro-batch in flight (``M``
 under GPipe, ``K - s`` under 1F1B, so the same items cost different memory in different stage

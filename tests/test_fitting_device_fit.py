@@ -12,7 +12,7 @@ from torch import nn
 import memfit
 from memfit.analysis.devices import Device
 from memfit.analysis.step_memory import step_memory
-from memfit.fitting.fit import StepPeak
+from memfit.fitting.device_fit import StepPeak
 from memfit.fitting.step_plan import plan_step
 from memfit.planning.policy import parse_policy
 
