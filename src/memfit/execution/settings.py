@@ -4,7 +4,7 @@ A memfit call (``execution.session``) resolves what the user asked (``execution.
 into these settings and hands them to ``make_backend`` (``execution.backend``), which hands them
 to the partitioner (``execution.partitioner``); every part that needs the policy, the executor or
 the offloader reads it from here or receives it as an argument, so the policy is stored in one
-object from the entry point to the planner (issue 65). What the backend reports back goes
+object from the entry point to the planner. What the backend reports back goes
 through one interface, ``execution.events.BackendEvents``.
 """
 
