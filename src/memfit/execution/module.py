@@ -43,6 +43,7 @@ import torch.nn as nn
 from memfit._compat import tree_map
 from memfit.analysis.devices import Device
 from memfit.capture.mark import mark
+from memfit.execution.eager_paths import compile_only_switches, eager_paths
 from memfit.execution.fake_target import fake_target, on_fake_target
 from memfit.execution.options import (
     Executor,
@@ -169,6 +170,8 @@ class Checkpointing(PlannedView):
         #: training calls get ``use_cache=False``, as under HF's gradient checkpointing (an
         #: encoder-decoder's cache: ``_caches_in_training``)
         self._no_cache = _caches_in_training(model, self.original_forward)
+        #: flags that would make the model run code only ``torch.compile`` runs (``eager_paths``)
+        self._switches = compile_only_switches(model)
 
     @property
     def regions_changed(self) -> bool:
@@ -218,7 +221,8 @@ class Checkpointing(PlannedView):
                 self.original_forward(*args, **kwargs)
         _capturing += 1
         try:
-            return self._planned.run(*args, **kwargs)  # this method steps around Dynamo
+            with eager_paths(self._switches):
+                return self._planned.run(*args, **kwargs)  # this method steps around Dynamo
         finally:
             _capturing -= 1
 
