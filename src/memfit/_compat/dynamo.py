@@ -212,8 +212,9 @@ def numpy_random_in_python() -> AbstractContextManager[Any]:
     (wav2vec2's SpecAugment masks) then drew other masks than plain PyTorch, advanced torch's
     stream instead of numpy's, and so shifted every dropout and LayerDrop draw after it. Left to
     Python, the draws are numpy's own, in the order plain PyTorch makes them. Read only while
-    Dynamo traces; opened around every memfit call (a context variable set and reset: about a
-    microsecond).
+    Dynamo traces; opened around every memfit call (a context variable set and reset, and the
+    config's caches marked: 8.8 us measured on a loaded 2-core machine, 0.45 of it the set and
+    reset).
     """
     return _NumpyRandomInPython()
 
