@@ -582,3 +582,30 @@ def test_errors_are_never_silenced_in_a_compiled_forward() -> None:
     assert logging.Logger.warning in ignored and logging.Logger.info in ignored
     for method in (logging.Logger.error, logging.Logger.exception, logging.Logger.critical):
         assert method not in ignored
+
+
+def test_numpy_random_in_python_leaves_numpys_draws_to_numpy() -> None:
+    """Inside the context a compiled function's ``np.random`` calls draw from numpy's own
+    stream, as the function run eagerly does (by default Dynamo traces them as draws from
+    torch's generator); the config is as it was afterwards."""
+    import numpy as np
+    import torch._dynamo.config as dynamo_config
+
+    def draw(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.as_tensor(np.random.rand(3))
+
+    x = torch.zeros(3, dtype=torch.float64)
+    np.random.seed(0)
+    expected = draw(x)
+    after = np.random.get_state()[2]
+    torch.compiler.reset()
+    compiled = torch.compile(draw, backend="eager")
+    np.random.seed(0)
+    with _compat.numpy_random_in_python():
+        assert dynamo_config.use_numpy_random_stream
+        got = compiled(x)
+    assert torch.equal(got, expected)
+    assert np.random.get_state()[2] == after
+    assert not dynamo_config.use_numpy_random_stream
+    assert dynamo_config._is_default("use_numpy_random_stream")
+    torch.compiler.reset()

@@ -1,10 +1,15 @@
 """What happens around every memfit call (``execution.planned_call``): one plan per input shape, the
-plan of the shape that just ran, memfit's own shape limit, and no silent unplanned run."""
+plan of the shape that just ran, memfit's own shape limit, no silent unplanned run, and the
+randomness a model draws in its own Python drawn as plain PyTorch draws it."""
 
 from __future__ import annotations
 
+import copy
+import random
 import warnings
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -266,3 +271,71 @@ class _LossModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x).square().mean()
+
+
+class PythonDraws(nn.Module):
+    """Draws in its own Python as SpecAugment does (numpy's ``rand(1).item()`` and ``choice``,
+    Python's ``random``), with dropout before and after, and a graph break (a Python ``if`` on
+    a tensor) between its numpy draws."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.width = width
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, 1)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.fc1(x)))
+        scale = 1 + np.random.rand(1).item()
+        masked = np.random.choice(np.arange(self.width), self.width // 4, replace=False)
+        keep = np.ones(self.width, dtype=np.float32)
+        keep[masked] = 0
+        h = h * torch.from_numpy(keep) * scale
+        if h.sum() > 0:  # a graph break between the numpy draws
+            h = torch.tanh(self.fc2(h)) * random.random()
+        else:
+            h = torch.sigmoid(self.fc2(h))
+        column = int(np.random.randint(0, self.width))
+        h = self.drop(h) * (torch.arange(self.width) != column)
+        return self.fc3(h).square().mean()
+
+
+def _steps(model: nn.Module, steps: int) -> list[tuple[Any, ...]]:
+    """Each step's loss, gradients and, after it, torch's, Python's and numpy's random states;
+    every stream seeded once, before the first."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = model(x)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        _, keys, position, *_ = np.random.get_state()
+        out.append((loss.detach(), grads, torch.get_rng_state(), random.getstate(), keys, position))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["none", "memory", 0.5])
+def test_randomness_drawn_in_the_models_python_is_drawn_as_plain_pytorch_draws_it(
+    policy: str | float,
+) -> None:
+    """Losses and gradients bit-equal to plain PyTorch's at every step, and every random stream
+    where plain's leaves it: numpy's draws are numpy's, drawn once a step."""
+    torch.manual_seed(0)
+    plain = PythonDraws()
+    ours = copy.deepcopy(plain)
+    expected = _steps(plain, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph break's warning
+        got = _steps(memfit.checkpoint(ours, policy), 4)
+    for step, (e, g) in enumerate(zip(expected, got)):
+        assert torch.equal(g[0], e[0]), step
+        assert len(g[1]) == len(e[1]) and all(map(torch.equal, g[1], e[1])), step
+        assert torch.equal(g[2], e[2]), step
+        assert g[3] == e[3], step
+        assert np.array_equal(g[4], e[4]) and g[5] == e[5], step

@@ -6,8 +6,11 @@ untouched, and the warning says what memfit did and where."""
 from __future__ import annotations
 
 import copy
+import random
 import warnings
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -188,3 +191,64 @@ def _this_line() -> int:
     frame = inspect.currentframe()
     assert frame is not None and frame.f_back is not None
     return frame.f_back.f_lineno
+
+
+class DrawingLayer(nn.Module):
+    """A layer whose Python draws (numpy, Python's ``random``, a generator of its own) around a
+    graph break, with dropout: recomputed whole, its Python must draw the same again."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.2)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.fc1(x)))
+        masked = np.random.choice(np.arange(self.width), self.width // 4, replace=False)
+        keep = np.ones(self.width, dtype=np.float32)
+        keep[masked] = 0
+        h = h * torch.from_numpy(keep) * (torch.rand(self.width, generator=self.gen) > 0.2)
+        if h.sum() > 0:  # data-dependent control flow
+            h = torch.tanh(self.fc2(h)) * random.random()
+        else:
+            h = torch.sigmoid(self.fc2(h))
+        return x + self.drop(h) * (1 + np.random.rand(1).item())
+
+
+def test_a_regions_python_draws_the_same_again_when_recomputed() -> None:
+    """Under ``"memory"`` each layer is recomputed whole, its Python run again: its numpy,
+    ``random`` and own-generator draws are those of its forward, and every stream ends the
+    step where plain PyTorch's does."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(DrawingLayer(32), DrawingLayer(32))
+    ours = copy.deepcopy(plain)
+    wrapped = memfit.checkpoint(ours, "memory")
+    x = torch.randn(64, 32)
+
+    def states(model: nn.Module) -> tuple[Any, ...]:
+        _, keys, position, *_ = np.random.get_state()
+        own = [layer.gen.get_state() for layer in model]
+        return torch.get_rng_state(), random.getstate(), keys, position, own
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seed in range(3):  # the first call finds the regions; the next two recompute them
+            random.seed(seed)
+            np.random.seed(seed)
+            expected_loss, expected = _step(plain, x, seed)
+            expected_states = states(plain)
+            random.seed(seed)
+            np.random.seed(seed)
+            loss, got = _step(wrapped, x, seed)
+            got_states = states(ours)
+            assert torch.equal(loss, expected_loss), seed
+            assert len(got) == len(expected) and all(map(torch.equal, got, expected)), seed
+            assert torch.equal(got_states[0], expected_states[0]), seed
+            assert got_states[1] == expected_states[1], seed
+            assert np.array_equal(got_states[2], expected_states[2]), seed
+            assert got_states[3] == expected_states[3], seed
+            assert all(map(torch.equal, got_states[4], expected_states[4])), seed
+    assert [r.module for r in wrapped.memfit.plan.regions] == ["0", "1"]

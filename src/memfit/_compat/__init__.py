@@ -21,11 +21,11 @@ Private *attributes* count too: outside this package no code reads ``torch._dyna
 One module per torch subsystem, every entry re-exported here: ``names`` (pytrees, AOTAutograd's
 backend factory, fake modes, storage identities), ``aot_partitioning`` (AOTAutograd's split and
 torch's min-cut), ``autograd`` (tangents, a compiled function's ctx, donation, the engine's
-accumulation and a tensor's hooks, boxed code), ``dynamo`` (counters, the recompile limit),
-``logging_config`` (logging inside a captured forward), ``symbolic_sizes``, ``profiler`` (raw
-events), ``inductor`` (what the benchmarks and the Inductor executor compile with), ``fake`` (fake
-tensors to plan on), ``measurement``, ``op_schema`` (an op's schema), ``modules`` (nn.Module's
-children).
+accumulation and a tensor's hooks, boxed code), ``dynamo`` (counters, the recompile limit,
+numpy's random functions), ``logging_config`` (logging inside a captured forward),
+``symbolic_sizes``, ``profiler`` (raw events), ``inductor`` (what the benchmarks and the Inductor
+executor compile with), ``fake`` (fake tensors to plan on), ``measurement``, ``op_schema`` (an
+op's schema), ``modules`` (nn.Module's children).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ __all__ = [
     "unique_graph_count",
     "accumulated_recompile_limit",
     "compile_with_recompile_limit",
+    "numpy_random_in_python",
     "logging_functions",
     "traced_logging",
     "is_sym_node",
@@ -142,6 +143,7 @@ from memfit._compat.dynamo import (  # noqa: E402
     compile_with_recompile_limit,
     frames_converted,
     graph_break_reasons,
+    numpy_random_in_python,
     unique_graph_count,
 )
 from memfit._compat.fake import (  # noqa: E402

@@ -52,7 +52,7 @@ from memfit.execution.options import (
     resolve,
 )
 from memfit.execution.planned_call import STEP_ROUNDS, PlannedCall, PlannedView, memfit_call_running
-from memfit.execution.state import preserved
+from memfit.execution.state import owned_generators, preserved
 from memfit.planning.plan import Plan
 from memfit.planning.policy import Policy
 
@@ -217,7 +217,11 @@ class Checkpointing(PlannedView):
             # ``_settles_on_first_call``): one eager forward without autograd, its buffer updates
             # and random draws undone, so the step itself is exactly the user's.
             self._settled = True
-            with torch.no_grad(), preserved(self._model.buffers()):
+            model = self._model
+            with (
+                torch.no_grad(),
+                preserved(model.buffers(), generators=owned_generators(model.modules())),
+            ):
                 self.original_forward(*args, **kwargs)
         _capturing += 1
         try:
@@ -526,8 +530,10 @@ def plan(
     training. Takes exactly ``checkpoint``'s arguments, and the ``device`` to plan for.
 
     Runs one forward of ``model`` on the example inputs under the plan (so the call itself stays
-    within a budget), then restores every buffer (BatchNorm running statistics) and the CPU and
-    CUDA random-number states, so the model and later random draws are exactly as before; no
+    within a budget), then restores every buffer (BatchNorm running statistics) and every
+    random-number state a forward draws from (torch's CPU and CUDA, Python's ``random``,
+    ``numpy.random``, generators the model's modules hold), so the model and later random
+    draws are exactly as before; no
     backward runs and no gradient is touched. The plan has ``predicted_peak_bytes``,
     ``recompute_flops``, ``kept``/``recomputed`` and ``pareto()``. Raises ``BudgetError`` when a
     budget cannot be met.
@@ -573,7 +579,10 @@ def _plan(
     checkpoint(model, policy, offload=offload, executor=executor, options=options)
     state: Checkpointing = model.__dict__[_STATE]
     try:
-        with preserved(model.buffers()), torch.enable_grad():
+        with (
+            preserved(model.buffers(), generators=owned_generators(model.modules())),
+            torch.enable_grad(),
+        ):
             model(*args, **kwargs)
             # Graph breaks: the step planned again as a whole, and submodules recomputed whole
             # (execution.regions) from the call after they were found.

@@ -17,6 +17,12 @@ capture runs eagerly (``_no_new``), with a warning.
 A wrapped model (``modules``) whose graph breaks lie inside submodules has those submodules
 recomputed whole from the next call on (``execution.regions``), compiled by a second backend that
 plans with ``"none"`` (``BackendSettings.in_regions``).
+
+Randomness the model draws in its own Python is drawn as plain PyTorch draws it: Dynamo leaves
+``numpy.random`` calls to Python while a call runs (``numpy_random_in_python``; by default it
+would trace them as draws from torch's generator), and every forward memfit runs besides the
+user's step puts back Python's and numpy's random states as well as torch's (NOTE [ Random
+streams a forward draws from ] in ``execution.state``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.nn as nn
 from memfit._compat import (
     accumulated_recompile_limit,
     compile_with_recompile_limit,
+    numpy_random_in_python,
     traced_logging,
 )
 from memfit.execution.backend import make_backend
@@ -187,6 +194,7 @@ class PlannedCall:
                 session.watcher.watch() as report,
                 accumulated_recompile_limit(DYNAMO_RECOMPILE_LIMIT),
                 traced_logging(),
+                numpy_random_in_python(),
                 _no_new(call.full),
                 call.regions,
                 recording(call.chain),

@@ -14,9 +14,11 @@ whose call Dynamo could not trace runs, from the call after the break was found,
 non-reentrant ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``). Its saved-tensor
 hooks see every tensor anything inside the call saves, memfit's compiled graphs (their
 ``CompiledFunction``'s saved values) and the eager Python between them alike, and keep none: the
-backward runs the module's forward again, Python included, with the random state of the forward
-(``preserve_rng_state=True``: dropout draws the same masks), then its graphs' backward as
-planned. Only the call's inputs are kept.
+backward runs the module's forward again, Python included, with the random states of the forward
+(torch's by ``preserve_rng_state=True``: dropout draws the same masks; Python's and numpy's by
+``_Recomputing``: masks its Python draws are drawn again alike, NOTE [ Random streams a forward
+draws from ] in ``execution.state``), then its graphs' backward as planned, and every random
+state is put back as the forward left it. Only the call's inputs are kept.
 
 NOTE [ Finding the regions ]
 A module is a region when a memfit graph was compiled while its call was running eagerly: Dynamo
@@ -64,8 +66,13 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from memfit._compat import compile_with_recompile_limit, eager_module_calls, tree_flatten
-from memfit.execution.state import preserved
+from memfit._compat import (
+    compile_with_recompile_limit,
+    eager_module_calls,
+    numpy_random_in_python,
+    tree_flatten,
+)
+from memfit.execution.state import RandomStates, owned_generators, preserved
 from memfit.planning.plan import GraphPlan, RegionPlan
 from memfit.planning.policy import Policy
 
@@ -96,32 +103,45 @@ def choose_regions(observed: Iterable[str], policy: Policy) -> tuple[str, ...]:
     return tuple(n for n in inner if not any(m.startswith(n + ".") for m in policy.modules))
 
 
-def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, list[torch.Generator]]:
     """Bytes of the tensors autograd made among a call's inputs, one count per storage (what a
-    checkpoint keeps that would otherwise be free: parameters and the batch are alive anyway)."""
+    checkpoint keeps that would otherwise be free: parameters and the batch are alive anyway),
+    and the ``torch.Generator`` objects among them (its recomputation must draw what it drew)."""
     leaves, _ = tree_flatten((args, kwargs))
     storages: dict[int, int] = {}
+    generators = []
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+        elif isinstance(t, torch.Generator):
+            generators.append(t)
+    return sum(storages.values()), generators
 
 
 class _Recomputing:
-    """The context a region's recomputation runs in: the wrapper is told the backward started,
-    and the module's buffers are put back when it ends. A class, not a generator, so a second
-    backward through the same graph (``retain_graph=True``) can enter it again."""
+    """The context a region's recomputation runs in: the wrapper is told the backward started;
+    Python's, numpy's and the module's own generators' random states are those the forward
+    started with (``drawn``: its Python draws again what it drew); numpy's random functions are
+    left to Python as in the forward (``numpy_random_in_python``); the module's buffers and
+    those random states are put back when it ends. Torch's global generators ``checkpoint``
+    replays itself (``preserve_rng_state``). A class, not a generator, so a second backward
+    through the same graph (``retain_graph=True``) can enter it again."""
 
-    def __init__(self, module: nn.Module, started: Callable[[], None]) -> None:
+    def __init__(self, module: nn.Module, started: Callable[[], None], drawn: RandomStates) -> None:
         self._module = module
         self._started = started
+        self._drawn = drawn
         self._restore: contextlib.ExitStack | None = None
 
     def __enter__(self) -> None:
         self._started()
         self._restore = contextlib.ExitStack()
         self._restore.enter_context(preserved(self._module.buffers(), random=False))
+        now = RandomStates(torch_streams=False, generators=[g for g, _ in self._drawn.generators])
+        self._restore.callback(now.restore)
+        self._drawn.restore()
+        self._restore.enter_context(numpy_random_in_python())
 
     def __exit__(self, *exc: object) -> None:
         if self._restore is not None:
@@ -142,6 +162,8 @@ class _Region:
         self._runner: Callable[..., Any] | None = None
         self._saved: Any = None  # an instance ``forward`` the user set, restored after each call
         self.forward = torch.compiler.disable(self._forward)
+        #: generators its modules own, drawn from again by its recomputation
+        self._generators = owned_generators(module.modules())
 
     def runner(self) -> Callable[..., Any]:
         """The module's own forward, compiled with the wrapper's current backend."""
@@ -161,8 +183,11 @@ class _Region:
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
         first = len(self._owner.ran)
-        nbytes = _input_bytes(args, kwargs)
-        recomputing = _Recomputing(self.module, self._owner.recompute_started)
+        nbytes, passed = _inputs(args, kwargs)
+        # what its Python draws from, as the forward starts (torch's global generators:
+        # checkpoint's own)
+        drawn = RandomStates(torch_streams=False, generators=[*self._generators, *passed])
+        recomputing = _Recomputing(self.module, self._owner.recompute_started, drawn)
         out = torch.utils.checkpoint.checkpoint(
             run,
             *args,
