@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
+from fake_kernels import assert_fake_matches_keyword_call
 from memfit._compat import aot_autograd, make_boxed_func
 from memfit.nn import AdditiveAttention, additive_attention
 from memfit.nn.additive import chunk_sizes
@@ -268,3 +269,16 @@ def test_bad_inputs_name_the_shapes() -> None:
         additive_attention(query, keys, values, w_query, w_keys, v, torch.ones(2, 3, 4).bool())
     with pytest.raises(ValueError, match="positive int"):
         AdditiveAttention(3, 0, 4)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_fakes_see_the_arguments_of_a_keyword_call(projected: bool) -> None:
+    query, keys, values, w_query, w_keys, v = (t.detach() for t in make_inputs(2, 3, 5))
+    if projected:
+        keys, w_keys = keys @ w_keys.t(), None
+    mask = torch.rand(2, 1, 5) > 0.3
+    fwd = (query, keys, values, w_query, w_keys, v, mask, 16)
+    assert_fake_matches_keyword_call(torch.ops.memfit.additive_attention, fwd)
+    out, lse = torch.ops.memfit.additive_attention(*fwd)
+    bwd = (torch.ones_like(out), *fwd[:7], out, lse, 16)
+    assert_fake_matches_keyword_call(torch.ops.memfit.additive_attention_backward, bwd)

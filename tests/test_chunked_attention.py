@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
+from fake_kernels import assert_fake_matches_keyword_call
 from memfit._compat import aot_autograd, make_boxed_func
 from memfit.nn import attention_dropout_mask, chunked_attention
 
@@ -349,3 +350,14 @@ def test_bad_inputs_raise_value_errors_naming_the_value(index: int) -> None:
     match, call = _bad_calls()[index]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_fakes_see_the_arguments_of_a_keyword_call() -> None:
+    q, k, v = (t.detach() for t in _qkv((2, 5), 7, 4, 3, seed=16))
+    bias = torch.randn(5, 7)
+    spec = "mul:v:0x1.0p-1,add:t:0x0p+0"
+    fwd = (q, k, v, spec, [bias], 0.0, None, 3)
+    assert_fake_matches_keyword_call(torch.ops.memfit.chunked_attention_fwd, fwd)
+    out, lse = torch.ops.memfit.chunked_attention_fwd(*fwd)
+    bwd = (torch.ones_like(out), q, k, v, out, lse, spec, [bias], 0.0, None, 3, [True])
+    assert_fake_matches_keyword_call(torch.ops.memfit.chunked_attention_bwd, bwd)

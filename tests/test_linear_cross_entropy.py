@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import memfit
+from fake_kernels import assert_fake_matches_keyword_call
 from memfit.nn.linear_cross_entropy import default_token_chunk, linear_cross_entropy, working_bytes
 
 V, D = 50, 16
@@ -213,3 +214,13 @@ def test_working_bytes_cover_what_the_kernel_allocates(
         assert measured <= rule, (backward, measured, rule)
         slack = 16 * 1024 if dtype == torch.float32 else 0.15 * measured
         assert rule <= measured + slack, (backward, measured, rule)
+
+
+def test_fakes_see_the_arguments_of_a_keyword_call() -> None:
+    h, w, b, y = (t.detach() for t in _inputs(torch.float32, True, (20,)))
+    fwd = (h, w, b, y, -100, "mean", 6)
+    assert_fake_matches_keyword_call(torch.ops.memfit.linear_cross_entropy_fwd, fwd)
+    _, lse = torch.ops.memfit.linear_cross_entropy_fwd(*fwd)
+    for needs in ([True, True, True], [False, True, False]):
+        bwd = (torch.ones(()), h, w, b, y, lse, -100, "mean", 6, needs)
+        assert_fake_matches_keyword_call(torch.ops.memfit.linear_cross_entropy_bwd, bwd)

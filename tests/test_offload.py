@@ -9,6 +9,7 @@ import stat
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memfit
 from conftest import CUDA
@@ -299,3 +300,19 @@ def test_a_forward_that_raises_mid_copy_releases_its_slot(tmp_path) -> None:
         assert store.slots == {} and store.pending_files == []
     finally:
         store.close()
+
+
+def test_the_ops_fakes_see_the_arguments_of_a_keyword_call() -> None:
+    """The fakes take ``*args``: the dispatcher hands them a keyword call's arguments in order."""
+    x = torch.randn(6, 5, 4).permute(2, 0, 1)
+    ops = torch.ops.memfit
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        handle = ops.offload(x=x, store=0)
+        handle = ops.offload_wait(x=x, handle=handle, store=0)
+        token = ops.reload_start(handle=handle, store=0)
+        back = ops.reload_wait(
+            handle=handle, token=token, store=0, size=x.shape, stride=x.stride(),
+            dtype=x.dtype, device=x.device,
+        )  # fmt: skip
+    assert [(t.shape, t.dtype) for t in (handle, token)] == [((), torch.int64)] * 2
+    assert (back.shape, back.stride(), back.dtype) == (x.shape, x.stride(), x.dtype)

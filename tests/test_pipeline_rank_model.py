@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from memfit.pipeline.rank_model import StageSizes, rank_actions, rank_step_peak, rank_steps
+from memfit.pipeline.schedule import step_peak
 
 
 def test_the_order_is_torchs() -> None:
@@ -49,3 +52,10 @@ def test_gpipe_and_1f1b_orders_and_dualpipevs_pairs() -> None:
     steps = rank_steps("dualpipev", 2, 2, 4, 0)
     assert (("F", 0, 3), ("B", 3, 1)) in steps  # a forward overlapped with a backward
     assert [a for s in steps for a in s] == rank_actions("dualpipev", 2, 2, 4, 0)
+
+
+def test_one_stage_per_rank_takes_the_schedules_formula() -> None:
+    part = StageSizes(each=10, transient=7, grads=3, sent=4, input_grad=1)
+    for schedule in ("gpipe", "1f1b"):
+        expected = step_peak(schedule, 1, 4, 6, **dataclasses.asdict(part))
+        assert rank_step_peak(schedule, 4, 1, 6, 1, {1: part}) == expected

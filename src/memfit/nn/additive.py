@@ -123,18 +123,12 @@ def _forward_op(
     return out, lse
 
 
+# The fakes and FLOP formulas name only the arguments they read (see nn/README.md).
 @_forward_op.register_fake
 def _forward_fake(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    w_query: torch.Tensor | None,
-    w_keys: torch.Tensor | None,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    block_elements: int,
+    query: torch.Tensor, _keys: torch.Tensor, values: torch.Tensor, *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, queries, _ = query.shape
+    batch, queries = query.shape[:2]
     out = values.new_empty(batch, queries, values.shape[2])
     lse = query.new_empty(batch, queries, dtype=_accumulation_dtype(query.dtype))
     return out, lse
@@ -212,19 +206,8 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    w_query: torch.Tensor | None,
-    w_keys: torch.Tensor | None,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    block_elements: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_fake(*args: Any) -> tuple[torch.Tensor, ...]:
+    _grad_out, query, keys, values, w_query, w_keys, v, *_ = args
     return (
         torch.empty_like(query),
         torch.empty_like(keys),
@@ -276,8 +259,12 @@ def _forward_flops(
     w_query: torch.Size | None,
     w_keys: torch.Size | None,
     v: torch.Size,
-) -> tuple[int, int]:
-    """(projection FLOPs, score and output FLOPs) of one forward, counting multiply-adds as 2."""
+) -> tuple[int, int, int]:
+    """FLOPs of one forward, multiply-adds counted as 2: (projections, scores, output).
+
+    The scores are ``tanh(...) @ v``, the contraction over ``H``; the output is
+    ``probs @ values``, the contraction over the keys.
+    """
     batch, queries, d_query = query
     n_keys, d_keys = keys[1], keys[2]
     hidden, d_values = v[0], values[2]
@@ -286,44 +273,21 @@ def _forward_flops(
         proj += 2 * batch * queries * d_query * hidden
     if w_keys is not None:
         proj += 2 * batch * n_keys * d_keys * hidden
-    # tanh(...) @ v and probs @ values: the two contractions over H and over keys.
-    return proj, 2 * batch * queries * n_keys * (hidden + d_values)
+    return proj, 2 * batch * queries * n_keys * hidden, 2 * batch * queries * n_keys * d_values
 
 
 def _register_flop_formulas() -> None:
+    # The shapes come in the op's argument order, then ``out_shape``.
     @register_flop_formula(torch.ops.memfit.additive_attention)
-    def _fwd(
-        query: torch.Size,
-        keys: torch.Size,
-        values: torch.Size,
-        w_query: torch.Size | None,
-        w_keys: torch.Size | None,
-        v: torch.Size,
-        *args: Any,
-        out_shape: Any = None,
-        **kwargs: Any,
-    ) -> int:
-        proj, rest = _forward_flops(query, keys, values, w_query, w_keys, v)
-        return proj + rest
+    def _fwd(*shapes: Any, out_shape: Any = None) -> int:
+        return sum(_forward_flops(*shapes[:6]))
 
     @register_flop_formula(torch.ops.memfit.additive_attention_backward)
-    def _bwd(
-        grad_out: torch.Size,
-        query: torch.Size,
-        keys: torch.Size,
-        values: torch.Size,
-        w_query: torch.Size | None,
-        w_keys: torch.Size | None,
-        v: torch.Size,
-        *args: Any,
-        out_shape: Any = None,
-        **kwargs: Any,
-    ) -> int:
+    def _bwd(_grad_out: torch.Size, *shapes: Any, out_shape: Any = None) -> int:
         # Recomputed projections and scores, then two FLOPs' worth of gradient per forward FLOP
         # (each contraction's gradient is two contractions of the same size).
-        proj, rest = _forward_flops(query, keys, values, w_query, w_keys, v)
-        batch, queries, n_keys, hidden = query[0], query[1], keys[1], v[0]
-        return proj + 2 * batch * queries * n_keys * hidden + 2 * (proj + rest)
+        proj, scores, output = _forward_flops(*shapes[:6])
+        return proj + scores + 2 * (proj + scores + output)
 
     del _fwd, _bwd
 

@@ -1,18 +1,19 @@
 """What a rank that runs several stages holds during a step, from the order torch runs them in.
 
-The schedules with several stages per rank (interleaved, looped, zero bubble, V) are run by
-torch's ``_PipelineScheduleRuntime`` from an action list per rank: forwards ``F``, backwards
-``B`` (or input ``I`` then weight ``W`` gradients), and DualPipeV's overlapped pairs. Their
-memory does not follow a formula as GPipe's and 1F1B's do (``schedule.held_at_backward``), so it
-is simulated on that list (``rank_actions``, made by torch's own schedule classes over stand-in
-stages, so it is the order that runs) by ``rank_step_peak``; NOTE [What torch's runtime schedules
-hold] says what each action adds and frees. GPipe's and 1F1B's orders (one stage per rank) are
-listed too, written out as their ``_step_microbatches`` run them, so that ``timeline`` can
-simulate every schedule's step alike.
+The schedules with several stages per rank (interleaved, looped, zero bubble, V) are run by torch's
+``_PipelineScheduleRuntime`` from an action list per rank: forwards ``F``, backwards ``B`` (or input
+``I`` then weight ``W`` gradients), and DualPipeV's overlapped pairs. Their memory does not follow a
+formula as GPipe's and 1F1B's do (``schedule.held_at_backward``), so it is simulated on that list
+(``rank_actions``, made by torch's own schedule classes over stand-in stages, so it is the order
+that runs) by ``rank_step_peak``, which takes GPipe's and 1F1B's from their formula; NOTE [What
+torch's runtime schedules hold] says what each action adds and frees. GPipe's and 1F1B's orders (one
+stage per rank) are listed too, written out as their ``_step_microbatches`` run them, so that
+``timeline`` can simulate every schedule's step alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from torch.distributed.pipelining import (
 )
 
 from memfit.pipeline.placement import stage_ranks
-from memfit.pipeline.schedule import PipelineSchedule, as_schedule
+from memfit.pipeline.schedule import PipelineSchedule, as_schedule, is_single, step_peak
 
 __all__ = ["Action", "StageSizes", "rank_actions", "rank_step_peak", "rank_steps"]
 
@@ -167,8 +168,13 @@ def rank_step_peak(
     rank: int,
     sizes: Mapping[int, StageSizes],
 ) -> int:
-    """Rank ``rank``'s peak during a step above what is live before it: the largest of its
-    backwards (NOTE [What torch's runtime schedules hold]). ``sizes``: its stages' parts."""
+    """Rank ``rank``'s peak during a step above what is live before it, its stages' parts
+    ``sizes`` (all of them, by stage index): its one stage's under GPipe and 1F1B
+    (``schedule.step_peak``), else the largest of its backwards, simulated on the order torch
+    runs its stages in (NOTE [What torch's runtime schedules hold])."""
+    if is_single(schedule):
+        ((stage, part),) = sizes.items()
+        return step_peak(schedule, stage, ranks, microbatches, **dataclasses.asdict(part))
     placed = stage_ranks(schedule, ranks, stages_per_rank)
     total = len(placed)
     flight: set[tuple[int, int]] = set()

@@ -6,8 +6,8 @@ against added time: recomputation and, with ``offload``, the time compute waits 
 the activations of micro-batches in flight are offloaded). What a rank holds depends on all its
 stages together (the schedule runs their micro-batches interleaved), so a rank's stages choose
 their points together: the least added time, summed over the rank's stages, whose predicted rank
-peak (``stages.rank_step``, with the other micro-batches in flight as the schedule has them)
-fits the per-device budget.
+peak (``rank_model.rank_step_peak``, with the other micro-batches in flight as the schedule has
+them) fits the per-device budget.
 
 With one stage per rank (GPipe, 1F1B) that is exactly the cheapest point that fits. With
 several, every combination of the stages' points is tried while there are at most

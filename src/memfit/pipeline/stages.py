@@ -31,7 +31,7 @@ outgoing cut forward and its gradient back. ``stage_planner`` makes the plans.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,6 @@ __all__ = [
     "PipelinePlan",
     "StagePlan",
     "rank_peak",
-    "rank_step",
     "rank_step_peak_bytes",
     "stage_inputs",
 ]
@@ -187,29 +186,11 @@ class StagePlan:
         )
 
 
-def rank_step(
-    schedule: PipelineSchedule,
-    ranks: int,
-    stages_per_rank: int,
-    microbatches: int,
-    rank: int,
-    sizes: Mapping[int, StageSizes],
-) -> int:
-    """The peak above what is live before a step of rank ``rank``, its stages' parts
-    ``sizes`` (all of them, by stage index): its one stage's under GPipe and 1F1B
-    (``schedule.step_peak``), else simulated on the order torch runs its stages in
-    (``rank_model``)."""
-    if is_single(schedule):
-        ((stage, part),) = sizes.items()
-        return step_peak(schedule, stage, ranks, microbatches, **dataclasses.asdict(part))
-    return rank_step_peak(schedule, ranks, stages_per_rank, microbatches, rank, sizes)
-
-
 def rank_step_peak_bytes(plans: Sequence[StagePlan], ranks: int) -> int:
     """The peak above what is live before a step of the rank holding ``plans`` (all its
-    stages; ``rank_step``)."""
+    stages; ``rank_model.rank_step_peak``)."""
     first = plans[0]
-    return rank_step(
+    return rank_step_peak(
         first.schedule,
         ranks,
         len(plans),

@@ -19,6 +19,7 @@ the frontier below the least peak recomputation alone reaches.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,17 +110,18 @@ def _bytes(jg: JointGraph, values: Sequence[fx.Node]) -> int:
 
 def offload_variants(
     jg: JointGraph,
-    kept: set[fx.Node],
-    sim: StepSimulation,
+    point: Candidate,
     link: Link,
     seconds: dict[fx.Node, float],
     *,
     deadline: float | None = None,
     min_bytes: int = MIN_OFFLOAD_BYTES,
     limit_bytes: int | None = None,
-) -> list[OffloadCandidate]:
-    """Plans that offload some of ``kept``'s saved values, largest first, and the swap plan;
-    none offloads more than ``limit_bytes``."""
+) -> list[Candidate]:
+    """The frontier ``point`` with some of its saved values offloaded, largest first, and as
+    the swap plan; none offloads more than ``limit_bytes``. Each recomputes what ``point`` does
+    and adds the time compute waits for the link."""
+    kept, sim = set(point.kept), point.simulation
     candidates = offloadable(jg, jg.saved_needed(kept), min_bytes=min_bytes)
     if not candidates:
         return []
@@ -150,7 +152,17 @@ def offload_variants(
                 frozenset(kept), schedule, simulate_step(jg, kept, transfers=schedule.transfers)
             )
         )
-    return [c for c in found if c.schedule.transfers]
+    return [
+        dataclasses.replace(
+            point,
+            peak_bytes=c.simulation.peak_bytes,
+            source=f"{point.source}+offload",
+            simulation=c.simulation,
+            schedule=c.schedule,
+        )
+        for c in found
+        if c.schedule.transfers
+    ]
 
 
 def with_offload(
@@ -172,30 +184,10 @@ def with_offload(
         if time.perf_counter() > deadline:
             cut = True
             break
-        variants = offload_variants(
-            jg,
-            set(p.kept),
-            p.simulation,
-            link,
-            seconds,
-            deadline=deadline,
-            min_bytes=min_bytes,
-            limit_bytes=limit_bytes,
+        extended += offload_variants(
+            jg, p, link, seconds, deadline=deadline, min_bytes=min_bytes, limit_bytes=limit_bytes
         )
         cut = cut or time.perf_counter() > deadline  # the variants stop at the deadline
-        for c in variants:
-            extended.append(
-                Candidate(
-                    kept=p.kept,
-                    peak_bytes=c.simulation.peak_bytes,
-                    recompute_seconds=p.recompute_seconds,
-                    recompute_flops=p.recompute_flops,
-                    source=f"{p.source}+offload",
-                    simulation=c.simulation,
-                    schedule=c.schedule,
-                    keep_seconds=p.keep_seconds,
-                )
-            )
     if cut:  # a safety net: the variants are counted work
         warn_cut(jg, f"its {time_limit_s:g} s limit for offload plans")
     baseline = max(p.peak_bytes for p in points)

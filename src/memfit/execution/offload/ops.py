@@ -6,6 +6,8 @@ Part of ``memfit.execution.offload``: see its docstring.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from memfit.execution.offload.store import _handle, store_for
@@ -22,11 +24,6 @@ def _offload(x: torch.Tensor, store: int) -> torch.Tensor:
     return _handle(s, s.offload(x), owns=False)
 
 
-@_offload.register_fake
-def _(x: torch.Tensor, store: int) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64, device="cpu")
-
-
 @torch.library.custom_op("memfit::offload_wait", mutates_args=())
 def _offload_wait(x: torch.Tensor, handle: torch.Tensor, store: int) -> torch.Tensor:
     s = store_for(store)
@@ -36,19 +33,22 @@ def _offload_wait(x: torch.Tensor, handle: torch.Tensor, store: int) -> torch.Te
     return _handle(s, key, owns=True)
 
 
-@_offload_wait.register_fake
-def _(x: torch.Tensor, handle: torch.Tensor, store: int) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64, device="cpu")
-
-
 @torch.library.custom_op("memfit::reload_start", mutates_args=())
 def _reload_start(handle: torch.Tensor, store: int) -> torch.Tensor:
     store_for(store).reload_start(int(handle.item()))
     return torch.empty((), dtype=torch.int64)
 
 
+# The fakes read only what fixes their output's layout. The dispatcher hands a fake the op's
+# arguments positionally, in the schema's order, even after a keyword call (none of these
+# schemas has keyword-only arguments or defaults), so a fake may take them as ``*args``.
+
+
+@_offload.register_fake
+@_offload_wait.register_fake
 @_reload_start.register_fake
-def _(handle: torch.Tensor, store: int) -> torch.Tensor:
+def _fake_handle(*_: Any) -> torch.Tensor:
+    """What offload, offload_wait and reload_start return: an int64 scalar on the CPU."""
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -66,13 +66,7 @@ def _reload_wait(
 
 
 @_reload_wait.register_fake
-def _(
-    handle: torch.Tensor,
-    token: torch.Tensor,
-    store: int,
-    size: list[int],
-    stride: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
+def _reload_wait_fake(*args: Any) -> torch.Tensor:
+    """The reloaded tensor, laid out as the offloaded one was (the op's last four arguments)."""
+    *_, size, stride, dtype, device = args
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
