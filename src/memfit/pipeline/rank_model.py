@@ -153,7 +153,7 @@ class StageSizes:
 # of every stage that has run a backward, and what the sends hold. Zero-bubble stages run
 # memfit's backward whole at ``I`` (NOTE [Zero-bubble schedules and memfit's one-piece
 # backward]), so ``W`` frees and holds nothing more.
-# Measured on issue 57's 8-layer MLP (2 ranks, 4 micro-batches, 64 KiB per activation, four
+# Measured on an 8-layer MLP (2 ranks, 4 micro-batches, 64 KiB per activation, four
 # two-layer stages), live bytes over each action of a step: every backward of the stage after
 # the turn (stage 2) 74 KiB above the net count under ZBV and DualPipeV alike (the gradient, and
 # about 10 KiB that every backward shows), which set ZBV's rank 1 peak 8.7% above the prediction
