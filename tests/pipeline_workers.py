@@ -124,6 +124,13 @@ def trains_and_measures(
     }
 
 
+def one_step(rank: int, name: str, ranks: int) -> float:
+    """One step of a GPipe pipeline of ``name`` over two micro-batches; its loss."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(model, x, loss_fn, ranks=ranks, options=PipelineOptions(microbatches=2))
+    return pipe.step(x, target=target).item()
+
+
 def dies(rank: int, name: str, ranks: int) -> None:
     """Rank 1 is killed (as by the OOM killer) when the others are in the middle of a step."""
     model, x, target, loss_fn = build(name)

@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 #: seconds to let other ranks report after the first failure, so the root cause can be picked
 _GRACE = 1.5
+#: seconds ranks that all reported get to exit on their own before they are ended
+_EXIT = 30.0
 _POLL = 0.05
 
 
@@ -184,6 +186,18 @@ def launch(
                     f"timed out after {timeout:g} s; ranks {running} had not finished",
                 )
     finally:
+        # NOTE [Ranks that reported exit on their own]
+        # A rank reports before it leaves its process group and runs its exit handlers, which
+        # release what it made: a multiprocessing lock is a named semaphore, unlinked at exit
+        # (``torch.fx``'s interpreter makes one in every rank, for tqdm). Ended by a signal
+        # there, a rank leaves it to the resource tracker, which unlinks it and warns "There
+        # appear to be N leaked semaphore objects" when the launcher exits: every run did, when
+        # ranks were ended as soon as the last result came. Ranks still running after a failure
+        # or the timeout (blocked in a receive) are ended at once.
+        if len(done) == nprocs:
+            stop = time.monotonic() + _EXIT
+            for p in procs:
+                p.join(timeout=max(0.0, stop - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()
