@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import time
@@ -152,6 +153,15 @@ def raises_on_rank_one(rank: int) -> None:
     if rank == 1:
         raise ValueError("boom")
     torch.distributed.recv(torch.empty(1), src=1)
+
+
+def locks_and_sleeps(rank: int) -> None:
+    """Rank 1 raises; the others make a multiprocessing lock (a named semaphore) and hang."""
+    if rank == 1:
+        time.sleep(0.5)
+        raise ValueError("boom")
+    with multiprocessing.get_context("spawn").Lock():
+        time.sleep(3600)
 
 
 def sleeps(rank: int) -> None:

@@ -67,6 +67,14 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+class _Ended(BaseException):
+    """The launcher ended this rank (SIGTERM): leave through the exit handlers, unreported."""
+
+
+def _ended(signum: int, frame: Any) -> None:
+    raise _Ended
+
+
 def _child(
     rank: int,
     world: int,
@@ -88,12 +96,17 @@ def _child(
     # with torch's default, one thread per core in every rank, K ranks' intra-op threads spin
     # against each other (a 64-wide Linear took 8 ms instead of 40 us, 4 ranks on 2 cores)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # ended while running Python (not blocked in a receive), a rank still runs its exit handlers
+    # (NOTE [Ranks that reported exit on their own])
+    signal.signal(signal.SIGTERM, _ended)
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(rank, *args)
         results.put((rank, "ok", _dumps(value)))
+    except _Ended:
+        raise SystemExit(128 + signal.SIGTERM) from None
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
         return
@@ -193,7 +206,8 @@ def launch(
         # there, a rank leaves it to the resource tracker, which unlinks it and warns "There
         # appear to be N leaked semaphore objects" when the launcher exits: every run did, when
         # ranks were ended as soon as the last result came. Ranks still running after a failure
-        # or the timeout (blocked in a receive) are ended at once.
+        # or the timeout are ended at once; one running Python then leaves by its exit handlers
+        # too (``_ended``), one blocked in a receive is killed after 2 s and leaves its own.
         if len(done) == nprocs:
             stop = time.monotonic() + _EXIT
             for p in procs:
