@@ -100,13 +100,28 @@ def _child(
     # (NOTE [Ranks that reported exit on their own])
     signal.signal(signal.SIGTERM, _ended)
     try:
+        _rank(rank, world, backend, timeout, fn, args, results)
+    except _Ended:
+        raise SystemExit(128 + signal.SIGTERM) from None
+
+
+def _rank(
+    rank: int,
+    world: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    try:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(rank, *args)
         results.put((rank, "ok", _dumps(value)))
     except _Ended:
-        raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
         return
