@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import time
@@ -124,6 +125,13 @@ def trains_and_measures(
     }
 
 
+def one_step(rank: int, name: str, ranks: int) -> float:
+    """One step of a GPipe pipeline of ``name`` over two micro-batches; its loss."""
+    model, x, target, loss_fn = build(name)
+    pipe = Pipeline(model, x, loss_fn, ranks=ranks, options=PipelineOptions(microbatches=2))
+    return pipe.step(x, target=target).item()
+
+
 def dies(rank: int, name: str, ranks: int) -> None:
     """Rank 1 is killed (as by the OOM killer) when the others are in the middle of a step."""
     model, x, target, loss_fn = build(name)
@@ -145,6 +153,15 @@ def raises_on_rank_one(rank: int) -> None:
     if rank == 1:
         raise ValueError("boom")
     torch.distributed.recv(torch.empty(1), src=1)
+
+
+def locks_and_sleeps(rank: int) -> None:
+    """Rank 1 raises; the others make a multiprocessing lock (a named semaphore) and hang."""
+    if rank == 1:
+        time.sleep(0.5)
+        raise ValueError("boom")
+    with multiprocessing.get_context("spawn").Lock():
+        time.sleep(3600)
 
 
 def sleeps(rank: int) -> None:

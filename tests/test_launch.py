@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +44,44 @@ def test_bad_arguments_are_refused_before_any_process_starts() -> None:
         launch(sleeps, 0)
     with pytest.raises(ValueError, match="timeout"):
         launch(sleeps, 2, timeout=0)
+
+
+def _launched(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a fresh Python (whose resource tracker reports leaks at exit)."""
+    tests = Path(__file__).resolve().parent
+    path = [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_a_pipeline_run_leaves_no_semaphore_behind() -> None:
+    """Ranks that reported exit on their own, so what they made (``torch.fx``'s progress bar
+    makes a multiprocessing lock in each rank) is released; a rank ended by a signal leaves
+    its semaphores to the resource tracker, which warns of them when the launcher exits."""
+    done = _launched(
+        "from memfit.pipeline import launch\n"
+        "from pipeline_workers import one_step\n"
+        "print(launch(one_step, 2, args=('mlp', 2), timeout=120))\n"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "leaked semaphore" not in done.stderr
+
+
+def test_ranks_ended_after_a_failure_leave_no_semaphore_behind() -> None:
+    """A rank the launcher ends while it runs Python leaves by its exit handlers."""
+    done = _launched(
+        "from memfit.pipeline import RankError, launch\n"
+        "from pipeline_workers import locks_and_sleeps\n"
+        "try:\n"
+        "    launch(locks_and_sleeps, 2, timeout=120)\n"
+        "except RankError as e:\n"
+        "    print(e)\n"
+    )
+    assert "rank 1 of 2 failed" in done.stdout, done.stderr[-3000:]
+    assert "leaked semaphore" not in done.stderr

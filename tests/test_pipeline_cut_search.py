@@ -3,15 +3,18 @@ again around a span memfit's planner refuses (the planner is replaced here, to r
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import memfit
+import memfit.pipeline.costs as costs
 import memfit.pipeline.cut_search as search_module
 from memfit.pipeline import PipelineOptions, plan
 from memfit.pipeline.costs import prepare_search
-from memfit.pipeline.cut_search import search_stages
+from memfit.pipeline.cut_search import choose_cuts, search_stages
 from memfit.pipeline.pipeline_options import configure, microbatch
 from memfit.pipeline.stage_planner import StageRefused
 from pipeline_models import build
@@ -113,3 +116,39 @@ def test_a_choice_that_ignores_refusals_ends_the_search(monkeypatch: pytest.Monk
     monkeypatch.setattr(search_module, "plan_rank", planner)
     with pytest.raises(memfit.BudgetError, match="proposed again"):
         search_stages(search, micro, options, choose=lambda refused: [cut])
+
+
+def _clock(nodes_per_run: int, slowed: set[int], runs: set[int]) -> SimpleNamespace:
+    """A ``time`` whose ``perf_counter`` makes every node take 1 ms, and the nodes at positions
+    ``slowed`` a second more in the runs ``runs`` (the profiler reads it at each node's start
+    and end)."""
+    reads = itertools.count()
+
+    def perf_counter() -> float:
+        k = next(reads)
+        if k % 2 == 0:
+            return 0.0
+        run, node = divmod(k // 2, nodes_per_run)
+        return 1e-3 + (1.0 if run in runs and node in slowed else 0.0)
+
+    return SimpleNamespace(perf_counter=perf_counter)
+
+
+def test_load_in_two_of_the_profiled_runs_leaves_the_cut_where_typical_times_put_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first layer is slowed by a second in the second and third profiled runs (a burst of
+    load covers consecutive ops of one run): the cut is the one of the typical times, in the
+    MLP's middle, not after the first layer."""
+    model, x, target, loss_fn = build("mlp")
+    micro = microbatch((x,), 4)
+    config = configure(2, PipelineOptions(microbatches=4))
+    nodes = list(prepare_search(model, micro, 64, repeats=1).captured.graph.graph.nodes)
+    first_layer = {i for i, n in enumerate(nodes) if n.name in ("linear", "x")}
+    assert len(first_layer) == 2
+    monkeypatch.setattr(costs, "time", _clock(len(nodes), set(), set()))
+    typical = choose_cuts(prepare_search(model, micro, 64), config)
+    monkeypatch.setattr(costs, "time", _clock(len(nodes), first_layer, {1, 2}))
+    loaded = prepare_search(model, micro, 64)
+    assert choose_cuts(loaded, config) == typical
+    assert loaded.costs.forward_seconds == pytest.approx([1e-3] * loaded.costs.count)

@@ -8,11 +8,13 @@ stages per rank one (their gradients and each rank's measured peak), the peaks t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from memfit.pipeline import PipelineOptions, RankError, launch, plan
+import memfit
+from memfit.pipeline import Pipeline, PipelineOptions, RankError, launch, plan
 from memfit.pipeline.partition import capture_forward, split_stages
 from memfit.pipeline.pipeline_options import microbatch
 from memfit.pipeline.placement import stage_ranks
@@ -232,3 +234,48 @@ def test_a_killed_rank_ends_the_job_with_an_error_naming_it() -> None:
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
     assert time.monotonic() - start < 60
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone (no other process started)."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _auto_pipeline() -> tuple[Pipeline, torch.Tensor, torch.Tensor]:
+    torch.compiler.reset()
+    model, x, target, loss_fn = build("mlp")
+    options = PipelineOptions(microbatches=2, schedule="auto", stages_per_rank=1)
+    return Pipeline(model, x, loss_fn, ranks=1, options=options), x, target
+
+
+def _step(pipe: Pipeline, x: torch.Tensor, target: torch.Tensor) -> tuple[float, dict]:
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.step(x, target=target).item()
+    return loss, {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+
+def test_first_steps_inside_a_users_measurement_or_profiler_run_as_outside(one_rank: None) -> None:
+    """The last stage measures its loss's memory at its first step; on CPU that is a profiler
+    session, which cannot open inside ``memfit.measure`` or ``torch.profiler.profile``: it waits
+    for a step outside them, and the steps inside run as they would outside."""
+    outside, x, target = _auto_pipeline()
+    expected = [_step(outside, x, target) for _ in range(2)]
+    pipe, _, _ = _auto_pipeline()
+    got = [memfit.measure(_step, pipe, x, target).result]
+    with torch.profiler.profile():
+        got.append(_step(pipe, x, target))
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert loss == want_loss
+        torch.testing.assert_close(grads, want_grads, rtol=0, atol=0)
+    last = pipe.plans[-1]
+    assert last.loss_bytes == 0  # not measured yet: every step so far ran inside a session
+    _step(pipe, x, target)
+    assert pipe.plans[-1].loss_bytes == outside.plans[-1].loss_bytes > 0

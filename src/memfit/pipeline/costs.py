@@ -2,12 +2,13 @@
 
 The stage search needs, for every item between two candidate cuts, its time and memory. Time is
 profiled, not modelled: each node of the captured graph runs once per repeat on the example
-micro-batch and the median is kept (torchgpipe balances by profiled time too; a roofline of FLOPs
-is off by large factors for small ops on a CPU). Backward is taken as twice the forward, the
-usual ratio for matmul-dominated layers. Memory per item is the bytes of the tensors its nodes
-create (views create none), what the item holds while one micro-batch's backward runs through
-it with everything recomputed; and the set of parameters and buffers it reads, so a stage's
-state is the union of its items' (a tied weight counted once per stage that reads it).
+micro-batch and its least time is kept (NOTE [A node's least time]; torchgpipe balances by
+profiled time too; a roofline of FLOPs is off by large factors for small ops on a CPU). Backward
+is taken as twice the forward, the usual ratio for matmul-dominated layers. Memory per item is
+the bytes of the tensors its nodes create (views create none), what the item holds while one
+micro-batch's backward runs through it with everything recomputed; and the set of parameters
+and buffers it reads, so a stage's state is the union of its items' (a tied weight counted once
+per stage that reads it).
 
 ``prepare_search`` does all of it once per model (capture, candidate cuts, profiling) and keeps
 the result, with the bytes crossing every cut, as the ``Search`` the cut search and every
@@ -16,7 +17,6 @@ stage's plan read.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +47,22 @@ __all__ = [
 
 #: forward + backward as a multiple of the forward alone (backward ~ 2x forward)
 TRAINING_FACTOR = 3.0
+
+#: runs of the captured forward whose least time per node is kept (NOTE [A node's least time])
+REPEATS = 5
+
+# NOTE [A node's least time]
+# Load from other processes only ever adds time, and it comes in bursts: a thread descheduled in
+# the middle of an op makes a parallel region wait a whole time slice (20-50 ms where the op
+# takes 50 us on 2 busy cores), and a burst covers a stretch of consecutive ops in one run. The
+# median of three runs keeps such a stretch whenever two runs are hit (one stage of a balanced
+# cut then reads 968 ms beside 23 and 76); the least of five runs is hit only when all five are.
+# On a 2-core machine at load 5-6, the captured 4-block GPT-2 of ``examples/pipeline_gpt2.py``
+# cut in two 12 times, each time from five fresh runs: the median of the first three chose 9
+# different cuts, the worst 47.5% slower (by the least times over all 60 runs) than the best;
+# the least of the five chose 3, the worst within 3.0% of the best, the best 10 times of 12.
+# Under load so heavy that no run is clean (load 8 on 2 cores, every op 100x slower), no
+# estimate is stable.
 
 
 @dataclass(frozen=True)
@@ -93,13 +109,14 @@ def measure_items(
     placeholder_values: Sequence[Any],
     boundaries: Sequence[int],
     *,
-    repeats: int = 3,
+    repeats: int = REPEATS,
 ) -> ItemCosts:
     """Profile the captured forward on its example inputs and sum per item.
 
     ``placeholder_values`` are the graph's inputs in placeholder order (parameters and the
-    example micro-batch). Buffers and random states are restored afterwards, so profiling
-    leaves BatchNorm statistics and later dropout masks as they were.
+    example micro-batch). Each node's time is its least over ``repeats`` runs (NOTE [A node's
+    least time]). Buffers and random states are restored afterwards, so profiling leaves
+    BatchNorm statistics and later dropout masks as they were.
     """
     runs: list[dict[fx.Node, float]] = []
     created: dict[fx.Node, int] = {}
@@ -109,7 +126,7 @@ def measure_items(
             timer.run(*placeholder_values)
             runs.append(timer.seconds)
             created = timer.created
-    seconds = {node: statistics.median(run.get(node, 0.0) for run in runs) for node in runs[0]}
+    seconds = {node: min(run.get(node, 0.0) for run in runs) for node in runs[0]}
     forward, memory, state = [], [], []
     for start, end in zip(boundaries, boundaries[1:]):
         nodes = captured.nodes[start:end]
@@ -146,12 +163,12 @@ class Search:
 
 
 def prepare_search(
-    model: nn.Module, micro: tuple[Any, ...], max_items: int, repeats: int = 3
+    model: nn.Module, micro: tuple[Any, ...], max_items: int, repeats: int = REPEATS
 ) -> Search:
     """Capture ``model`` on one micro-batch, choose candidate cuts, profile the items.
 
-    ``repeats``: profiled runs (the median is kept); 1 when the times will come from elsewhere
-    (ranks other than 0 take rank 0's).
+    ``repeats``: profiled runs (each node's least time is kept); 1 when the times will come
+    from elsewhere (ranks other than 0 take rank 0's).
     """
     captured = capture_forward(model, micro)
     boundaries = item_boundaries(captured, max_items)

@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 #: seconds to let other ranks report after the first failure, so the root cause can be picked
 _GRACE = 1.5
+#: seconds ranks that all reported get to exit on their own before they are ended
+_EXIT = 30.0
 _POLL = 0.05
 
 
@@ -65,6 +67,14 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+class _Ended(BaseException):
+    """The launcher ended this rank (SIGTERM): leave through the exit handlers, unreported."""
+
+
+def _ended(signum: int, frame: Any) -> None:
+    raise _Ended
+
+
 def _child(
     rank: int,
     world: int,
@@ -86,12 +96,32 @@ def _child(
     # with torch's default, one thread per core in every rank, K ranks' intra-op threads spin
     # against each other (a 64-wide Linear took 8 ms instead of 40 us, 4 ranks on 2 cores)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # ended while running Python (not blocked in a receive), a rank still runs its exit handlers
+    # (NOTE [Ranks that reported exit on their own])
+    signal.signal(signal.SIGTERM, _ended)
+    try:
+        _rank(rank, world, backend, timeout, fn, args, results)
+    except _Ended:
+        raise SystemExit(128 + signal.SIGTERM) from None
+
+
+def _rank(
+    rank: int,
+    world: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
         )
         value = fn(rank, *args)
         results.put((rank, "ok", _dumps(value)))
+    except _Ended:
+        raise
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
         return
@@ -184,6 +214,19 @@ def launch(
                     f"timed out after {timeout:g} s; ranks {running} had not finished",
                 )
     finally:
+        # NOTE [Ranks that reported exit on their own]
+        # A rank reports before it leaves its process group and runs its exit handlers, which
+        # release what it made: a multiprocessing lock is a named semaphore, unlinked at exit
+        # (``torch.fx``'s interpreter makes one in every rank, for tqdm). Ended by a signal
+        # there, a rank leaves it to the resource tracker, which unlinks it and warns "There
+        # appear to be N leaked semaphore objects" when the launcher exits: every run did, when
+        # ranks were ended as soon as the last result came. Ranks still running after a failure
+        # or the timeout are ended at once; one running Python then leaves by its exit handlers
+        # too (``_ended``), one blocked in a receive is killed after 2 s and leaves its own.
+        if len(done) == nprocs:
+            stop = time.monotonic() + _EXIT
+            for p in procs:
+                p.join(timeout=max(0.0, stop - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()

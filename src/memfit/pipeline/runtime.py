@@ -54,6 +54,7 @@ from memfit.execution.module import checkpoint
 from memfit.execution.options import Options
 from memfit.execution.state import preserved
 from memfit.measurement import measure
+from memfit.measurement.cpu import cpu_recording_blocked
 from memfit.pipeline.candidates import Candidate
 from memfit.pipeline.costs import Search, measure_items, prepare_search
 from memfit.pipeline.cut_search import Span, StagesFound, choose_cuts, search_stages
@@ -404,7 +405,16 @@ class Pipeline:
     def _measure_loss(self, target: Any) -> None:
         """The last stage's ``loss_bytes``: the loss's forward and backward on one micro-batch
         (outputs shaped as the stage's, the target's first chunk as the schedule splits it),
-        measured once, at the first step, the first time the target is known."""
+        measured once, at the first step, the first time the target is known.
+
+        On CPU, memory is counted by a profiler session, and only one may run: inside the
+        user's (``memfit.measure`` or ``torch.profiler.profile`` around the step) a second would
+        raise or corrupt theirs. There the measurement waits for the first step run outside any
+        session; ``loss_bytes`` stays 0 until then (what ``plan`` predicts). The step itself does
+        not depend on it: it only enters the predicted peak.
+        """
+        if self._device.type == "cpu" and cpu_recording_blocked() is not None:
+            return
         outputs = tuple(_example(v) for v in self._outputs)
         chunk = target.tensor_split(self.microbatches)[0] if torch.is_tensor(target) else target
 
