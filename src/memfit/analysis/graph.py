@@ -40,6 +40,7 @@ from memfit._compat import (
 )
 from memfit.analysis.sizes import HINTS, Sizes
 from memfit.capture.batchnorm import FORWARD_TWIN
+from memfit.capture.inplace_sums import INPLACE_OPERAND
 
 __all__ = [
     "BackwardStart",
@@ -319,6 +320,11 @@ class JointGraph:
                     self.storage_devices[key] = t.device
                 keys.append(key)
             self.storages[n] = keys
+        # A gradient sum the eager executor makes in place lives in its operand's storage.
+        for n in self.nodes:
+            index = n.meta.get(INPLACE_OPERAND)
+            if index is not None:
+                self.storages[n] = list(self.storages[n.args[index]])
         self._storage_ids = ids
         self.storage_surplus = {}
         self.sizes = HINTS

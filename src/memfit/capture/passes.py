@@ -2,7 +2,7 @@
 
 Anything that changes which values exist, or which can be recomputed, must happen before memfit
 simulates and plans: a rewrite after planning would leave the plan describing a graph that no
-longer runs. Four such rewrites exist, in this order:
+longer runs. Four kinds of rewrite exist, in this order:
 
 1. ``strip_marks``: ``memfit.mark`` nodes are removed and the values they marked are tagged, so
    the ``"collection"`` policy can keep them and no mark op ever runs;
@@ -19,7 +19,8 @@ longer runs. Four such rewrites exist, in this order:
    (``executors._keep_eager_layouts``). The eager executor runs eager's ops as they are;
 3. for the eager executor only, ``eager_cpu_dropout_backward``: a CPU dropout's backward written
    as eager CPU computes it, its scale rounded to the gradient's dtype (``capture.dropout``);
-   Inductor decomposes dropout its own way;
+   Inductor decomposes dropout its own way; and ``mark_inplace_sums``: gradient sums eager
+   autograd makes in place, tagged to be made in place (``capture.inplace_sums``);
 4. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
    touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
    decomposed before memfit sees the graph (``executors.decompositions``): nothing to twin.
@@ -32,6 +33,7 @@ import torch.fx as fx
 from memfit._compat import inductor_joint_graph_passes
 from memfit.capture.batchnorm import add_batchnorm_twins
 from memfit.capture.dropout import eager_cpu_dropout_backward
+from memfit.capture.inplace_sums import mark_inplace_sums
 from memfit.capture.mark import strip_marks
 from memfit.capture.merge import merge_backward_duplicates
 
@@ -47,4 +49,5 @@ def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> Non
         merge_backward_duplicates(joint)
     else:
         eager_cpu_dropout_backward(joint)
+        mark_inplace_sums(joint)
     add_batchnorm_twins(joint)

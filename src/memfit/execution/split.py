@@ -50,6 +50,7 @@ from memfit._compat import (
 from memfit.analysis.graph import is_view_op
 from memfit.analysis.simulate import order_backward
 from memfit.capture.batchnorm import FORWARD_TWIN
+from memfit.capture.inplace_sums import run_inplace_sums
 from memfit.execution.executors import DONATED, STATIC_INPUT
 from memfit.execution.offload import JOINT_NAME, OffloadStore, insert_transfers
 from memfit.planning.decision import Decision
@@ -107,6 +108,7 @@ def split_joint_graph(
     fw.recompile()
     bw.graph.eliminate_dead_code()
     bw = reorder_backward_graph(bw)
+    run_inplace_sums(bw)  # tagged on the eager executor's joint graphs only
     if plan.transfers:
         if store is None:
             raise ValueError("this plan offloads values: split_joint_graph needs an OffloadStore")
