@@ -45,15 +45,10 @@ EVERY = os.environ.get("MEMFIT_HF_SWEEP") == "all"
 #: (architecture, criterion) pairs missed today, and why. Each is the only criterion its case
 #: forgives; see the module docstring.
 KNOWN: dict[tuple[str, str], str] = {
-    ("mamba", "none_le_plain"): 'the slow path\'s selective scan: "none" keeps more than eager '
-    "(1.77x plain), being fixed apart",
-    ("mamba", "memory_le_hf_gc"): '"memory" above HF checkpointing (1.38x): the '
-    "scan's per-step states, as for none_le_plain",
     ("wav2vec2", "prediction"): '"memory" predicted 3.9% under its measured peak (667,596 B '
     'against 694,978 B), "none" 2.1% under (807,676 B against 824,946 B), across the 6 graphs '
     "of SpecAugment's graph breaks",
     ("hubert", "prediction"): "as wav2vec2's (the same encoder and SpecAugment: the same bytes)",
-    ("siglip", "none_le_plain"): '"none" 2.6% above plain (657,168 B against 640,784 B)',
 }
 
 

@@ -286,7 +286,7 @@ def _budget_error(request: _Request, err: BudgetError, fraction: float | None) -
             f"{request.spent_bytes} bytes of the budget are already kept by earlier graphs of "
             f"this step: the model has graph breaks",
         )
-    if not request.policy.offload and request.policy.name != "swap":
+    if not request.policy.offload and not request.policy.swaps:
         return _explained(
             err,
             "to go lower: offload=True lets the plan move saved activations to host memory "
