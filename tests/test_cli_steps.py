@@ -3,6 +3,7 @@ memfit's savings against."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -25,6 +26,7 @@ def test_plain_peak_is_the_eager_steps_measured_peak_and_leaves_no_gradient() ->
     assert not hasattr(model, "memfit")  # measured as written, memfit not applied
 
 
+@pytest.mark.slow
 def test_the_policy_table_quotes_peaks_against_plain_with_none_beside() -> None:
     from memfit.cli.steps import run_policies
     from memfit.planning.policy import Policy

@@ -77,6 +77,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     return m.peak_bytes, [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "memory"])
 def test_a_sum_of_many_parts_holds_two_at_a_time_as_eager_autograd(policy: str) -> None:
     """h's gradient is 16 full-size parts summed. The forward leaves two parts' worth alive (h for

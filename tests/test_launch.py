@@ -60,6 +60,7 @@ def _launched(script: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_a_pipeline_run_leaves_no_semaphore_behind() -> None:
     """Ranks that reported exit on their own, so what they made (``torch.fx``'s progress bar
     makes a multiprocessing lock in each rank) is released; a rank ended by a signal leaves
@@ -73,6 +74,7 @@ def test_a_pipeline_run_leaves_no_semaphore_behind() -> None:
     assert "leaked semaphore" not in done.stderr
 
 
+@pytest.mark.slow
 def test_ranks_ended_after_a_failure_leave_no_semaphore_behind() -> None:
     """A rank the launcher ends while it runs Python leaves by its exit handlers."""
     done = _launched(

@@ -262,6 +262,7 @@ def _step(pipe: Pipeline, x: torch.Tensor, target: torch.Tensor) -> tuple[float,
     return loss, {n: p.grad.clone() for n, p in pipe.named_parameters()}
 
 
+@pytest.mark.slow
 def test_first_steps_inside_a_users_measurement_or_profiler_run_as_outside(one_rank: None) -> None:
     """The last stage measures its loss's memory at its first step; on CPU that is a profiler
     session, which cannot open inside ``memfit.measure`` or ``torch.profiler.profile``: it waits

@@ -320,6 +320,7 @@ def _steps(model: nn.Module, steps: int) -> list[tuple[Any, ...]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "memory", 0.5])
 def test_randomness_drawn_in_the_models_python_is_drawn_as_plain_pytorch_draws_it(
     policy: str | float,

@@ -218,6 +218,7 @@ class DrawingLayer(nn.Module):
         return x + self.drop(h) * (1 + np.random.rand(1).item())
 
 
+@pytest.mark.slow
 def test_a_regions_python_draws_the_same_again_when_recomputed() -> None:
     """Under ``"memory"`` each layer is recomputed whole, its Python run again: its numpy,
     ``random`` and own-generator draws are those of its forward, and every stream ends the
