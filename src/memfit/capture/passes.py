@@ -19,7 +19,9 @@ longer runs. Four kinds of rewrite exist, in this order:
    (``executors._keep_eager_layouts``). The eager executor runs eager's ops as they are;
 3. for the eager executor only, ``eager_cpu_dropout_backward``: a CPU dropout's backward written
    as eager CPU computes it, its scale rounded to the gradient's dtype (``capture.dropout``);
-   Inductor decomposes dropout its own way; and ``mark_inplace_sums``: gradient sums eager
+   Inductor decomposes dropout its own way; ``eager_strides``: the layouts eager's kernels give
+   where a fake tensor's differ, and the copies only the fake layout made turned back into the
+   views eager makes (``capture.eager_strides``); and ``mark_inplace_sums``: gradient sums eager
    autograd makes in place, tagged to be made in place (``capture.inplace_sums``);
 4. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
    touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
@@ -33,6 +35,7 @@ import torch.fx as fx
 from memfit._compat import inductor_joint_graph_passes
 from memfit.capture.batchnorm import add_batchnorm_twins
 from memfit.capture.dropout import eager_cpu_dropout_backward
+from memfit.capture.eager_strides import eager_strides
 from memfit.capture.inplace_sums import mark_inplace_sums
 from memfit.capture.mark import strip_marks
 from memfit.capture.merge import merge_backward_duplicates
@@ -49,5 +52,6 @@ def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> Non
         merge_backward_duplicates(joint)
     else:
         eager_cpu_dropout_backward(joint)
+        eager_strides(joint)
         mark_inplace_sums(joint)
     add_batchnorm_twins(joint)
