@@ -324,6 +324,7 @@ class Partitioner:
             static_lifetime_input_indices=g.static_lifetime_input_indices,
             store=self.settings.offloader.store if self.settings.offloader else None,
             input_views_as_bases=self.settings.executor == INDUCTOR,
+            missing_tangents=start_of(g.jg).missing,
         )
 
     def speed_rival(self, g: _Partition, budget_plan: GraphPlan) -> GraphPlan:

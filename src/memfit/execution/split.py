@@ -76,13 +76,16 @@ def split_joint_graph(
     static_lifetime_input_indices: Iterable[int] | None = None,
     store: OffloadStore | None = None,
     input_views_as_bases: bool = False,
+    missing_tangents: AbstractSet[str] = frozenset(),
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Forward and backward graph modules of ``joint`` that follow ``plan``'s decisions.
 
     Values decided ``OFFLOAD`` are split as saved values, then their transfers are inserted
     (``execution.offload``) into ``store``, which a plan with transfers requires.
     ``input_views_as_bases`` (Inductor): saved views of forward inputs are passed as those inputs
-    (``bases_of_input_views``).
+    (``bases_of_input_views``). ``missing_tangents``: the tangents the plan's backward start
+    expects as None (``analysis.backward_start``); the backward is ordered for them as the
+    simulator orders it (``reorder_backward_graph``).
     """
     nodes = {n.name: n for n in joint.graph.nodes}
     missing = [name for name in plan.decisions if name not in nodes]
@@ -107,7 +110,7 @@ def split_joint_graph(
     take_twins_from_originals(fw)
     fw.recompile()
     bw.graph.eliminate_dead_code()
-    bw = reorder_backward_graph(bw)
+    bw = reorder_backward_graph(bw, missing_tangents)
     run_inplace_sums(bw)  # tagged on the eager executor's joint graphs only
     if plan.transfers:
         if store is None:
@@ -291,13 +294,28 @@ def take_twins_from_originals(gm: fx.GraphModule) -> int:
     return replaced
 
 
-def reorder_backward_graph(bw: fx.GraphModule) -> fx.GraphModule:
-    """Reorder ``bw`` so each recomputed value is born right before the gradient that reads it."""
+def reorder_backward_graph(
+    bw: fx.GraphModule, missing_tangents: AbstractSet[str] = frozenset()
+) -> fx.GraphModule:
+    """Reorder ``bw`` so each recomputed value is born right before the gradient that reads it.
+
+    The tangents named in ``missing_tangents`` are expected to arrive as None: the backward then
+    runs specialized to them (``capture.tangents``), which keeps this order and makes a zero
+    tensor for an op that needs one right before that op. What reads only such tangents is
+    ordered as a recomputed value is, right before the gradient that reads it, which is how the
+    simulator walks the specialized backward (``analysis.backward_start``: only the nodes that
+    depend on a tangent given are gradients there). Ordered as gradients instead, they ran where
+    the full backward would run them: on the tiny HF Bamba the zero state tangent's
+    ``select_backward`` ran before the slice it is added to, and its 655 kB were alive together
+    with the 524 kB that slice frees, 210 kB above the predicted peak.
+    """
     graph = bw.graph
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
-    tangent_dependent: set[fx.Node] = {p for p in placeholders if is_tangent(p)}
+    tangent_dependent: set[fx.Node] = {
+        p for p in placeholders if is_tangent(p) and p.name not in missing_tangents
+    }
     for n in nodes:
         if n.op == "call_function" and any(a in tangent_dependent for a in n.all_input_nodes):
             tangent_dependent.add(n)
