@@ -67,6 +67,17 @@ def test_cpu_preexisting_tensor_freed_via_argument_is_negative():
     assert m.peak_bytes == 0
 
 
+def test_a_watched_tensor_is_not_kept_alive_by_the_recording():
+    """Watching a tensor sees its free; it must not delay it (a window watching a step's
+    output held the logits the caller dropped until its backward ended: 8 MB above the step)."""
+    tensors = [torch.empty(FLOATS_PER_MB)]
+    alive = weakref.ref(tensors[0].untyped_storage())
+    with CpuRecording(watch=list(tensors)) as recording:
+        tensors.clear()
+        assert alive() is None
+    assert recording.memory().end_bytes == -MB
+
+
 def test_cpu_free_then_allocate_peak_is_relative_to_entry():
     holder = [torch.empty(FLOATS_PER_MB)]
 

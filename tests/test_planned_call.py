@@ -243,17 +243,42 @@ def test_swap_that_offloads_nothing_says_so_once() -> None:
     assert not [w for w in _train_call(wrapped, 64, width=64) if "swap" in str(w.message)]
 
 
-def test_a_budget_with_the_loss_outside_on_cpu_says_it_cannot_cover_it() -> None:
-    """On CPU, outside ``memfit.measure``, memfit cannot see what a loss computed outside the
-    model holds: a budget says so once, at the first step, with what to do."""
+def test_a_budget_with_the_loss_outside_on_cpu_is_measured_and_held() -> None:
+    """On CPU, with no ``memfit.measure`` around it, a budget measures what a loss computed
+    outside the model holds on the first step (a recording of its own, ended by the optimizer's
+    step) and plans again with it reserved: from then on the step peaks within its budget and
+    at its prediction, to the byte. It peaked 1.12-1.44x over its budget before."""
+    model, (x, y) = lm(), batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    wrapped = memfit.checkpoint(model, 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            lm_loss(wrapped, x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert not [w for w in caught if "cannot see what that code holds" in str(w.message)]
+    measured = memfit.measure(lambda: lm_loss(wrapped, x, y).backward()).peak_bytes
+    plan = wrapped.memfit.plan
+    assert plan.outside_bytes > 0 and plan.budget_bytes is not None
+    assert measured == plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_a_budget_with_the_loss_outside_under_a_users_profiler_says_so_and_measures_later() -> None:
+    """Under a user's own profiler memfit cannot record: a budget says so once, at the first
+    step, with what to do, and measures on the first step outside that profiler."""
     model, (x, y) = lm(), batch()
     wrapped = memfit.checkpoint(model, 0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            lm_loss(wrapped, x, y).backward()
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
             lm_loss(wrapped, x, y).backward()
     said = [w for w in caught if "cannot see what that code holds" in str(w.message)]
     assert len(said) == 1 and "memfit.step" in str(said[0].message)
+    assert wrapped.memfit.plan.outside_bytes > 0
 
 
 def test_a_budget_on_a_model_returning_its_loss_says_nothing_of_the_loss() -> None:

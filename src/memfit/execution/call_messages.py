@@ -114,16 +114,17 @@ def swap_saved_little(name: str, offloaded_bytes: int, kept_bytes: int) -> str |
 
 
 def loss_outside_unseen(name: str, output_bytes: int) -> str:
-    """A budget on CPU whose loss is computed outside the model, where memfit cannot see it."""
+    """A budget on CPU whose loss is computed outside the model, where memfit cannot see it
+    (another profiler runs over the step, so memfit can open no session of its own)."""
     return (
         f"{name} returns no loss, so the training step computes one outside it, "
         "and on CPU memfit cannot see what that code holds between the forward and the "
         f"backward (a cross-entropy over logits holds about as much as they take: "
-        f"{format_bytes(output_bytes)} here) outside memfit.measure: "
-        f"the budget covers {name}'s graphs only. Compute the loss inside "
-        "(memfit.step(fn) with the loss computed in fn plans it too), or run one step "
-        "inside memfit.measure(...) and memfit reserves what it measures from the next "
-        "call."
+        f"{format_bytes(output_bytes)} here) while another profiler runs: "
+        f"the budget covers {name}'s graphs only until memfit measures a step outside it. "
+        "Compute the loss inside (memfit.step(fn) with the loss computed in fn plans it "
+        "too), or run one step inside memfit.measure(...) and memfit reserves what it "
+        "measures from the next call."
     )
 
 

@@ -150,9 +150,11 @@ class CpuRecording:
         """When this recording ends, call ``deliver`` with the peak inside ``[start_ns, end_ns]``
         (``time.time_ns()`` values), above what was live at ``start_ns``; see ``window_peaks``.
 
-        How code that wants a window's peak gets it while someone else's recording runs.
+        How code that wants a window's peak gets it while someone else's recording runs; a
+        window that closes after the recording ended gets nothing.
         """
-        self._requests.append((start_ns, end_ns, deliver))
+        if self._end_ns is None:
+            self._requests.append((start_ns, end_ns, deliver))
 
     def __enter__(self) -> CpuRecording:
         reason = cpu_recording_blocked()
@@ -160,6 +162,7 @@ class CpuRecording:
             raise RuntimeError(f"memfit cannot record CPU memory now: {reason}.")
         # Weak references first: making them allocates no tensor memory.
         self._storages = _PreexistingStorages(self._watch)
+        self._watch = ()  # weak references only: holding the tensors would keep them alive
         self._prof = profile(
             activities=[ProfilerActivity.CPU],
             profile_memory=True,

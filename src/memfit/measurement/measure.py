@@ -49,6 +49,7 @@ import torch
 
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
+from memfit.measurement.window import MemoryWindow
 from memfit.units import format_bytes
 
 __all__ = ["Measurement", "measure"]
@@ -306,6 +307,7 @@ def _measure_cpu(
         elapsed = time.perf_counter() - start
         return Measurement(None, None, elapsed, "cpu", result, [])
 
+    MemoryWindow.settle()  # a window's own recording gives way to the caller's
     reason = cpu_recording_blocked()
     if reason is not None:
         raise RuntimeError(

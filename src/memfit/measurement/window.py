@@ -11,19 +11,30 @@ any step. On CPU memory can only be counted by a profiler session, and a window 
 of its own: it would have to stop where it closes, inside the autograd engine, and the engine
 restores the thread's state after each node, profiler state included, so a session stopped there
 comes back half alive (checked on torch 2.13: the profiler still reported itself enabled on the
-next call, and a session left running until a later call broke a user's own profiler). So on CPU
-a window opens only inside a memfit recording (a ``memfit.measure`` around the step) and asks it
-for the window's peak, delivered when that recording ends.
+next call). So on CPU a window asks a running memfit recording (a ``memfit.measure`` around the
+step) for the window's peak, delivered when that recording ends; or, where the caller asks for it
+(``record=True``: a budget that must cover the loss), it starts a recording of its own when the
+forward returns and ends it at the first safe point after the backward: the next memfit call
+starts (before anything is compiled), an optimizer steps (``register_optimizer_step_pre_hook``,
+which every optimizer runs, inside Trainer, accelerate and Lightning too), a ``memfit.measure``
+begins, or the process exits (``MemoryWindow.settle``). A recording of its own is one profiler
+session over one step's loss, backward and optimizer step, once per capture. While it runs a
+profiler the user starts would share the session (torch does not refuse the second one), so it
+starts only where no profiler runs, and only where asked.
 """
 
 from __future__ import annotations
 
+import atexit
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
-from memfit.measurement.cpu import CpuRecording
+from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 
 __all__ = ["MemoryWindow"]
@@ -31,6 +42,11 @@ __all__ = ["MemoryWindow"]
 
 class MemoryWindow:
     """Tensor memory on one device from ``open`` to ``close``; see the module docstring."""
+
+    #: the CPU recording windows started themselves, running until ``settle``
+    _own: ClassVar[CpuRecording | None] = None
+    _settle_on_step: ClassVar[RemovableHandle | None] = None
+    _settle_at_exit: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -45,24 +61,69 @@ class MemoryWindow:
         self.is_open = True
 
     @staticmethod
-    def can_open() -> bool:
-        """Whether a window could open on some device now: a CPU recording is running, or CUDA
-        is initialized (no CUDA tensor exists before it is). A caller asks this first, before
-        it looks for the device of a step's outputs, on every step."""
-        return CpuRecording.current is not None or torch.cuda.is_initialized()
+    def can_open(record: bool = False) -> bool:
+        """Whether a window could open on some device now: a CPU recording is running (or, with
+        ``record``, one could start), or CUDA is initialized (no CUDA tensor exists before it
+        is). A caller asks this first, before it looks for the device of a step's outputs."""
+        if CpuRecording.current is not None or torch.cuda.is_initialized():
+            return True
+        return record and cpu_recording_blocked() is None
 
     @classmethod
-    def open(cls, device: torch.device, deliver: Callable[[int], None]) -> MemoryWindow | None:
+    def open(
+        cls,
+        device: torch.device,
+        deliver: Callable[[int], None],
+        *,
+        record: bool = False,
+        watch: Iterable[torch.Tensor] = (),
+    ) -> MemoryWindow | None:
         """A window opened now on ``device`` that will ``deliver`` its peak, or None when it
-        cannot open (CPU with no memfit recording running)."""
+        cannot open (CPU with no memfit recording running, and none of its own asked for or
+        possible: another profiler runs, or a compile is under way).
+
+        ``record``: on CPU with no recording running, start one of the window's own, ended by
+        ``settle``; call only where a profiler session may start (not inside the autograd
+        engine or a compile). ``watch``: tensors alive now whose frees the window should see
+        (the step's outputs, which the caller may drop before its backward)."""
         if device.type == "cuda":
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             recording = CudaRecording(device)
             recording.__enter__()
             return cls(deliver, cuda=recording)
-        host = CpuRecording.current if device.type == "cpu" else None
+        if device.type != "cpu":
+            return None
+        host = CpuRecording.current
+        if host is None and record:
+            host = cls._record(watch)
         return cls(deliver, host=host) if host is not None else None
+
+    @classmethod
+    def _record(cls, watch: Iterable[torch.Tensor]) -> CpuRecording | None:
+        """Start the windows' own CPU recording, or None where none may start now."""
+        if cpu_recording_blocked() is not None or torch.compiler.is_compiling():
+            return None
+        recording = CpuRecording(watch)
+        recording.__enter__()
+        cls._own = recording
+        cls._settle_on_step = register_optimizer_step_pre_hook(_settle_before_step)
+        if not cls._settle_at_exit:
+            atexit.register(cls.settle)
+            cls._settle_at_exit = True
+        return recording
+
+    @classmethod
+    def settle(cls) -> None:
+        """End the windows' own CPU recording if one runs: each window closed in it delivers
+        its peak now. Called where a profiler session may stop: the start of a memfit call,
+        an optimizer's step, a ``memfit.measure`` beginning, the process exiting."""
+        recording, cls._own = cls._own, None
+        handle, cls._settle_on_step = cls._settle_on_step, None
+        if handle is not None:
+            handle.remove()
+        if recording is not None:
+            recording.__exit__(None, None, None)
 
     def close(self) -> None:
         """The stretch watched ends now (safe anywhere, the autograd engine included): the
@@ -81,3 +142,8 @@ class MemoryWindow:
         if self.is_open and self._cuda is not None:
             self._cuda.__exit__(None, None, None)
         self.is_open = False
+
+
+def _settle_before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """An optimizer steps: the backward of the step a window watched is over."""
+    MemoryWindow.settle()
