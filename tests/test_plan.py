@@ -98,3 +98,8 @@ def test_what_the_python_between_graphs_held_is_under_the_later_parts() -> None:
     regions = Plan("memory", (first, inner1, inner2), regions=(region,))
     assert regions.part_firsts() == [0, 1]
     assert regions.with_levels([0, 40, 55]).held == (0, 2)
+    # with a part after the region: what the region's own Python left at its first graph's
+    # start is not held through it (at most what is still held after it)
+    after = Plan("memory", (first, inner1, inner2, last), regions=(region,))
+    assert after.starts() == [0, 38, 43]
+    assert after.with_levels([0, 45, 55, 44]).held == (0, 1, 1)

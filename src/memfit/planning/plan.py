@@ -260,7 +260,15 @@ class Plan:
         start) when each graph of ``graphs`` started its forward, in run order."""
         if len(levels) != len(self.graphs) or len(self.graphs) < 2:
             return self
-        held = tuple(levels[i] - s for i, s in zip(self.part_firsts(), self.starts()))
+        raw = [levels[i] - s for i, s in zip(self.part_firsts(), self.starts())]
+        # A region's first graph starts after the region's own Python ran, which its checkpoint
+        # keeps nothing of: what the step holds through a region is at most what is still held
+        # when the part after it starts.
+        regions = {r.graphs[0] for r in self.regions if r.graphs}
+        held = tuple(
+            min(h, raw[k + 1]) if first in regions and k + 1 < len(raw) else h
+            for k, (first, h) in enumerate(zip(self.part_firsts(), raw))
+        )
         return dataclasses.replace(self, held=held)
 
     def region_part(self, region: RegionPlan) -> GraphPlan:
