@@ -312,3 +312,16 @@ def test_window_peaks_are_per_window_and_above_each_windows_start():
     assert recording.window_peaks(windows) == [3 * MB + MB // 2, MB + MB // 2]
     with pytest.raises(RuntimeError, match="ended"):
         CpuRecording().window_peaks([])
+
+
+def test_levels_are_the_bytes_live_at_each_mark_above_the_first():
+    marks = []
+    with CpuRecording() as recording:
+        scratch = torch.empty(2 * MB, dtype=torch.uint8)  # before the first mark: not counted
+        marks.append(time.time_ns())
+        kept = torch.empty(MB, dtype=torch.uint8)
+        marks.append(time.time_ns())
+        del scratch  # freed: the level falls below the first mark's
+        marks.append(time.time_ns())
+        del kept
+    assert recording.levels(marks) == [0, MB, -MB]

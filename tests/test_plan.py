@@ -74,3 +74,32 @@ def test_a_region_is_one_part_of_the_step_recomputed_in_its_backward() -> None:
     text = str(plan)
     assert "recomputed whole  1 call of layers.0 (Layer at model.py:12)" in text
     assert "not in the prediction" in text
+
+
+def test_what_the_python_between_graphs_held_is_under_the_later_parts() -> None:
+    """``held``: measured at each part's forward start beyond what the parts before it keep and
+    output (the model's own Python between graphs); a region is one part, measured where its
+    first graph starts."""
+    first = _ordered(100, 30, forward=60, out=8, grads=4)
+    last = _ordered(80, 10, forward=50, out=2, grads=3)
+    plan = Plan("none", (first, last))
+    assert plan.starts() == [0, 38] and plan.predicted_peak_bytes == 38 + 80
+    # the second graph started with 38 + 25 live (eager autograd held 25 more)
+    held = plan.with_levels([0, 63])
+    assert held.held == (0, 25)
+    assert held.predicted_peak_bytes == max(60, 3 + 100, 63 + 50, 63 + 80) == 143
+    assert held.forward_end_bytes == 63 + last.forward_end_bytes
+    # negative: the Python dropped an output the first graph's part counted
+    assert plan.with_levels([0, 30]).predicted_peak_bytes == max(103, 30 + 80)
+    assert plan.with_levels([0]) is plan  # not one level per graph: not measured
+    inner1 = _ordered(40, 20, forward=30, out=6, grads=3)
+    inner2 = _ordered(50, 25, forward=35, out=5, grads=2)
+    region = RegionPlan("layers.0", "Layer", "model.py:12", input_bytes=8, graphs=(1, 2))
+    regions = Plan("memory", (first, inner1, inner2), regions=(region,))
+    assert regions.part_firsts() == [0, 1]
+    assert regions.with_levels([0, 40, 55]).held == (0, 2)
+    # with a part after the region: what the region's own Python left at its first graph's
+    # start is not held through it (at most what is still held after it)
+    after = Plan("memory", (first, inner1, inner2, last), regions=(region,))
+    assert after.starts() == [0, 38, 43]
+    assert after.with_levels([0, 45, 55, 44]).held == (0, 1, 1)

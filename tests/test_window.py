@@ -117,3 +117,25 @@ def test_a_cuda_window_delivers_at_close() -> None:
     del b
     window.close()
     assert got and got[0] >= 2 * MB
+
+
+def test_levels_inside_a_memfit_measure_arrive_when_the_measure_ends() -> None:
+    got: list[list[int]] = []
+
+    def step() -> None:
+        from memfit.measurement.window import MemoryLevels
+
+        before = torch.ones(2 * MB // 4)  # live before the first mark: not counted
+        levels = MemoryLevels.open(torch.device("cpu"), got.append)
+        assert levels is not None
+        kept = _transient(1)  # a transient peak between marks is not a level
+        levels.mark()
+        del before
+        levels.mark()
+        levels.close()
+        levels.mark()  # closed: ignored
+        assert got == []
+        del kept
+
+    memfit.measure(step)
+    assert got == [[0, MB, -MB]]

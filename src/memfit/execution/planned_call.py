@@ -186,7 +186,7 @@ class PlannedCall:
         session = self.session
         if session.replans_now():
             self.compiled = self._compile()
-        call = session.start()
+        call = session.start(_device_of(args, kwargs))
         global _running
         _running += 1
         try:
@@ -239,3 +239,11 @@ class PlannedView:
         step was measured to hold outside memfit's graphs (a loss computed outside the model;
         ``memfit.Options.measure_outside``)."""
         return self._planned.replan_pending
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    """The device of a call's first tensor argument (where its memory is measured), if any."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None

@@ -145,6 +145,7 @@ class CpuRecording:
         self._begin_ns = 0
         self._end_ns: int | None = None
         self._requests: list[tuple[int, int, Callable[[int], None]]] = []
+        self._level_requests: list[tuple[list[int], Callable[[list[int]], None]]] = []
 
     def request_window(self, start_ns: int, end_ns: int, deliver: Callable[[int], None]) -> None:
         """When this recording ends, call ``deliver`` with the peak inside ``[start_ns, end_ns]``
@@ -155,6 +156,13 @@ class CpuRecording:
         """
         if self._end_ns is None:
             self._requests.append((start_ns, end_ns, deliver))
+
+    def request_levels(self, times_ns: list[int], deliver: Callable[[list[int]], None]) -> None:
+        """When this recording ends, call ``deliver`` with the bytes live at each of
+        ``times_ns`` (``time.time_ns()`` values, in order), above what was live at the first;
+        see ``levels``."""
+        if self._end_ns is None:
+            self._level_requests.append((list(times_ns), deliver))
 
     def __enter__(self) -> CpuRecording:
         reason = cpu_recording_blocked()
@@ -196,6 +204,13 @@ class CpuRecording:
             except RuntimeError:  # the profiler's clock is not time.time_ns()'s: no window
                 continue
             deliver(peak)
+        level_requests, self._level_requests = self._level_requests, []
+        for times, deliver_levels in level_requests:
+            try:
+                found = self.levels(times)
+            except RuntimeError:
+                continue
+            deliver_levels(found)
 
     def memory(self, *, duration_s: float | None = None) -> CpuMemory:
         """The recorded memory; timeline times are clamped to ``[0, duration_s]`` when given.
@@ -241,6 +256,26 @@ class CpuRecording:
                 i += 1
             peaks.append(peak - base)
         return peaks
+
+    def levels(self, times_ns: list[int]) -> list[int]:
+        """Bytes live at each of ``times_ns`` (``time.time_ns()`` values taken during the
+        recording, in order), above what was live at the first: what a step holds at each point
+        a caller marked (``measurement.window.MemoryLevels``).
+
+        Raises:
+            RuntimeError: as ``window_peaks``.
+        """
+        events, aligned, _, _ = self._events()
+        if not aligned:
+            raise RuntimeError("the profiler's clock does not match time.time_ns(): no levels")
+        found: list[int] = []
+        running, i = 0, 0
+        for t in times_ns:
+            while i < len(events) and events[i][0] < t:
+                running += events[i][1]
+                i += 1
+            found.append(running)
+        return [level - found[0] for level in found] if found else []
 
     def _events(self) -> tuple[list[tuple[int, int]], bool, int, int]:
         """``(time_ns, signed bytes)`` in order, whether their clock is ``time.time_ns()``'s, and

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 
-__all__ = ["MemoryWindow"]
+__all__ = ["MemoryLevels", "MemoryWindow"]
 
 
 class MemoryWindow:
@@ -141,6 +141,68 @@ class MemoryWindow:
         """End without a result (the code it watched ended some other way)."""
         if self.is_open and self._cuda is not None:
             self._cuda.__exit__(None, None, None)
+        self.is_open = False
+
+
+class MemoryLevels:
+    """Tensor bytes live on one device at points a caller marks, above the first mark.
+
+    Why: with graph breaks, the model's own Python runs between memfit's graphs, and what it
+    keeps alive (tensors eager autograd saves for its own backward, SpecAugment's masks, a
+    graph's outputs it still holds) sits under every later graph's forward and backward; no graph
+    sees it. Marking the call's start and each graph's start gives what the step held there.
+    On CUDA each mark reads the allocator's counter; on CPU, as a window, it asks the running
+    memfit recording, which delivers the levels when it ends (no recording: no levels).
+    """
+
+    def __init__(
+        self,
+        deliver: Callable[[list[int]], None],
+        device: torch.device | None = None,
+        host: CpuRecording | None = None,
+    ) -> None:
+        self._deliver = deliver
+        self._device = device  # CUDA: read at each mark
+        self._host = host  # CPU: the running recording to ask
+        self._marks: list[int] = []
+        self.is_open = True
+        self.mark()
+
+    @classmethod
+    def open(
+        cls, device: torch.device, deliver: Callable[[list[int]], None]
+    ) -> MemoryLevels | None:
+        """Levels on ``device`` marked from now (the first mark), or None where they cannot be
+        measured (CPU with no memfit recording running)."""
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            return cls(deliver, device=device)
+        host = CpuRecording.current if device.type == "cpu" else None
+        return cls(deliver, host=host) if host is not None else None
+
+    def mark(self) -> None:
+        """One more point to know the level at: now."""
+        if not self.is_open:
+            return
+        if self._device is not None:
+            self._marks.append(torch.cuda.memory_allocated(self._device))
+        else:
+            self._marks.append(time.time_ns())
+
+    def close(self) -> None:
+        """No more marks: the levels are delivered now (CUDA) or when the recording ends
+        (CPU)."""
+        if not self.is_open:
+            return
+        self.is_open = False
+        if self._host is not None:
+            self._host.request_levels(self._marks, self._deliver)
+        else:
+            self._deliver([m - self._marks[0] for m in self._marks])
+
+    def abandon(self) -> None:
+        """End without a result."""
         self.is_open = False
 
 
