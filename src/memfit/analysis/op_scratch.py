@@ -162,7 +162,8 @@ def measure_op_memory(
 #  * an op given a Python number wraps it in a 0-dim float64 (int64) tensor, then casts it to
 #    the op's dtype: 8 bytes and one element (12 for a float on float32);
 #  * native dropout's backward casts its bool mask to the gradient's dtype (one gradient-sized
-#    buffer) and wraps its scale;
+#    buffer) and wraps its scale; memfit's ``dropout_result`` (``capture.dropout``) casts its
+#    mask alike and scales in place;
 #  * native BatchNorm's backward allocates one buffer the size of its input;
 #  * LayerNorm's backward one float32 row of each of gamma's and beta's gradients per thread;
 #  * flash attention's forward (``_scaled_dot_product_flash_attention_for_cpu``) per thread a
@@ -291,6 +292,7 @@ SCRATCH_RULES: dict[str, dict[str, Any]] = {
             for overload in ("Tensor", "Scalar")
         },
         "aten.native_dropout_backward.default": _dropout_backward,
+        "memfit.dropout_result.default": _first_input_bytes,
         "aten.native_batch_norm_backward.default": _batch_norm_backward,
         "aten.native_layer_norm_backward.default": _layer_norm_backward,
         "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention_cpu,

@@ -1,5 +1,6 @@
 """Dropout as eager CPU runs it: dropouts that do nothing leave the Dynamo graph before AOTAutograd
-sees them, and a CPU dropout's backward multiplies by eager's rounded scale.
+sees them, a CPU dropout's backward multiplies by eager's rounded scale, and its result is made
+from its mask by an op a plan can recompute.
 
 Eager PyTorch returns a dropout's input itself when ``p == 0`` or ``training`` is false (ATen's
 ``_dropout_impl``): no new tensor. AOTAutograd's decomposition of ``aten.dropout`` returns
@@ -14,9 +15,34 @@ Eager CPU ``F.dropout`` never calls ``native_dropout`` (ATen's fused kernel is f
 ``noise = empty_like(x).bernoulli_(1 - p)`` in ``x``'s dtype, divides it by ``1 - p`` in place and
 returns ``x * noise``, so its backward is ``grad * noise``, the scale rounded to ``x``'s dtype. A
 traced graph's ``native_dropout_backward(grad, mask, scale)`` multiplies by the unrounded scale:
-the same masks and forward, but in bf16 or fp16 a backward up to one rounding step apart (bf16
+the same masks, but in bf16 or fp16 a backward up to one rounding step apart (bf16
 autocast around Linear -> Dropout -> Linear: weight gradients 1.5e-5 off plain PyTorch's).
 ``eager_cpu_dropout_backward`` writes the backward as eager computes it, op for op.
+
+NOTE [A dropout's result, made again from its mask]
+    A traced ``native_dropout`` returns its result and its mask from one random op, and random
+    ops are never recomputed (a second draw would not give the same mask), so every plan kept
+    every dropout's result, however cheap it is to make again from its input and the 1-byte
+    mask. HF's checkpointing keeps neither (it replays the random state and draws again): on
+    XGLM, whose attention dropout acts on [batch x heads, L, L] fp32 probabilities, memfit's
+    ``"memory"`` kept each layer's dropped probabilities and peaked above HF's per-layer
+    checkpointing (3,110,284 bytes against 2,876,124 at batch 2 x 64).
+    ``recomputable_cpu_dropout`` leaves ``native_dropout`` to draw the mask (the kernel's own
+    draw: the same samples, the generator left where eager leaves it; its own result dies as it
+    is made) and hands its readers ``memfit::dropout_result(x, mask, s)``, which a plan may keep
+    or recompute (there: 2,776,856 bytes, predicted to the byte). That op computes
+    ``x.mul(mask).mul_(s)``, the CPU kernel's own expression, so NaN, infinities and signed
+    zeros come out as eager's (``where(mask, x, 0) * s`` made a dropped NaN 0 and a dropped -x
+    +0), and it holds what the kernel holds: the mask cast to ``x``'s dtype while it multiplies,
+    then the product, scaled in place. Why one op: as ``mul`` and an in-place ``mul_`` in the
+    graph, the product in between would be a forward value a plan could keep, and a kept value
+    cannot be scaled in place; ``native_dropout_backward(x, mask, s)`` computes the same bits
+    but scales out of place, a wrapped scalar (12 bytes) above the kernel at its peak.
+    ``s`` is ``1 / (1 - p)`` rounded as eager's ``noise.div_(1 - p)`` rounds it, in ``x``'s
+    dtype: the kernel multiplies by the unrounded double, which in fp32 is a rounding step off
+    eager's scale for some ``p`` (0.15, 0.123: there the traced forward differed from eager's in
+    the last bit of kept elements, and so did the gradients), so the rebuilt result is eager's
+    bit for bit in fp32, fp64, bf16 and fp16 (``tests/test_dropout.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +55,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import Tensor
 
+from memfit._compat import disable_current_modes
 from memfit.capture.edit import bypass, recompiled
 
-__all__ = ["eager_cpu_dropout_backward", "remove_identity_dropouts"]
+__all__ = [
+    "dropout_result",
+    "eager_cpu_dropout_backward",
+    "eager_dropout_scale",
+    "recomputable_cpu_dropout",
+    "remove_identity_dropouts",
+]
 
 _aten = torch.ops.aten
 
@@ -142,3 +176,70 @@ def eager_cpu_dropout_backward(joint: fx.GraphModule) -> int:
         bypass(node, product)
         replaced += 1
     return recompiled(joint, replaced)
+
+
+def eager_dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """``1 / (1 - p)`` as eager CPU ``F.dropout`` multiplies by it: ``noise.div_(1 - p)`` on a
+    noise of ones in ``dtype``, so rounded to ``dtype`` (see the NOTE above). Computed on a real
+    tensor, also where the caller traces under a fake mode (AOTAutograd's partitioner)."""
+    with disable_current_modes():
+        return float(torch.ones((), dtype=dtype).div_(1.0 - p))
+
+
+@torch.library.custom_op("memfit::dropout_result", mutates_args=())
+def dropout_result(x: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``x.mul(mask).mul_(scale)``: a dropout's result from its input and its bool ``mask``, as
+    the CPU ``native_dropout`` kernel computes it; the mask cast to ``x``'s dtype is its scratch."""
+    return x.mul(mask).mul_(scale)
+
+
+@dropout_result.register_fake
+def _dropout_result_fake(x: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return x.mul(mask)  # the layout and dtype the real kernel's product gets
+
+
+def recomputable_cpu_dropout(joint: fx.GraphModule) -> int:
+    """Hand, in a joint graph, the readers of each CPU ``native_dropout(x, p, train)``'s result
+    ``memfit::dropout_result(x, mask, s)`` instead, which a plan can recompute (see the NOTE
+    above). Returns how many dropouts were rewritten."""
+    rewritten = 0
+    graph = joint.graph
+    for node in list(graph.nodes):
+        if node.target is not _aten.native_dropout.default or len(node.args) < 2:
+            continue
+        x, p = node.args[:2]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        val = node.meta.get("val")
+        x_val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not (
+            isinstance(x_val, torch.Tensor)
+            and x_val.device.type == "cpu"
+            and x_val.is_floating_point()
+            and isinstance(p, float)
+            and 0.0 < p < 1.0
+            and train in (True, None)
+            and isinstance(val, (tuple, list))
+            and all(u.target is operator.getitem for u in node.users)
+        ):
+            continue
+        results = [u for u in node.users if u.args[1] == 0]
+        if not results:
+            continue
+        masks = [u for u in node.users if u.args[1] == 1]
+        meta = {k: v for k, v in node.meta.items() if k != "val"}
+        with graph.inserting_after(node):
+            mask = masks[0] if masks else graph.call_function(operator.getitem, (node, 1))
+        scale = eager_dropout_scale(p, x_val.dtype)
+        with graph.inserting_after(mask):
+            result = graph.call_function(torch.ops.memfit.dropout_result.default, (x, mask, scale))
+        if not masks:
+            mask.meta = dict(meta, val=val[1])
+        # The readers' values (views of the result among them) were traced from the kernel's
+        # result: that fake tensor becomes the rebuilt result's, and the kernel's own result,
+        # which dies as it is made, a storage of its own.
+        result.meta = dict(meta, val=val[0])
+        node.meta["val"] = (torch.empty_like(val[0]), val[1])
+        for old in results:
+            bypass(old, result)
+        rewritten += 1
+    return recompiled(joint, rewritten)

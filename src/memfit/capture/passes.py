@@ -18,11 +18,13 @@ longer runs. Four kinds of rewrite exist, in this order:
    ``torch.compile``'s code but for the copy that gives weight gradients eager's layout
    (``executors._keep_eager_layouts``). The eager executor runs eager's ops as they are;
 3. for the eager executor only, ``eager_cpu_dropout_backward``: a CPU dropout's backward written
-   as eager CPU computes it, its scale rounded to the gradient's dtype (``capture.dropout``);
-   Inductor decomposes dropout its own way; ``eager_strides``: the layouts eager's kernels give
-   where a fake tensor's differ, and the copies only the fake layout made turned back into the
-   views eager makes (``capture.eager_strides``); and ``mark_inplace_sums``: gradient sums eager
-   autograd makes in place, tagged to be made in place (``capture.inplace_sums``);
+   as eager CPU computes it, its scale rounded to the gradient's dtype, and
+   ``recomputable_cpu_dropout``: its result made from its mask by an op a plan can recompute
+   (``capture.dropout``); Inductor decomposes dropout its own way; ``eager_strides``: the
+   layouts eager's kernels give where a fake tensor's differ, and the copies only the fake layout
+   made turned back into the views eager makes (``capture.eager_strides``); and
+   ``mark_inplace_sums``: gradient sums eager autograd makes in place, tagged to be made in place
+   (``capture.inplace_sums``);
 4. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
    touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
    decomposed before memfit sees the graph (``executors.decompositions``): nothing to twin.
@@ -34,7 +36,7 @@ import torch.fx as fx
 
 from memfit._compat import inductor_joint_graph_passes
 from memfit.capture.batchnorm import add_batchnorm_twins
-from memfit.capture.dropout import eager_cpu_dropout_backward
+from memfit.capture.dropout import eager_cpu_dropout_backward, recomputable_cpu_dropout
 from memfit.capture.eager_strides import eager_strides
 from memfit.capture.inplace_sums import mark_inplace_sums
 from memfit.capture.mark import strip_marks
@@ -52,6 +54,7 @@ def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> Non
         merge_backward_duplicates(joint)
     else:
         eager_cpu_dropout_backward(joint)
+        recomputable_cpu_dropout(joint)
         eager_strides(joint)
         mark_inplace_sums(joint)
     add_batchnorm_twins(joint)
