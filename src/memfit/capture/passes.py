@@ -26,8 +26,10 @@ longer runs. Four kinds of rewrite exist, in this order:
    ``mark_inplace_sums``: gradient sums eager autograd makes in place, tagged to be made in place
    (``capture.inplace_sums``);
 4. ``add_batchnorm_twins``: every training BatchNorm gets a twin that can be recomputed without
-   touching the running statistics (``capture.batchnorm``). Under Inductor, BatchNorm is
-   decomposed before memfit sees the graph (``executors.decompositions``): nothing to twin.
+   touching the running statistics, and each training BatchNorm's backward is handed no
+   statistics, which it never reads, so the new ones are not kept for it from the forward
+   (``capture.batchnorm``). Under Inductor, BatchNorm is decomposed before memfit sees the graph
+   (``executors.decompositions``): nothing to twin or to drop.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from memfit._compat import inductor_joint_graph_passes
-from memfit.capture.batchnorm import add_batchnorm_twins
+from memfit.capture.batchnorm import add_batchnorm_twins, drop_backward_statistics
 from memfit.capture.dropout import eager_cpu_dropout_backward, recomputable_cpu_dropout
 from memfit.capture.eager_strides import eager_strides
 from memfit.capture.inplace_sums import mark_inplace_sums
@@ -58,3 +60,4 @@ def prepare_joint_graph(joint: fx.GraphModule, *, inductor: bool = False) -> Non
         eager_strides(joint)
         mark_inplace_sums(joint)
     add_batchnorm_twins(joint)
+    drop_backward_statistics(joint)
