@@ -159,6 +159,11 @@ def main() -> None:
         action="store_true",
         help="keep the rows already in the results file and measure only the others",
     )
+    parser.add_argument(
+        "--redo",
+        default="",
+        help="with --resume: comma-separated rows to measure again (the code changed under them)",
+    )
     args = parser.parse_args()
     names = interleaved(
         args.only.split(",") if args.only else list(QUICK if args.quick else hf_tiny.ARCHITECTURES)
@@ -183,7 +188,12 @@ def main() -> None:
     if args.resume and kept.exists():
         # A row measured by an earlier run is kept as it was, with the date and commit it names;
         # the header names this run's machine and date.
-        rows = [r for r in json.loads(kept.read_text())["rows"] if r["name"] in names]
+        redo = set(filter(None, args.redo.split(",")))
+        rows = [
+            r
+            for r in json.loads(kept.read_text())["rows"]
+            if r["name"] in names and r["name"] not in redo
+        ]
         names = [n for n in names if n not in {r["name"] for r in rows}]
     started = time.perf_counter()
 
