@@ -194,7 +194,11 @@ def main() -> None:
             for r in json.loads(kept.read_text())["rows"]
             if r["name"] in names and r["name"] not in redo
         ]
-        names = [n for n in names if n not in {r["name"] for r in rows}]
+        kept_names = {r["name"] for r in rows}
+        # the rows asked again first, then those never measured
+        names = [n for n in names if n in redo] + [
+            n for n in names if n not in redo and n not in kept_names
+        ]
     started = time.perf_counter()
 
     def write() -> str:
