@@ -28,6 +28,7 @@ import torch
 from memfit.measurement.cpu import CpuRecording, cpu_recording_blocked
 from memfit.measurement.cuda import CudaRecording
 from memfit.measurement.timing import cuda_index, inputs_device
+from memfit.measurement.window import MemoryWindow
 
 __all__ = ["StepPeaks", "measure_compiled_step"]
 
@@ -58,6 +59,8 @@ def measure_compiled_step(
     value is freed after its last reader, as in the step.
     """
     device = inputs_device(inputs)
+    if device is not None and device.type == "cpu":
+        MemoryWindow.settle()  # a window's own recording gives way, as to memfit.measure
     if device is None or (device.type == "cpu" and cpu_recording_blocked() is not None):
         return None
     if device.type not in ("cpu", "cuda"):
